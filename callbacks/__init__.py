@@ -1,0 +1,1 @@
+"""Lightning callbacks for Keel training: each owns one job and its metrics."""

@@ -1,0 +1,1 @@
+"""Config files, shipped as package data so an installed `keel` finds them."""

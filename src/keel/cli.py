@@ -1,0 +1,48 @@
+"""`keel <command> ...`: each command is a module with `main(argv) -> int`, imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from keel.model import ConfigError
+
+COMMANDS = {
+    "pretrain": ("keel.pretrain", "train a model from the composed config"),
+    "data": ("keel.data", "build tokenized litdata shards (and a tokenizer) from a corpus"),
+    "gradflow": ("keel.gradflow", "per-sublayer gradient flow at initialization, as JSON (and a plot)"),
+    "eval": ("keel.evaluation.cli", "lm-eval's command line with the `keel` model registered"),
+    "compare": ("keel.evaluation.compare", "plot runs' loss and task curves side by side"),
+    "maxlr": ("keel.experiments.maxlr", "max tolerable learning rate per scheme (paper Table 1)"),
+    "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
+    "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),
+    "consolidate": ("keel.checkpoint", "turn a sharded (FSDP) checkpoint into one file"),
+    "bench": ("keel.bench", "training-step throughput, memory and MFU"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: keel <command> [options]   (keel <command> --help for each)", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"keel: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return module.main(rest) or 0
+    except ConfigError as err:
+        print(f"keel {name}: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""One typed config drives everything (litgpt style), composed from `conf/` groups (Hydra style).
+
+    keel pretrain [--config FILE] [group=choice ...] [key.path=value ...]
+
+`conf/config.yaml` names the default choice of each group (`model`, `data`, `trainer`, `eval`); a
+`group=choice` override picks `conf/<group>/<choice>.yaml` (or a YAML path), merged into that section.
+`--config FILE` merges on top of `conf/config.yaml`, then dotlist overrides on top of both. The result is
+checked against the dataclasses below: unknown keys (with the closest valid ones), wrong types and bad
+values fail at start-up with the key named.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from keel.model import ConfigError, ModelConfig, _require
+
+GROUPS = ("model", "data", "trainer", "eval")
+STRATEGIES = ("auto", "single", "ddp", "fsdp")
+ACCELERATORS = ("auto", "cpu", "gpu")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
+DATA_SOURCES = ("stdlib", "text_files", "hf")
+ON_NONFINITE = ("skip", "stop")
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"  # auto | cpu | gpu
+    devices: int = 1  # processes per node
+    num_nodes: int = 1
+    strategy: str = "auto"  # auto (= single device) | ddp | fsdp
+    precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU
+    max_steps: int = 400
+    micro_batch_size: int = 8  # sequences per device per step
+    grad_accum: int = 1
+    val_every_n_steps: int = 100
+    val_batches: int = 16
+    log_every_n_steps: int = 10
+    checkpoint_every_n_steps: int = 100
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False  # recompute each block in backward
+    threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
+        _require(
+            self.strategy in STRATEGIES, "trainer.strategy", f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}"
+        )
+        _require(self.precision in PRECISIONS, "trainer.precision", f"allowed: {', '.join(PRECISIONS)}")
+        for key in ("devices", "num_nodes", "max_steps", "micro_batch_size", "grad_accum", "val_every_n_steps",
+                    "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):
+            _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 40
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    schedule: str = "cosine"  # cosine | linear_warmup (constant after warm-up; the max-LR protocol ramps through it)
+    weight_decay: float = 0.01  # on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global norm; 0 disables
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        _require(self.schedule in ("cosine", "linear_warmup"), "optim.schedule", "allowed: cosine, linear_warmup")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text_files | hf
+    dir: str = "data/stdlib"  # shard directory (local path or an object-store URL litdata supports)
+    paths: list[str] = field(default_factory=list)  # text_files: globs of .txt/.md/.py/.jsonl/.parquet files
+    text_field: str = "text"  # jsonl/parquet/hf column holding the text
+    hf_dataset: str = "HuggingFaceFW/fineweb-edu"
+    hf_name: str | None = "sample-10BT"
+    hf_split: str = "train"
+    max_chars: int = 0  # stop reading the source after this many characters; 0 = all
+    tokenizer: str | None = None  # tokenizer.json path or hub name; null = train a byte-level BPE
+    vocab_size: int = 4096  # for the trained BPE
+    val_fraction: float = 0.02  # held-out documents
+    seed: int = 0
+    prepare_workers: int = 2  # processes for `keel data`
+    loader_workers: int = 0  # DataLoader workers while training (0: in the main process; see README)
+    chunk_bytes: str = "16MB"
+
+    def __post_init__(self) -> None:
+        _require(self.source in DATA_SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(DATA_SOURCES)}")
+        _require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+        _require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
+        _require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",
+                 "loader_workers must be >= 0 and prepare_workers >= 1")
+        _require(self.source != "text_files" or bool(self.paths), "data.paths",
+                 "data.source=text_files needs at least one glob in data.paths")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    seed: int = 1337
+
+
+@dataclass
+class GradNormsConfig:
+    enabled: bool = True
+    every_n_steps: int = 10
+    activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) through hooks; 0 = off
+    heatmap_every_n_steps: int = 100
+
+
+@dataclass
+class StabilityConfig:
+    enabled: bool = True
+    on_nonfinite: str = "skip"  # skip the optimizer step | stop the run
+    max_nonfinite: int = 5  # consecutive non-finite steps tolerated under skip
+    spike_margin: float = 1.0  # loss above its running minimum by this much (nats) ...
+    spike_patience: int = 20  # ... for this many steps = irrecoverable spike
+    stagnation_window: int = 0  # no new minimum for this many steps = stagnation; 0 = off
+    stop_on_failure: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
+
+
+@dataclass
+class ThroughputConfig:
+    enabled: bool = True
+    window: int = 20  # steps averaged
+    peak_flops: float = 0.0  # per device; 0 = look up the GPU (CPU: no MFU)
+
+
+@dataclass
+class LayerImportanceConfig:
+    enabled: bool = True
+    every_n_steps: int = 200
+    max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included)
+
+
+@dataclass
+class CallbacksConfig:
+    grad_norms: GradNormsConfig = field(default_factory=GradNormsConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    layer_importance: LayerImportanceConfig = field(default_factory=LayerImportanceConfig)
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    every_n_steps: int = 200
+    tasks: list[str] = field(default_factory=lambda: ["keel_next_line", "keel_last_token"])
+    limit: int = 100  # examples per task per evaluation
+    num_fewshot: int = 0
+    batch_size: int = 16
+    data_dir: str = "../shared/data"  # where the standard-suite files live (shared/data/MANIFEST.md layout)
+    include_path: str | None = None  # extra lm-eval task YAMLs
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    resume: str | None = None  # null = fresh run; auto = the run dir's last checkpoint if any; or a path
+
+
+def conf_dir() -> Path:
+    return Path(str(resources.files("keel.conf")))
+
+
+def _group_file(group: str, choice: str) -> Path:
+    path = Path(choice)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ConfigError(f"{group}: no such file {choice}")
+        return path
+    path = conf_dir() / group / f"{choice}.yaml"
+    if not path.exists():
+        available = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        raise ConfigError(f"{group}: unknown choice {choice!r}; available: {', '.join(available)} (or a YAML path)")
+    return path
+
+
+def _valid_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        keys.append(prefix + f.name)
+        if is_dataclass(value):
+            keys += _valid_keys(value, prefix + f.name + ".")
+    return keys
+
+
+def _explain(err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        close = difflib.get_close_matches(key, _valid_keys(Config()), n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        return ConfigError(f"{key}: unknown config key{hint}")
+    if isinstance(err, ValidationError):
+        return ConfigError(f"{key}: {str(err).splitlines()[0]}")
+    return ConfigError(f"{key}: {str(err).splitlines()[0]}")
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    try:
+        return OmegaConf.load(path)
+    except Exception as err:  # yaml's own errors carry line numbers
+        raise ConfigError(f"{path}: cannot parse YAML: {err}") from err
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    base = _read_yaml(conf_dir() / "config.yaml")
+    user = _read_yaml(Path(config_file)) if config_file else OmegaConf.create()
+    choices = {**base.pop("defaults", {}), **user.pop("defaults", {})}
+    dotlist = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. model.depth=32 or trainer=fsdp)")
+        if key in GROUPS:
+            choices[key] = value
+        else:
+            dotlist.append(item)
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = schema
+        for group, choice in choices.items():
+            if group not in GROUPS:
+                raise ConfigError(f"defaults.{group}: unknown group; allowed: {', '.join(GROUPS)}")
+            merged = OmegaConf.merge(merged, {group: _read_yaml(_group_file(group, str(choice)))})
+        merged = OmegaConf.merge(merged, base, user, OmegaConf.from_dotlist(dotlist))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _explain(err) from None
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def from_dict(data: dict) -> Config:
+    """A Config from a saved dict (checkpoint hparams), with the same validation as load_config."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))
+    except OmegaConfBaseException as err:
+        raise _explain(err) from None

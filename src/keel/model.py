@@ -1,0 +1,393 @@
+"""The Keel language model and its five baselines: a plain decoder-only transformer whose
+normalization / residual scheme is one config value (definitions: shared/docs/norm-schemes.md).
+
+Every sublayer (attention or FFN) computes
+
+    out = [Norm_out]( alpha * skip + F( [Norm_in](x) ) )       skip = x, or Norm_in(x) for HybridNorm's FFN
+
+and a scheme is only the choice of (Norm_in?, Norm_out?, alpha, skip source) per sublayer:
+
+    scheme        Norm_in  Norm_out  alpha        final norm
+    preln         yes      no        1            yes
+    postln        no       yes       1            no (flag)
+    deepnorm      no       yes       (2N)^1/4     no
+    keel          yes      yes       L = 2N       only if the last sublayer is unnormalized
+    mixln         Post-LN for the first floor(0.25 N) blocks, Pre-LN after              yes
+    hybridnorm    attention: x + Attn_QKVnorm(x); FFN: u = Norm(x), u + FFN(u)         yes
+
+The residual stream is kept in fp32 even under bf16 autocast: Keel's branch is ~1/L of
+`alpha * x + F`, which bf16 (8 mantissa bits) cannot resolve at L >= 128.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "hybridnorm_star", "mixln")
+FFN_KINDS = ("gelu", "swiglu")
+KEEL_FIRST_BLOCK = ("v1", "v2")
+INIT_KINDS = ("normal", "unit")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what is allowed."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    depth: int = 8  # blocks; L = 2 * depth sublayers
+    width: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # GQA; None = n_heads
+    ffn: str = "gelu"  # gelu (fc, GELU, proj) | swiglu
+    ffn_mult: float = 4.0  # FFN hidden size = ffn_mult * width
+    seq_len: int = 256
+    rope_theta: float = 1e4
+    tie_embeddings: bool = False
+    init: str = "normal"  # normal: N(0, init_std^2); unit: Linear N(0, 1/fan_in), embedding N(0, 1)
+    init_std: float = 0.02
+    norm_eps: float = 1e-5
+    scheme: str = "keel"
+    keel_alpha: float | None = None  # None = L
+    keel_first_block: str = "v1"  # v1: first attention and FFN plain Pre-LN; v2: paper's revision
+    deepnorm_alpha: float | None = None  # None = (2N)^(1/4)
+    deepnorm_beta: float | None = None  # None = (8N)^(-1/4)
+    mixln_post_fraction: float = 0.25
+    postln_final_norm: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.scheme in SCHEMES, "model.scheme", f"unknown scheme {self.scheme!r}; allowed: {', '.join(SCHEMES)}")
+        _require(self.ffn in FFN_KINDS, "model.ffn", f"unknown FFN {self.ffn!r}; allowed: {', '.join(FFN_KINDS)}")
+        _require(self.init in INIT_KINDS, "model.init", f"unknown init {self.init!r}; allowed: {', '.join(INIT_KINDS)}")
+        _require(
+            self.keel_first_block in KEEL_FIRST_BLOCK,
+            "model.keel_first_block",
+            f"unknown rule {self.keel_first_block!r}; allowed: {', '.join(KEEL_FIRST_BLOCK)}",
+        )
+        for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
+            _require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(
+            self.width % self.n_heads == 0,
+            "model.width",
+            f"width {self.width} must be divisible by model.n_heads={self.n_heads}",
+        )
+        _require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
+        _require(
+            1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0,
+            "model.n_kv_heads",
+            f"must divide model.n_heads={self.n_heads}, got {self.n_kv_heads}",
+        )
+        _require(self.ffn_mult > 0, "model.ffn_mult", f"must be > 0, got {self.ffn_mult}")
+        _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        _require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
+        for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, f"model.{key}", f"must be > 0 or null (scheme default), got {value}")
+
+    @property
+    def L(self) -> int:
+        return 2 * self.depth
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(self.ffn_mult * self.width)
+
+
+@dataclass(frozen=True)
+class SublayerSpec:
+    """How one sublayer combines its skip and branch."""
+
+    norm_in: bool
+    norm_out: bool
+    alpha: float = 1.0
+    skip_from_norm_in: bool = False  # HybridNorm FFN: u + FFN(u), u = Norm(x)
+    qkv_norm: bool = False  # HybridNorm attention: per-head RMSNorm of q, k, v
+
+
+def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
+    """(attention, FFN) spec for every block, per norm-schemes.md."""
+    n = cfg.depth
+    pre = SublayerSpec(norm_in=True, norm_out=False)
+    post = SublayerSpec(norm_in=False, norm_out=True)
+    if cfg.scheme == "preln":
+        return [(pre, pre)] * n
+    if cfg.scheme == "postln":
+        return [(post, post)] * n
+    if cfg.scheme == "deepnorm":
+        alpha = cfg.deepnorm_alpha or (2 * n) ** 0.25
+        deep = SublayerSpec(norm_in=False, norm_out=True, alpha=alpha)
+        return [(deep, deep)] * n
+    if cfg.scheme == "mixln":
+        n_post = math.floor(cfg.mixln_post_fraction * n)
+        return [(post, post)] * n_post + [(pre, pre)] * (n - n_post)
+    if cfg.scheme in ("hybridnorm", "hybridnorm_star"):
+        attn = SublayerSpec(norm_in=False, norm_out=False, qkv_norm=True)
+        ffn = SublayerSpec(norm_in=True, norm_out=False, skip_from_norm_in=True)
+        blocks = [(attn, ffn)] * n
+        if cfg.scheme == "hybridnorm_star":
+            blocks[0] = (SublayerSpec(norm_in=True, norm_out=False, qkv_norm=True), pre)
+        return blocks
+    # keel
+    keel = SublayerSpec(norm_in=True, norm_out=True, alpha=cfg.keel_alpha or float(cfg.L))
+    if cfg.keel_first_block == "v1":
+        first = (pre, pre)
+    else:
+        first = (pre, SublayerSpec(norm_in=True, norm_out=True, alpha=1.0))
+    return [first] + [(keel, keel)] * (n - 1)
+
+
+def needs_final_norm(cfg: ModelConfig) -> bool:
+    if cfg.scheme == "postln":
+        return cfg.postln_final_norm
+    if cfg.scheme in ("deepnorm", "keel"):
+        return not sublayer_specs(cfg)[-1][1].norm_out
+    return True
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (gain, no bias), always computed in fp32 so it stays exact under autocast."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd/2); rotate the two halves of each head (GPT-NeoX layout)
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+class KVCache:
+    """Per-block keys and values seen so far, for incremental decoding."""
+
+    def __init__(self, depth: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * depth
+        self.values: list[torch.Tensor | None] = [None] * depth
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def update(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[block] is not None:
+            k = torch.cat((self.keys[block], k), dim=2)
+            v = torch.cat((self.values[block], v), dim=2)
+        self.keys[block], self.values[block] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv_norm: bool) -> None:
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.width, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.out = nn.Linear(cfg.width, cfg.width, bias=False)
+        # HybridNorm: q, k and v each RMS-normalized per head (one gain of size head_dim, shared by heads)
+        self.q_norm = self.k_norm = self.v_norm = None
+        if qkv_norm:
+            self.q_norm, self.k_norm, self.v_norm = (RMSNorm(cfg.head_dim, cfg.norm_eps) for _ in range(3))
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, block: int, start: int
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k, v = (norm(t).type_as(t) for norm, t in ((self.q_norm, q), (self.k_norm, k), (self.v_norm, v)))
+        cos, sin = (table[start : start + T] for table in rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(block, k, v)
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+        else:  # new queries attend to every cached position and causally among themselves
+            mask = torch.arange(start + T, device=x.device) <= torch.arange(start, start + T, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.ffn == "swiglu"
+        self.up = nn.Linear(cfg.width, (2 if self.swiglu else 1) * cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, h = h.chunk(2, dim=-1)
+            h = F.silu(gate) * h
+        else:
+            h = F.gelu(h)
+        return self.down(h)
+
+
+class Sublayer(nn.Module):
+    """out = [Norm_out](alpha * skip + branch([Norm_in](x))), computed in fp32 around the branch."""
+
+    def __init__(self, spec: SublayerSpec, branch: nn.Module, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.alpha = spec.alpha
+        self.skip_from_norm_in = spec.skip_from_norm_in
+        self.branch = branch
+        self.norm_in = RMSNorm(cfg.width, cfg.norm_eps) if spec.norm_in else None
+        self.norm_out = RMSNorm(cfg.width, cfg.norm_eps) if spec.norm_out else None
+
+    def forward(self, x: torch.Tensor, **branch_kwargs) -> torch.Tensor:
+        h = self.norm_in(x) if self.norm_in is not None else x
+        skip = h if self.skip_from_norm_in else x
+        s = self.branch(h, **branch_kwargs).float()
+        s = s + skip if self.alpha == 1.0 else torch.add(s, skip, alpha=self.alpha)
+        return self.norm_out(s) if self.norm_out is not None else s
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, attn_spec: SublayerSpec, ffn_spec: SublayerSpec) -> None:
+        super().__init__()
+        self.index = index
+        self.attn = Sublayer(attn_spec, Attention(cfg, attn_spec.qkv_norm), cfg)
+        self.ffn = Sublayer(ffn_spec, FeedForward(cfg), cfg)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None = None, start: int = 0
+    ) -> torch.Tensor:
+        x = self.attn(x, rope=rope, cache=cache, block=self.index, start=start)
+        return self.ffn(x)
+
+
+class KeelLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        specs = sublayer_specs(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, i, *spec) for i, spec in enumerate(specs))
+        self.final_norm = RMSNorm(cfg.width, cfg.norm_eps) if needs_final_norm(cfg) else None
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg = self.cfg
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                std = cfg.init_std if cfg.init == "normal" else module.in_features**-0.5
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std if cfg.init == "normal" else 1.0)
+        if cfg.scheme == "deepnorm":  # DeepNet: beta on both FFN matrices, v and out projections; never q, k
+            beta = cfg.deepnorm_beta or (8 * cfg.depth) ** -0.25
+            for block in self.blocks:
+                attn = block.attn.branch
+                attn.qkv.weight[(attn.n_heads + attn.kv_heads) * attn.head_dim :].mul_(beta)
+                for linear in (attn.out, block.ffn.branch.up, block.ffn.branch.down):
+                    linear.weight.mul_(beta)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab), fp32 stream throughout."""
+        start = 0 if cache is None else cache.length
+        if start + idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        x = self.embed(idx).float()  # (B, T, C)
+        rope = (self.rope_cos, self.rope_sin)
+        for block in self.blocks:
+            x = block(x, rope, cache, start)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.head(x)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        stop_tokens: tuple[int, ...] = (),
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend idx (B, T) by up to max_new_tokens. temperature 0 = greedy. A row that emits a stop
+        token keeps emitting it; decoding ends when every row has stopped. The prompt is cut on the
+        left so that prompt + new tokens fit model.seq_len."""
+        keep = self.cfg.seq_len - max_new_tokens
+        if keep < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in seq_len={self.cfg.seq_len}")
+        out = idx[:, -keep:]
+        cache = KVCache(self.cfg.depth) if use_cache else None
+        step_input = out
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        stops = torch.tensor(stop_tokens, dtype=torch.long, device=idx.device)
+        for _ in range(max_new_tokens):
+            logits = self(step_input, cache)[:, -1, :].float()  # (B, V)
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+            if len(stop_tokens):
+                nxt = torch.where(done, stops[0], nxt)
+                done |= torch.isin(nxt, stops)
+            out = torch.cat((out, nxt[:, None]), dim=1)
+            step_input = nxt[:, None] if use_cache else out
+            if done.all():
+                break
+        return torch.cat((idx[:, :-keep], out), dim=1) if idx.shape[1] > keep else out
+
+    def num_params(self, embeddings: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n if embeddings else n - self.embed.weight.numel()
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style: 6 * matmul params
+    (head included, embedding lookup excluded) + 12 * blocks * width * seq_len for attention scores."""
+    hd, kv = cfg.head_dim, cfg.kv_heads
+    attn = cfg.width * (cfg.n_heads + 2 * kv) * hd + cfg.width * cfg.width
+    ffn = cfg.width * cfg.ffn_hidden * (3 if cfg.ffn == "swiglu" else 2)
+    matmul_params = cfg.depth * (attn + ffn) + cfg.width * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * cfg.depth * cfg.width * cfg.seq_len

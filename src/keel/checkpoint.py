@@ -1,0 +1,203 @@
+"""Checkpoints: atomic writes, resume resolution, reading single-file and sharded (FSDP) checkpoints, and
+`keel consolidate SHARDED_DIR OUT.ckpt`, which turns a sharded one into a single file.
+
+A single-file checkpoint is Lightning's dict: `state_dict` (keys `model.<param>`), `optimizer_states`, loop
+and callback state, and `keel` = {config, tokenizer_json}. A sharded checkpoint is a directory written by
+torch.distributed.checkpoint: one `__<rank>_0.distcp` file per rank holding its shards of the weights and
+optimizer state, `.metadata` (the global shapes and where each shard lies) and Lightning's `meta.pt`
+(everything else, from rank 0: loops, callbacks, data-loader position, `keel`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from keel.config import Config, from_dict
+from keel.model import ConfigError, KeelLM
+
+LAST = "last.ckpt"
+SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written once all are
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write to a temporary file in the same directory, fsync, then rename over the target:
+    a crash mid-save leaves the previous checkpoint intact."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def staging_path(path: Path) -> Path:
+    """Where a sharded checkpoint is written before commit_dir moves it to `path`."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def previous_path(path: Path) -> Path:
+    """Where commit_dir keeps the checkpoint it replaces until the new one is in place."""
+    return path.with_name(f".{path.name}.previous")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def commit_dir(staging: Path, path: Path) -> None:
+    """Move a complete checkpoint directory to `path`. A directory cannot be renamed over another, so the
+    old checkpoint is first renamed aside to previous_path(path) and deleted only once the new one is in
+    place: a crash between the two renames leaves it there, where resolve_resume(auto) looks next."""
+    for written in (staging / SHARDED_META, staging):  # torch's writer syncs the shards and .metadata itself
+        _fsync(written)
+    previous = previous_path(path)
+    if path.exists():
+        _remove(previous)  # stale: `path` is newer
+        os.replace(path, previous)
+    os.replace(staging, path)
+    _fsync(path.parent)
+    _remove(previous)
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.run.dir) / "checkpoints"
+
+
+def resolve_resume(cfg: Config) -> str | None:
+    """`resume`: null = fresh; auto = the run dir's last checkpoint if there is one (or the one a crash
+    mid-commit left aside); else a path (file or sharded directory) that must exist."""
+    if cfg.resume in (None, "", "none"):
+        return None
+    if cfg.resume == "auto":
+        last = checkpoint_dir(cfg) / LAST
+        for candidate in (last, previous_path(last)):
+            if candidate.exists():
+                return str(candidate)
+        return None
+    if not Path(cfg.resume).exists():
+        raise ConfigError(f"resume: no checkpoint at {cfg.resume} (use resume=auto, resume=null or an existing path)")
+    return cfg.resume
+
+
+def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
+    """Only the FSDP strategy reads sharded checkpoints, and nothing resumes from weights alone."""
+    if Path(path).is_dir() and trainer.strategy != "fsdp":
+        raise ConfigError(f"resume: {path} is a sharded (FSDP) checkpoint; resume it with trainer=fsdp, "
+                          f"or `keel consolidate {path} OUT.ckpt` for evaluation")
+    if Path(path).is_file() and "optimizer_states" not in checkpoint:
+        raise ConfigError(f"resume: {path} holds model weights only (a `keel consolidate` output?); "
+                          "resume from the checkpoint it was made from")
+
+
+def _sharded_weights(reader) -> dict[str, torch.Tensor]:
+    """The full model state_dict (`model.<param>`), assembled in this process from every rank's shards."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "state_dict."  # DCP flattens Lightning's {"state_dict": {...}} to dotted keys
+    entries = reader.read_metadata().state_dict_metadata
+    weights = {
+        key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    load({"state_dict": weights}, storage_reader=reader, no_dist=True)
+    return weights
+
+
+def _read_sharded(path: Path, weights: bool) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    missing = [name for name in (DCP_METADATA, SHARDED_META) if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"checkpoint: {path} is an incomplete sharded checkpoint (no {', '.join(missing)}): "
+                          "its save was interrupted; resume from another checkpoint")
+    try:
+        reader = FileSystemReader(path)
+        for info in reader.read_metadata().storage_data.values():  # every shard file there, none truncated
+            shard = path / info.relative_path
+            if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
+                raise ConfigError(f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or truncated")
+        checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+        if weights:
+            checkpoint["state_dict"] = _sharded_weights(reader)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {err}") from None
+    return checkpoint
+
+
+def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
+    """A checkpoint's dict, from a single file (torch.load, weights_only=True) or a sharded directory (its
+    meta.pt plus, unless weights=False, the full model state_dict), with a clear error for a missing,
+    corrupt, incomplete or foreign one."""
+    path = Path(path)
+    if path.is_dir():
+        checkpoint = _read_sharded(path, weights)
+    elif path.is_file():
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {err}") from None
+    else:
+        raise ConfigError(f"checkpoint: no file or directory at {path}")
+    if not isinstance(checkpoint, dict) or "keel" not in checkpoint or (weights and "state_dict" not in checkpoint):
+        raise ConfigError(f"checkpoint: {path} is not a keel checkpoint (no 'keel' and 'state_dict' entries)")
+    return checkpoint
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[KeelLM, Config, str | None]:
+    """A trained KeelLM in eval mode, its Config and its tokenizer.json text, from a checkpoint file or directory."""
+    checkpoint = read_checkpoint(path)
+    cfg = from_dict(checkpoint["keel"]["config"])
+    model = KeelLM(cfg.model)
+    prefix = "model."
+    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"checkpoint: {path} does not match its own config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(device).eval(), cfg, checkpoint["keel"]["tokenizer_json"]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="keel consolidate",
+        description="Assemble a sharded (FSDP) checkpoint directory into one file that `keel eval` and "
+        "keel.checkpoint.load_model read: the full model weights, the run's config, tokenizer and training "
+        "progress, without the optimizer state (resume from the sharded directory itself).",
+    )
+    parser.add_argument("sharded_dir", help="e.g. runs/NAME/checkpoints/last.ckpt (a directory under trainer=fsdp)")
+    parser.add_argument("output", help="the single-file checkpoint to write, e.g. NAME.ckpt")
+    args = parser.parse_args(argv)
+    if not Path(args.sharded_dir).is_dir():
+        raise ConfigError(f"consolidate: {args.sharded_dir} is not a sharded checkpoint directory "
+                          "(a single-file checkpoint is already what load_model reads)")
+    checkpoint = read_checkpoint(args.sharded_dir)
+    AtomicCheckpointIO().save_checkpoint(checkpoint, args.output)
+    params = sum(tensor.numel() for tensor in checkpoint["state_dict"].values())
+    print(f"keel consolidate: wrote {args.output}: {params:,} parameters, step {checkpoint.get('global_step')}")
+    return 0

@@ -1,0 +1,1 @@
+"""Downstream evaluation: the lm-eval adapter, offline task suites, in-loop and after training."""

@@ -1,0 +1,1 @@
+"""The paper's experiments as commands: max tolerable LR, sweeps, layer redundancy."""

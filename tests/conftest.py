@@ -1,0 +1,62 @@
+"""Shared fixtures: a tiny real corpus (standard-library source files), its shards, and tiny-model overrides."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# A model small enough that a CPU step takes milliseconds, deep enough to have a first block and others.
+TINY_MODEL = [
+    "model.depth=2",
+    "model.width=32",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "model.vocab_size=512",
+]
+QUIET_TRAINER = [
+    "trainer.micro_batch_size=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+    "trainer.threads=1",
+]
+
+
+def shared_data() -> Path:
+    """../shared/data, or skip: users' clones do not have it; CI does."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA} (only the project's CI machine has it)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """About 40 real Python source files (~600 KB) from this interpreter's standard library."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    for path in sorted(stdlib.glob("*.py"))[:40]:
+        shutil.copy(path, out / path.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
+    """Shards + tokenizer built by `keel data`; returns the data.* overrides that select them."""
+    from keel.data import main as data_main
+
+    data_dir = tmp_path_factory.mktemp("shards") / "tiny"
+    overrides = [
+        "data.source=text_files",
+        f"data.paths=[{corpus_dir}/*.py]",
+        f"data.dir={data_dir}",
+        "data.vocab_size=512",
+        "data.prepare_workers=1",
+        "data.val_fraction=0.1",
+    ]
+    assert data_main(overrides) == 0
+    return overrides

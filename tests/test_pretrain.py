@@ -1,0 +1,121 @@
+"""The training application end to end on CPU: config errors, TensorBoard scalars, exact resume,
+atomic and validated checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from keel.checkpoint import LAST, AtomicCheckpointIO, load_model
+from keel.cli import main as cli_main
+from keel.config import load_config
+from keel.model import ConfigError
+from keel.pretrain import train
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+
+NO_EXTRAS = ["eval.enabled=false"]
+
+
+def tiny_config(tiny_data, run_dir: Path, *extra: str):
+    return load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *NO_EXTRAS, *tiny_data, f"run.dir={run_dir}", *extra])
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    """step -> value for a tag, over every event file of the run (a resumed run adds files)."""
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {event.step: event.value for event in acc.Scalars(tag)}
+
+
+class CrashAtStep(Callback):
+    """Simulates a killed process: raises when the given step is about to start."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_cli_config_errors_name_the_key(capsys):
+    assert cli_main(["pretrain", "--print-config", "model.dept=4"]) == 2
+    assert "model.dept: unknown config key; did you mean model.depth" in capsys.readouterr().err
+    assert cli_main(["pretrain", "--print-config", "optim.lr=fast"]) == 2
+    assert "optim.lr" in capsys.readouterr().err
+    assert cli_main(["pretrain", "--print-config", "trainer=nope"]) == 2
+    assert "available: " in capsys.readouterr().err
+    assert cli_main(["pretrain", "--print-config", "model.depth=3", "model=paper_d64"]) == 0
+    printed = capsys.readouterr().out
+    assert "depth: 3" in printed and "width: 1024" in printed
+
+
+def test_training_logs_scalars_and_learns(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=60", "trainer.val_every_n_steps=30", "trainer.val_batches=4",
+                      "optim.warmup_steps=5")
+    train(cfg)
+    losses = scalars(run, "train/loss")
+    assert sorted(losses) == list(range(60))
+    val = scalars(run, "val/loss")
+    assert sorted(val) == [29, 59] and val[59] < val[29]
+    ppl = scalars(run, "val/ppl")
+    assert ppl[59] == pytest.approx(torch.tensor(val[59]).exp().item(), rel=1e-4)
+    tokens = scalars(run, "train/tokens")
+    assert tokens[59] == 60 * 4 * 32
+    lr = scalars(run, "lr/matrices")
+    assert lr[0] == pytest.approx(cfg.optim.lr / 5) and lr[59] < lr[10]
+    model, saved_cfg, tokenizer_json = load_model(run / "checkpoints" / LAST)
+    assert saved_cfg == cfg and '"model"' in tokenizer_json and not model.training
+
+
+def test_resume_after_crash_continues_exactly(tiny_data, tmp_path):
+    steps = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
+             "trainer.val_batches=2"]
+    straight = tmp_path / "straight"
+    train(tiny_config(tiny_data, straight, *steps))
+
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(tiny_data, crashed, *steps), extra_callbacks=[CrashAtStep(6)])
+    assert (crashed / "checkpoints" / LAST).exists()
+    train(tiny_config(tiny_data, crashed, *steps, "resume=auto"))
+
+    expected, resumed = scalars(straight, "train/loss"), scalars(crashed, "train/loss")
+    assert sorted(resumed) == list(range(8))
+    assert resumed == expected  # bit for bit, every step, the replayed steps 5-6 included
+    assert scalars(crashed, "val/loss") == scalars(straight, "val/loss")
+
+
+def test_resume_refuses_other_model_and_corrupt_checkpoint(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.val_batches=1"))
+    with pytest.raises(ConfigError, match=r"model.depth: checkpoint 2 != config 3"):
+        train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto", "model.depth=3"))
+    (run / "checkpoints" / LAST).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto"))
+    with pytest.raises(ConfigError, match="no checkpoint at"):
+        train(tiny_config(tiny_data, run, "resume=/nonexistent.ckpt"))
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, path)
+
+    def crash_mid_write(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash_mid_write)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind

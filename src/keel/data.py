@@ -1,0 +1,653 @@
+"""Corpus -> tokenizer -> tokenized litdata shards, and the loaders that stream them into training.
+
+    keel data [--config FILE] [--force] [key=value ...]
+
+builds, under `data.dir` (a local path or an object-store URL litdata supports):
+
+    tokenizer.json      the tokenizer the shards were encoded with (a BPE trained here, a given file, or a hub one)
+    train/, val/        litdata token shards (TokensLoader layout): each document's ids followed by the EOS id
+    val_docs.jsonl      the held-out documents' raw text, one {"id": ..., "text": ...} per line
+    manifest.json       what was built from what; written last, so its presence marks a complete build
+
+A document is held out for validation by a hash of its id and `data.seed`, so the split depends neither on the
+reading order nor on how many documents there are. Training opens the shards through `open_dataset`, which
+checks them against the config, and `KeelDataModule`, which saves the train loader's position in checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import fsspec
+import numpy as np
+import torch
+from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimize
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from keel.config import Config, DataConfig, load_config
+from keel.model import ConfigError
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # looked up, in this order, in a given tokenizer
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+VAL_DOCS = "val_docs.jsonl"
+SPLITS = ("train", "val")
+MANIFEST_KEYS = ("settings", "documents", "tokens", "vocab_size", "eos_id", "tokenizer_sha256")
+# Test suites are 60% of the standard library's .py bytes: repetitive test code and deliberately malformed
+# fixtures that would triple the preparation time for little signal. The rest (~12 MB, ~3.4M tokens) is
+# still several times what the default run trains on.
+STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
+# Characters of spooled text per optimize() input: small enough to spread over the workers, large enough for
+# each tokenizer call to batch many documents.
+SPAN_CHARS = 1_000_000
+REBUILD = "rebuild with `keel data --force` (same data.* settings)"
+
+
+# ---------------------------------------------------------------------------------------------- reading the corpus
+
+
+def _stdlib_documents() -> Iterator[tuple[str, str]]:
+    root = sysconfig.get_paths()["stdlib"]
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(name for name in subfolders if name not in STDLIB_EXCLUDED_DIRS)  # prune, in order
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = Path(folder, name)
+                yield path.relative_to(root).as_posix(), path.read_text(encoding="utf-8", errors="replace")
+
+
+def _matched_files(patterns: list[str]) -> list[str]:
+    files: dict[str, None] = {}  # an ordered set: a file matched by two globs is read once
+    unmatched = []
+    for pattern in patterns:
+        matched = [p for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) if os.path.isfile(p)]
+        if not matched:
+            unmatched.append(pattern)
+        files.update(dict.fromkeys(matched))
+    if unmatched:
+        raise ConfigError(
+            f"data.paths: no files match {', '.join(repr(p) for p in unmatched)} (relative to {os.getcwd()}); "
+            "fix or drop the glob"
+        )
+    return list(files)
+
+
+def _text_of(record: Any, text_field: str, where: str) -> str:
+    if not isinstance(record, dict) or text_field not in record:
+        found = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f"data.text_field: {where} has no field {text_field!r} (found: {found})")
+    return str(record[text_field] or "")
+
+
+def _jsonl_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ConfigError(f"data.paths: {path} line {number} is not JSON ({err})") from None
+            yield f"{path}:{number}", _text_of(record, text_field, f"{path} line {number}")
+
+
+def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if text_field not in parquet.schema_arrow.names:
+        found = ", ".join(parquet.schema_arrow.names)
+        raise ConfigError(f"data.text_field: {path} has no column {text_field!r} (found: {found})")
+    row = 0
+    for batch in parquet.iter_batches(columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            yield f"{path}:{row}", text or ""
+            row += 1
+
+
+def _text_file_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
+    for path in _matched_files(data.paths):
+        suffix = Path(path).suffix.lower()
+        if suffix == ".jsonl":
+            yield from _jsonl_documents(path, data.text_field)
+        elif suffix == ".parquet":
+            yield from _parquet_documents(path, data.text_field)
+        elif suffix in PLAIN_TEXT_SUFFIXES:
+            yield path, Path(path).read_text(encoding="utf-8", errors="replace")
+        else:
+            plain = ", ".join(sorted(s for s in PLAIN_TEXT_SUFFIXES if s))
+            raise ConfigError(f"data.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}")
+
+
+def _hf_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data.source=hf needs the `datasets` package: pip install -e '.[hf]'") from None
+    try:
+        stream = datasets.load_dataset(data.hf_dataset, name=data.hf_name, split=data.hf_split, streaming=True)
+    except Exception as err:  # hub unreachable, unknown dataset / config / split: all end up here
+        raise ConfigError(
+            f"data.hf_dataset: cannot stream {data.hf_dataset!r} (data.hf_name={data.hf_name!r}, "
+            f"data.hf_split={data.hf_split!r}) from the Hugging Face hub: {err}. Check the names and the network, "
+            "or use data.source=text_files on a local copy"
+        ) from err
+    for index, record in enumerate(stream):
+        text = _text_of(record, data.text_field, f"record {index}")
+        yield f"{data.hf_dataset}/{data.hf_name}/{data.hf_split}:{index}", text
+
+
+def read_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
+    """(id, text) of each non-blank document of data.source, stopping after data.max_chars characters (0 = all)."""
+    if data.source == "stdlib":
+        documents = _stdlib_documents()
+    elif data.source == "text_files":
+        documents = _text_file_documents(data)
+    else:
+        documents = _hf_documents(data)
+    remaining = data.max_chars or None
+    for doc_id, text in documents:
+        if not text.strip():
+            continue
+        if remaining is not None:
+            text = text[:remaining]
+            remaining -= len(text)
+        yield doc_id, text
+        if remaining == 0:
+            return
+
+
+def describe_source(data: DataConfig) -> str:
+    if data.source == "stdlib":
+        return (f"Python {sys.version.split()[0]} standard library .py files under {sysconfig.get_paths()['stdlib']}, "
+                f"except in directories named {', '.join(sorted(STDLIB_EXCLUDED_DIRS))}")
+    if data.source == "text_files":
+        return f"files matching {', '.join(data.paths)} (field {data.text_field!r} of .jsonl / .parquet)"
+    return (f"Hugging Face dataset {data.hf_dataset} (name {data.hf_name}, split {data.hf_split}, "
+            f"field {data.text_field!r})")
+
+
+def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:
+    """Whether a document is held out: decided by a hash of (seed, id) alone, so it is stable."""
+    digest = hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
+
+
+def build_settings(data: DataConfig) -> dict[str, Any]:
+    """The data.* values that determine what `keel data` builds: recorded in the manifest, compared on re-runs."""
+    keys = ["source", "max_chars", "val_fraction", "seed", "tokenizer"]
+    keys += {"stdlib": [], "text_files": ["paths", "text_field"],
+             "hf": ["hf_dataset", "hf_name", "hf_split", "text_field"]}[data.source]
+    if data.tokenizer is None:
+        keys.append("vocab_size")  # shapes only a tokenizer trained here
+    return {key: getattr(data, key) for key in keys}
+
+
+# ------------------------------------------------------------------------------- spooling: one pass over the source
+
+
+@dataclass
+class _Spool:
+    """One split's documents as JSON lines on local disk, cut into byte spans for the shard writers."""
+
+    path: str
+    documents: int = 0
+    chars: int = 0
+    spans: list[tuple[str, int, int]] = field(default_factory=list)
+    _offset: int = 0
+    _span_start: int = 0
+    _span_chars: int = 0
+
+    def add(self, out: BinaryIO, doc_id: str, text: str) -> None:
+        line = (json.dumps({"id": doc_id, "text": text}) + "\n").encode()
+        out.write(line)
+        self._offset += len(line)
+        self.documents += 1
+        self.chars += len(text)
+        self._span_chars += len(text)
+        if self._span_chars >= SPAN_CHARS:
+            self.close_span()
+
+    def close_span(self) -> None:
+        if self._offset > self._span_start:
+            self.spans.append((self.path, self._span_start, self._offset))
+        self._span_start, self._span_chars = self._offset, 0
+
+    def texts(self) -> Iterator[str]:
+        with open(self.path, encoding="utf-8") as lines:
+            for line in lines:
+                yield json.loads(line)["text"]
+
+
+def _spool(data: DataConfig, workdir: str) -> dict[str, _Spool]:
+    spools = {split: _Spool(os.path.join(workdir, f"{split}.jsonl")) for split in SPLITS}
+    with open(spools["train"].path, "wb") as train, open(spools["val"].path, "wb") as val:
+        for doc_id, text in read_documents(data):
+            held_out = is_validation(doc_id, data.val_fraction, data.seed)
+            spools["val" if held_out else "train"].add(val if held_out else train, doc_id, text)
+    for spool in spools.values():
+        spool.close_span()
+    total = sum(spool.documents for spool in spools.values())
+    if total == 0:
+        raise ConfigError(
+            f"data.source={data.source}: the corpus is empty: no non-blank text in {describe_source(data)}"
+        )
+    for split, spool in spools.items():
+        if spool.documents == 0:
+            raise ConfigError(
+                f"data.val_fraction={data.val_fraction}: the {split} split got none of the {total} document(s) "
+                "(plain-text files are one document each); use more documents, "
+                "or another data.val_fraction or data.seed"
+            )
+    return spools
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizers
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 pre-tokenization, lossless decoding) with EOS_TOKEN as id 0."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def load_tokenizer(name: str) -> tuple[Tokenizer, bytes]:
+    """A tokenizer.json path (bytes kept verbatim, so the file's hash identifies it) or a Hugging Face hub name."""
+    if os.path.isfile(name):
+        raw = Path(name).read_bytes()
+        return Tokenizer.from_str(raw.decode()), raw
+    try:
+        tokenizer = Tokenizer.from_pretrained(name)
+    except Exception as err:
+        raise ConfigError(
+            f"data.tokenizer: {name!r} is not a file and the Hugging Face hub could not provide it ({err}); "
+            "give a tokenizer.json path, or null to train a BPE on the corpus"
+        ) from err
+    return tokenizer, tokenizer.to_str().encode()
+
+
+def eos_id_of(tokenizer: Tokenizer) -> int:
+    for token in EOS_CANDIDATES:
+        if (token_id := tokenizer.token_to_id(token)) is not None:
+            return token_id
+    raise ConfigError(
+        f"data.tokenizer: the tokenizer has none of the end-of-document tokens {', '.join(EOS_CANDIDATES)}"
+    )
+
+
+def _sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ data.dir: local or URL
+
+
+def data_path(data_dir: str, *names: str) -> str:
+    """A file or split under data.dir, as fsspec and litdata want it: an absolute local path or a URL."""
+    if "://" in data_dir:
+        return "/".join([data_dir.rstrip("/"), *names])
+    return os.path.abspath(os.path.join(data_dir, *names))
+
+
+def _storage(data_dir: str) -> fsspec.AbstractFileSystem:
+    return fsspec.core.url_to_fs(data_dir)[0]
+
+
+def _tokens_per_chunk(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[int]:
+    index = data_path(data_dir, split, "index.json")
+    if not fs.exists(index):
+        raise ConfigError(f"{data_dir}/{split} has no shards: {REBUILD}")
+    return [chunk["dim"] for chunk in json.loads(fs.cat_file(index))["chunks"]]
+
+
+def _require_sequences(fs: fsspec.AbstractFileSystem, data_dir: str, seq_len: int) -> None:
+    """Each split must hold at least one training sequence (TokensLoader never lets one cross a chunk boundary)."""
+    for split in SPLITS:
+        chunks = _tokens_per_chunk(fs, data_dir, split)
+        if sum(tokens // (seq_len + 1) for tokens in chunks) == 0:
+            raise ConfigError(
+                f"{data_dir}/{split}: its {sum(chunks)} tokens make no sequence of model.seq_len + 1 = {seq_len + 1} "
+                "tokens; use more text (data.paths, data.max_chars), a larger data.val_fraction, "
+                "or a smaller model.seq_len"
+            )
+
+
+# ------------------------------------------------------------------------------------------------------ keel data
+
+
+class _SpanEncoder:
+    """The optimize() worker function: one spooled span of documents -> their ids, each document ended by EOS."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int, dtype: np.dtype) -> None:
+        self.tokenizer, self.eos_id, self.dtype = tokenizer, eos_id, dtype
+
+    def __call__(self, span: tuple[str, int, int]) -> np.ndarray:
+        path, start, end = span
+        with open(path, "rb") as spool:
+            spool.seek(start)
+            texts = [json.loads(line)["text"] for line in spool.read(end - start).splitlines()]
+        ids: list[int] = []
+        for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False):
+            ids += encoding.ids
+            ids.append(self.eos_id)
+        return np.asarray(ids, dtype=self.dtype)
+
+
+@contextlib.contextmanager
+def _worker_environment() -> Iterator[None]:
+    # Workers are forked where the platform allows it: spawn re-imports torch in each one (10-20 s on a busy
+    # 2-core box). Forked workers cannot use the tokenizers thread pool the BPE training started (tokenizers
+    # would say so and fall back), so they encode single-threaded: the workers are the parallelism.
+    # optimize() sets the start method process-wide; it is put back for DataLoaders started later.
+    previous_method = multiprocessing.get_start_method(allow_none=True)
+    previous_parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(previous_method, force=True)
+        if previous_parallelism is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous_parallelism
+
+
+def _write_shards(data: DataConfig, spool: _Spool, split: str, encoder: _SpanEncoder) -> None:
+    with _worker_environment():
+        optimize(
+            fn=encoder,
+            inputs=spool.spans,
+            output_dir=data_path(data.dir, split),
+            chunk_bytes=data.chunk_bytes,
+            num_workers=min(data.prepare_workers, len(spool.spans)),
+            item_loader=TokensLoader(),
+            mode="overwrite",
+            keep_data_ordered=True,  # the same inputs and workers give byte-identical shards
+            start_method="fork" if sys.platform == "linux" else "spawn",
+        )
+
+
+def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> dict | None:
+    """The manifest of a complete build at data.dir that matches the config; None if one must be built."""
+    data = cfg.data
+    try:
+        manifest = json.loads(fs.cat_file(data_path(data.dir, MANIFEST)))
+    except (OSError, ValueError):  # absent or unreadable: nothing complete is there
+        return None
+    complete = all(fs.exists(data_path(data.dir, name)) for name in (TOKENIZER, "train/index.json", "val/index.json"))
+    if force or not complete:
+        return None
+    settings, built = build_settings(data), manifest.get("settings", {})
+    changed = sorted(key for key in set(settings) | set(built) if settings.get(key) != built.get(key))
+    changes = [f"data.{key}: {built.get(key)!r} -> {settings.get(key)!r}" for key in changed]
+    other_tokenizer = not {"tokenizer", "vocab_size"}.isdisjoint(changed)
+    if data.tokenizer and os.path.isfile(data.tokenizer):
+        if _sha256(Path(data.tokenizer).read_bytes()) != manifest.get("tokenizer_sha256"):
+            changes.append(f"the contents of {data.tokenizer}")
+            other_tokenizer = True
+    if changes:
+        built_with = "another tokenizer" if other_tokenizer else "other data settings"
+        raise ConfigError(
+            f"{data.dir} already holds shards built with {built_with} ({'; '.join(changes)}): "
+            "pass --force to rebuild them, or choose another data.dir"
+        )
+    _require_sequences(fs, data.dir, cfg.model.seq_len)
+    return manifest
+
+
+def prepare(cfg: Config, force: bool = False) -> dict:
+    """Build the tokenizer, shards, val_docs.jsonl and manifest at cfg.data.dir unless already there; the manifest."""
+    data = cfg.data
+    fs = _storage(data.dir)
+    if (manifest := _existing_build(cfg, fs, force)) is not None:
+        print(f"keel data: {data.dir} is up to date ({manifest['tokens']['train']:,} train / "
+              f"{manifest['tokens']['val']:,} val tokens); nothing to do (--force rebuilds)")
+        return manifest
+
+    start = time.perf_counter()
+    given = load_tokenizer(data.tokenizer) if data.tokenizer else None  # before reading: fail fast
+    fs.makedirs(data_path(data.dir), exist_ok=True)
+    if fs.exists(data_path(data.dir, MANIFEST)):
+        fs.rm_file(data_path(data.dir, MANIFEST))  # the directory is incomplete until the new manifest is written
+    timings = {}
+    with tempfile.TemporaryDirectory(prefix="keel-data-") as workdir:
+        print(f"keel data: reading {describe_source(data)}")
+        spools = _spool(data, workdir)
+        timings["read_s"] = time.perf_counter() - start
+
+        mark = time.perf_counter()
+        if given is None:
+            print(f"keel data: training a {data.vocab_size}-token byte-level BPE "
+                  f"on {spools['train'].chars:,} characters")
+            tokenizer = train_tokenizer(spools["train"].texts(), data.vocab_size)
+            tokenizer_bytes = tokenizer.to_str().encode()
+        else:
+            tokenizer, tokenizer_bytes = given
+        eos_id, vocab_size = eos_id_of(tokenizer), tokenizer.get_vocab_size()
+        fs.pipe_file(data_path(data.dir, TOKENIZER), tokenizer_bytes)
+        timings["tokenizer_s"] = time.perf_counter() - mark
+
+        dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.int32)
+        encoder = _SpanEncoder(tokenizer, eos_id, dtype)
+        for split in SPLITS:
+            mark = time.perf_counter()
+            _write_shards(data, spools[split], split, encoder)
+            timings[f"{split}_shards_s"] = time.perf_counter() - mark
+        fs.put_file(spools["val"].path, data_path(data.dir, VAL_DOCS))
+
+    _require_sequences(fs, data.dir, cfg.model.seq_len)
+    timings["total_s"] = time.perf_counter() - start
+    manifest = {
+        "source": {"kind": data.source, "description": describe_source(data)},
+        "settings": build_settings(data),
+        "documents": {split: spools[split].documents for split in SPLITS},
+        "chars": {split: spools[split].chars for split in SPLITS},
+        "tokens": {split: sum(_tokens_per_chunk(fs, data.dir, split)) for split in SPLITS},
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "eos_token": tokenizer.id_to_token(eos_id),
+        "dtype": dtype.name,
+        "tokenizer_sha256": _sha256(tokenizer_bytes),
+        "timings": {key: round(seconds, 2) for key, seconds in timings.items()},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "keel_version": metadata.version("keel"),
+    }
+    fs.pipe_file(data_path(data.dir, MANIFEST), json.dumps(manifest, indent=2).encode())
+    documents, tokens = manifest["documents"], manifest["tokens"]
+    print(f"keel data: wrote {data.dir}: {documents['train']:,} train / {documents['val']:,} val documents, "
+          f"{tokens['train']:,} / {tokens['val']:,} tokens, vocabulary {vocab_size}; "
+          + ", ".join(f"{key[:-2]} {seconds:.1f} s" for key, seconds in timings.items()))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="keel data", description="Build tokenized litdata shards from data.source.")
+    parser.add_argument("--config", help="YAML merged over conf/config.yaml (data.* and model.seq_len matter here)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if data.dir already holds shards")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="e.g. data=text_files 'data.paths=[docs/*.md]'")
+    args = parser.parse_args(argv)
+    prepare(load_config(args.config, args.overrides), force=args.force)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------- training
+
+
+@dataclass
+class DatasetInfo:
+    dir: str
+    tokenizer_path: str
+    tokenizer_json: str
+    vocab_size: int
+    eos_id: int
+    manifest: dict
+
+
+def open_dataset(cfg: Config) -> DatasetInfo:
+    """The shards at cfg.data.dir, checked against the config; a ConfigError says what to run when they don't fit."""
+    data = cfg.data
+    fs = _storage(data.dir)
+    manifest_path = data_path(data.dir, MANIFEST)
+    if not fs.exists(manifest_path):
+        why = " (it has no manifest.json: an interrupted `keel data`?)" if fs.exists(data_path(data.dir)) else ""
+        raise ConfigError(
+            f"no shards at {data.dir}{why}: run `keel data` (or `make data`) with the same data.* settings"
+        )
+    try:
+        manifest = json.loads(fs.cat_file(manifest_path))
+        if missing := [key for key in MANIFEST_KEYS if key not in manifest]:
+            raise ValueError(f"no {', '.join(missing)}")
+    except ValueError as err:
+        raise ConfigError(f"{data.dir}/{MANIFEST} is corrupt ({err}): {REBUILD}") from None
+    tokenizer_path = data_path(data.dir, TOKENIZER)
+    raw = fs.cat_file(tokenizer_path) if fs.exists(tokenizer_path) else b""
+    if _sha256(raw) != manifest["tokenizer_sha256"]:
+        raise ConfigError(
+            f"{data.dir}/{TOKENIZER} is missing or is not the one the shards were encoded with: {REBUILD}"
+        )
+    for split in SPLITS:
+        _tokens_per_chunk(fs, data.dir, split)  # raises when the split's index is missing
+
+    built_with = manifest["settings"].get("tokenizer")
+    if data.tokenizer is not None:
+        if os.path.isfile(data.tokenizer):
+            same = _sha256(Path(data.tokenizer).read_bytes()) == manifest["tokenizer_sha256"]
+        else:  # a hub name, compared by name so that training needs no network
+            same = data.tokenizer == built_with
+        if not same:
+            raise ConfigError(
+                f"data.tokenizer={data.tokenizer!r} is not the tokenizer the shards at {data.dir} were built with "
+                f"({built_with or 'a BPE trained by keel data'}): run `keel data --force` with this data.tokenizer, "
+                "or point data.dir elsewhere"
+            )
+    if cfg.model.vocab_size < manifest["vocab_size"]:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {manifest['vocab_size']} tokens "
+            f"({tokenizer_path}): set model.vocab_size >= {manifest['vocab_size']}"
+        )
+    return DatasetInfo(
+        dir=data.dir,
+        tokenizer_path=tokenizer_path,
+        tokenizer_json=raw.decode(),
+        vocab_size=manifest["vocab_size"],
+        eos_id=manifest["eos_id"],
+        manifest=manifest,
+    )
+
+
+def _stack_long(sequences: list[np.ndarray]) -> torch.Tensor:
+    # Shards hold uint16 (or int32) ids; embeddings and cross-entropy want int64.
+    return torch.from_numpy(np.stack(sequences).astype(np.int64))
+
+
+class _ResumableLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose epochs after a resumed one start afresh.
+
+    litdata clears its `restore` flag only when an epoch runs into StopIteration, but Lightning stops after
+    len(loader) batches; the flag would stay set and every later epoch would replay from the restored position.
+    """
+
+    _resumed_epoch_begun = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self._resumed_epoch_begun:
+            self.restore = self._resumed_epoch_begun = False
+        for batch in super().__iter__():
+            self._resumed_epoch_begun = self.restore
+            yield batch
+
+
+def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
+    """(micro_batch_size, seq_len + 1) int64 batches of consecutive tokens from one split of cfg.data.dir."""
+    dataset = StreamingDataset(
+        data_path(cfg.data.dir, split),
+        item_loader=TokensLoader(block_size=cfg.model.seq_len + 1),
+        shuffle=shuffle,
+        seed=cfg.run.seed,
+        drop_last=True,  # the same number of batches on every rank
+    )
+    loader = _ResumableLoader(
+        dataset, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long
+    )
+    if len(loader) == 0:
+        raise ConfigError(
+            f"{cfg.data.dir}/{split}: {len(dataset)} sequence(s) of model.seq_len + 1 = {cfg.model.seq_len + 1} tokens "
+            f"per device, fewer than one batch of trainer.micro_batch_size={cfg.trainer.micro_batch_size}; "
+            "use more text, a larger data.val_fraction, or a smaller model.seq_len or trainer.micro_batch_size"
+        )
+    return loader
+
+
+def _define_datamodule() -> type:
+    import lightning as L
+
+    class KeelDataModule(L.LightningDataModule):
+        """Batches (micro_batch_size, seq_len + 1) of int64 token ids from the shards `keel data` built; the
+        LightningModule takes inputs [:, :-1] and targets [:, 1:].
+
+        Lightning re-iterates the train loader every epoch (reshuffled), so runs longer than an epoch cycle
+        through the data. It does not save a StreamingDataLoader's position (Lightning-AI/litData#775), so the
+        position travels through this module's state_dict, which Lightning stores in each checkpoint and hands
+        back to load_state_dict on resume, before asking for the loaders.
+        """
+
+        def __init__(self, cfg: Config) -> None:
+            super().__init__()
+            self.cfg = cfg
+            self.info = open_dataset(cfg)  # fail before the Trainer starts when the shards don't fit
+            self._train_loader: StreamingDataLoader | None = None
+            self._resume_state: dict | None = None
+
+        def train_dataloader(self) -> StreamingDataLoader:
+            loader = token_loader(self.cfg, "train", shuffle=True)
+            if self._resume_state:
+                loader.load_state_dict(self._resume_state)  # litdata applies it when iteration starts
+                self._resume_state = None
+            self._train_loader = loader
+            return loader
+
+        def val_dataloader(self) -> StreamingDataLoader:
+            return token_loader(self.cfg, "val", shuffle=False)
+
+        def state_dict(self) -> dict:
+            return self._train_loader.state_dict() if self._train_loader is not None else {}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            self._resume_state = state_dict or None
+
+    KeelDataModule.__module__, KeelDataModule.__qualname__ = __name__, "KeelDataModule"
+    return KeelDataModule
+
+
+def __getattr__(name: str) -> Any:
+    # KeelDataModule subclasses lightning's LightningDataModule, and importing lightning takes 5-10 s on a small
+    # CPU box: `keel data`, run before every `make pretrain`, should not pay that to find nothing to do.
+    if name == "KeelDataModule":
+        globals()[name] = datamodule = _define_datamodule()
+        return datamodule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,375 @@
+"""keel data: shards, manifest and refusals; open_dataset's checks; the loaders' exact resume across epochs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from keel import cli
+from keel.config import Config, load_config
+from keel.data import (
+    EOS_TOKEN,
+    STDLIB_EXCLUDED_DIRS,
+    is_validation,
+    open_dataset,
+    prepare,
+    read_documents,
+    token_loader,
+    train_tokenizer,
+)
+from keel.model import ConfigError
+
+SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # ../shared/data from the repo root
+WORDS = ("keel highway residual norm layer depth gradient the of and to model train token shard loader "
+         "naïve café Δx → 深い 🚀").split()
+DOCUMENTS = 40
+VAL_FRACTION = 0.2
+
+
+def write_corpus(folder: Path) -> dict[str, str]:
+    """DOCUMENTS plain-text files of random words; {path: text}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    texts = {}
+    for i in range(DOCUMENTS):
+        path = folder / f"doc{i:02d}.txt"
+        text = "\n".join(" ".join(rng.choices(WORDS, k=15)) for _ in range(20)) + "\n"
+        path.write_text(text, encoding="utf-8")
+        texts[str(path)] = text
+    return texts
+
+
+def config(data_dir: Path, *overrides: str, corpus: Path | None = None) -> Config:
+    corpus_glob = f"{corpus}/*.txt" if corpus else "unused"
+    return load_config(None, [
+        "data=text_files", f"data.paths=[{corpus_glob}]", f"data.dir={data_dir}", "data.vocab_size=300",
+        f"data.val_fraction={VAL_FRACTION}", "data.prepare_workers=2", "model.seq_len=32", "model.vocab_size=300",
+        "trainer.micro_batch_size=4", *overrides,
+    ])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
+    """One build of a 40-document corpus, shared by the tests that only read it."""
+    root = tmp_path_factory.mktemp("built")
+    texts = write_corpus(root / "corpus")
+    cfg = config(root / "shards", corpus=root / "corpus")
+    return types.SimpleNamespace(root=root, dir=root / "shards", cfg=cfg, texts=texts, manifest=prepare(cfg))
+
+
+def copy_of(built: types.SimpleNamespace, tmp_path: Path, *overrides: str) -> Config:
+    shutil.copytree(built.dir, tmp_path / "shards")
+    return config(tmp_path / "shards", *overrides, corpus=built.root / "corpus")
+
+
+# ------------------------------------------------------------------------------------------------------- building
+
+
+def test_build_writes_tokenizer_shards_val_docs_and_manifest(built):
+    for name in ("tokenizer.json", "manifest.json", "val_docs.jsonl", "train/index.json", "val/index.json"):
+        assert (built.dir / name).is_file(), name
+    manifest = json.loads((built.dir / "manifest.json").read_text())
+    assert manifest == built.manifest
+    assert manifest["source"]["kind"] == "text_files"
+    assert manifest["eos_id"] == 0 and manifest["eos_token"] == EOS_TOKEN
+    assert manifest["keel_version"] and manifest["created"]
+    expected_val = {path for path in built.texts if is_validation(path, VAL_FRACTION, 0)}
+    assert manifest["documents"] == {"train": DOCUMENTS - len(expected_val), "val": len(expected_val)}
+    val_docs = [json.loads(line) for line in (built.dir / "val_docs.jsonl").read_text().splitlines()]
+    assert {doc["id"] for doc in val_docs} == expected_val
+    assert all(doc["text"] == built.texts[doc["id"]] for doc in val_docs)
+
+
+def test_token_counts_add_up(built):
+    tokenizer = Tokenizer.from_file(str(built.dir / "tokenizer.json"))
+    for split in ("train", "val"):
+        held_out = split == "val"
+        expected = sum(len(tokenizer.encode(text).ids) + 1 for path, text in built.texts.items()  # + EOS
+                       if is_validation(path, VAL_FRACTION, 0) == held_out)
+        index = json.loads((built.dir / split / "index.json").read_text())
+        assert built.manifest["tokens"][split] == expected == sum(chunk["dim"] for chunk in index["chunks"])
+
+
+def test_tokenizer_round_trips_text(built):
+    tokenizer = Tokenizer.from_file(str(built.dir / "tokenizer.json"))
+    assert tokenizer.token_to_id(EOS_TOKEN) == 0
+    assert tokenizer.get_vocab_size() == built.manifest["vocab_size"] <= 300
+    for text in [*list(built.texts.values())[:3], "def f(x):\n\treturn x ** 2  # never seen: ÆØÅ ∑ 😀\r\n"]:
+        assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_rerun_is_a_no_op(built, capsys):
+    before = {path: path.stat().st_mtime_ns for path in built.dir.rglob("*")}
+    assert prepare(built.cfg) == built.manifest
+    assert "up to date" in capsys.readouterr().out
+    assert {path: path.stat().st_mtime_ns for path in built.dir.rglob("*")} == before
+
+
+def test_shards_built_with_another_tokenizer_are_refused(built, tmp_path):
+    with pytest.raises(ConfigError, match=r"another tokenizer \(data.vocab_size: 300 -> 320\).*--force"):
+        prepare(config(built.dir, "data.vocab_size=320", corpus=built.root / "corpus"))
+    other = tmp_path / "other.json"
+    train_tokenizer(["some other text"], 260).save(str(other))
+    with pytest.raises(ConfigError, match="another tokenizer.*--force"):
+        prepare(config(built.dir, f"data.tokenizer={other}", corpus=built.root / "corpus"))
+
+
+def test_force_rebuilds_with_the_new_settings(built, tmp_path, capsys):
+    cfg = copy_of(built, tmp_path, "data.vocab_size=280")
+    overrides = ["data=text_files", f"data.paths=[{built.root}/corpus/*.txt]", f"data.dir={cfg.data.dir}",
+                 "data.vocab_size=280", f"data.val_fraction={VAL_FRACTION}", "model.seq_len=32"]
+    assert cli.main(["data", *overrides]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert cli.main(["data", "--force", *overrides]) == 0
+    assert open_dataset(cfg).vocab_size == 280
+
+
+def test_given_tokenizer_file_is_used_verbatim(built, tmp_path):
+    tokenizer = built.dir / "tokenizer.json"
+    cfg = config(tmp_path / "shards", f"data.tokenizer={tokenizer}", "data.vocab_size=999",
+                 corpus=built.root / "corpus")
+    manifest = prepare(cfg)
+    assert (tmp_path / "shards" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert manifest["tokenizer_sha256"] == built.manifest["tokenizer_sha256"]
+    assert manifest["tokens"] == built.manifest["tokens"] and "vocab_size" not in manifest["settings"]
+    assert open_dataset(cfg).eos_id == 0
+
+
+def test_empty_glob_is_refused_naming_it(tmp_path, capsys):
+    write_corpus(tmp_path / "corpus")
+    glob_ = f"{tmp_path}/nothing/*.txt"
+    paths = f"data.paths=[{tmp_path}/corpus/*.txt,{glob_}]"
+    assert cli.main(["data", "data=text_files", paths, f"data.dir={tmp_path}/out"]) == 2
+    err = capsys.readouterr().err
+    assert glob_ in err and "no files match" in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_blank_corpus_is_refused(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(" \n\n")
+    with pytest.raises(ConfigError, match="corpus is empty"):
+        prepare(config(tmp_path / "out", corpus=tmp_path / "corpus"))
+
+
+def test_split_shorter_than_one_sequence_is_refused(built):
+    with pytest.raises(ConfigError, match=r"val: its \d+ tokens make no sequence of model.seq_len \+ 1 = 20001"):
+        prepare(config(built.dir, "model.seq_len=20000", corpus=built.root / "corpus"))
+
+
+# ------------------------------------------------------------------------------------------------ reading sources
+
+
+def test_jsonl_parquet_and_max_chars(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    (tmp_path / "a.jsonl").write_text('{"body": "first"}\n\n{"body": "second"}\n')
+    pq.write_table(pa.table({"body": ["third", None, "fourth"]}), tmp_path / "b.parquet")
+    cfg = config(tmp_path, f"data.paths=[{tmp_path}/*.jsonl,{tmp_path}/*.parquet]", "data.text_field=body")
+    docs = list(read_documents(cfg.data))
+    assert docs == [(f"{tmp_path}/a.jsonl:1", "first"), (f"{tmp_path}/a.jsonl:3", "second"),
+                    (f"{tmp_path}/b.parquet:0", "third"), (f"{tmp_path}/b.parquet:2", "fourth")]
+    cfg.data.max_chars = 8
+    assert [text for _, text in read_documents(cfg.data)] == ["first", "sec"]
+    cfg.data.text_field = "text"
+    with pytest.raises(ConfigError, match="has no field 'text' \\(found: body\\)"):
+        list(read_documents(cfg.data))
+
+
+def test_stdlib_source_skips_test_suites_and_site_packages():
+    cfg = load_config(None, ["data.max_chars=200000"])
+    ids = [doc_id for doc_id, _ in read_documents(cfg.data)]
+    assert ids and all(STDLIB_EXCLUDED_DIRS.isdisjoint(doc_id.split("/")[:-1]) for doc_id in ids)
+    assert ids == [doc_id for doc_id, _ in read_documents(cfg.data)]  # a fixed order
+
+
+def test_split_is_stable_and_close_to_val_fraction():
+    ids = [f"doc{i}" for i in range(20000)]
+    held_out = [is_validation(i, 0.1, seed=3) for i in ids]
+    assert held_out == [is_validation(i, 0.1, seed=3) for i in ids]
+    assert abs(sum(held_out) / len(ids) - 0.1) < 0.01
+    assert held_out != [is_validation(i, 0.1, seed=4) for i in ids]
+
+
+def test_hf_without_datasets_or_hub_is_refused_clearly(tmp_path, monkeypatch):
+    cfg = load_config(None, ["data=fineweb_edu", f"data.dir={tmp_path}", "data.tokenizer=null"])
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
+    with pytest.raises(ConfigError, match=r"needs the `datasets` package: pip install"):
+        prepare(cfg)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=unreachable))
+    with pytest.raises(ConfigError, match="data.hf_dataset: cannot stream 'HuggingFaceFW/fineweb-edu'.*Couldn't reach"):
+        prepare(cfg)
+
+
+# --------------------------------------------------------------------------------------------------- open_dataset
+
+
+def test_missing_dir_points_to_keel_data(tmp_path):
+    with pytest.raises(ConfigError, match=r"no shards at .*nowhere: run `keel data` \(or `make data`\) with the same"):
+        open_dataset(config(tmp_path / "nowhere"))
+
+
+def test_corrupt_manifest_is_refused(built, tmp_path):
+    cfg = copy_of(built, tmp_path)
+    (tmp_path / "shards" / "manifest.json").write_text('{"settings": {}}')
+    with pytest.raises(ConfigError, match="manifest.json is corrupt.*--force"):
+        open_dataset(cfg)
+
+
+def test_vocab_smaller_than_tokenizer_is_refused(built):
+    size = built.manifest["vocab_size"]
+    with pytest.raises(ConfigError, match=f"model.vocab_size=100 is smaller than the tokenizer's {size} tokens"):
+        open_dataset(config(built.dir, "model.vocab_size=100"))
+
+
+def test_another_given_tokenizer_is_refused(built, tmp_path):
+    other = tmp_path / "other.json"
+    train_tokenizer(["some other text"], 260).save(str(other))
+    with pytest.raises(ConfigError, match="is not the tokenizer the shards .* were built with"):
+        open_dataset(config(built.dir, f"data.tokenizer={other}"))
+    with pytest.raises(ConfigError, match="is not the tokenizer"):
+        open_dataset(config(built.dir, "data.tokenizer=gpt2"))  # compared by name: no network needed
+
+
+def test_open_dataset_describes_the_shards(built):
+    info = open_dataset(built.cfg)
+    assert (info.vocab_size, info.eos_id) == (built.manifest["vocab_size"], 0)
+    assert Tokenizer.from_str(info.tokenizer_json).get_vocab_size() == info.vocab_size
+    assert Path(info.tokenizer_path).read_text() == info.tokenizer_json
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+def test_batches_are_int64_sequences_and_validation_is_fixed(built):
+    batch = next(iter(token_loader(built.cfg, "train", shuffle=True)))
+    assert batch.dtype == torch.int64 and batch.shape == (4, 33)
+    assert 0 <= batch.min() and batch.max() < built.manifest["vocab_size"]
+    val = token_loader(built.cfg, "val", shuffle=False)
+    first, second = list(val), list(val)
+    assert len(first) == len(val) > 0 and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def lightning_style(loader, batches: int) -> list[torch.Tensor]:
+    """Batches as Lightning draws them: len(loader) per epoch, then a new iter() (the iterator is never exhausted)."""
+    out: list[torch.Tensor] = []
+    while len(out) < batches:
+        out += itertools.islice(iter(loader), min(len(loader), batches - len(out)))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_datamodule_resume_is_exact(built, tmp_path, workers):
+    """Stop after k batches, checkpoint the module's state, resume a fresh module: the batches continue exactly,
+    mid-epoch, at an epoch's end and in the second epoch, and later epochs do not replay the resumed one."""
+    from keel.data import KeelDataModule
+
+    cfg = config(built.dir, f"data.loader_workers={workers}", "trainer.micro_batch_size=16")
+    epoch = len(token_loader(cfg, "train", shuffle=True))
+    total = 2 * epoch + 5
+    reference = lightning_style(KeelDataModule(cfg).train_dataloader(), total)
+    assert not torch.equal(reference[0], reference[epoch])  # each epoch is reshuffled
+    for k in (7, epoch, epoch + 3):
+        interrupted = KeelDataModule(cfg)
+        lightning_style(interrupted.train_dataloader(), k)
+        torch.save(interrupted.state_dict(), tmp_path / "state.pt")
+
+        resumed = KeelDataModule(cfg)
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+        rest = lightning_style(resumed.train_dataloader(), total - k)
+        assert all(torch.equal(a, b) for a, b in zip(rest, reference[k:], strict=True)), f"resume after {k} batches"
+
+
+def test_trainer_resume_is_exact_and_cycles_epochs(built, tmp_path):
+    """The same through Lightning: checkpoints from ModelCheckpoint, `fit(ckpt_path=...)`, max_steps > one epoch."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from keel.data import KeelDataModule
+
+    cfg = config(built.dir, "trainer.micro_batch_size=16")
+    epoch = len(token_loader(cfg, "train", shuffle=True))
+    steps = 2 * epoch + 5
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+            self.seen: list[torch.Tensor] = []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch.clone())
+            return self.weight * batch.float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(max_steps: int, ckpt_path: str | None = None, every: int | None = None) -> list[torch.Tensor]:
+        model = Recorder()
+        callbacks = []
+        if every:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=every, save_top_k=-1))
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=callbacks,
+                            enable_checkpointing=bool(every), enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0)
+        trainer.fit(model, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
+        return model.seen
+
+    reference = fit(steps)
+    assert len(reference) == steps
+    for k in (10, epoch):
+        first = fit(k, every=k)
+        rest = fit(steps, str(tmp_path / f"step={k}.ckpt"))
+        assert all(torch.equal(a, b) for a, b in zip(first + rest, reference, strict=True)), f"resume at step {k}"
+
+
+# ------------------------------------------------------------------------------------------- real corpora (shared)
+
+
+def shared(relative: str) -> Path:
+    path = SHARED_DATA / relative
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (the shared corpora live in ../shared/data next to the repo)")
+    return path
+
+
+def test_shared_jsonl_corpus_builds_and_loads(tmp_path):
+    questions = shared("gsm8k/train.jsonl")
+    cfg = config(tmp_path / "gsm8k", f"data.paths=[{questions}]", "data.text_field=question",
+                 "data.max_chars=300000", "data.val_fraction=0.05", "data.vocab_size=512", "model.vocab_size=512")
+    manifest = prepare(cfg)
+    assert sum(manifest["chars"].values()) == 300000
+    assert manifest["documents"]["val"] > 0 and manifest["tokens"]["train"] > 50000
+    assert next(iter(token_loader(cfg, "val", shuffle=False))).shape == (4, 33)
+
+
+def test_single_plain_text_file_is_one_document_and_is_refused(tmp_path):
+    shakespeare = shared("tinyshakespeare/input.txt")
+    with pytest.raises(ConfigError, match=r"split got none of the 1 document\(s\) \(plain-text files are one document"):
+        prepare(config(tmp_path / "out", f"data.paths=[{shakespeare}]"))
+
+
+@pytest.mark.slow
+def test_default_stdlib_corpus(tmp_path):
+    cfg = load_config(None, [f"data.dir={tmp_path}/stdlib"])
+    start = time.perf_counter()
+    manifest = prepare(cfg)
+    print(f"stdlib corpus: {manifest['documents']}, {manifest['tokens']} tokens in {time.perf_counter() - start:.1f} s")
+    assert manifest["tokens"]["train"] > 1_000_000 and manifest["vocab_size"] == cfg.data.vocab_size
+    assert open_dataset(cfg).eos_id == 0

@@ -12,11 +12,14 @@ and a scheme is only the choice of (Norm_in?, Norm_out?, alpha, skip source) per
     postln        no       yes       1            no (flag)
     deepnorm      no       yes       (2N)^1/4     no
     keel          yes      yes       L = 2N       only if the last sublayer is unnormalized
+                  block 0, v1: both sublayers plain Pre-LN; v2: attention Pre-LN, FFN alpha = 1
     mixln         Post-LN for the first floor(0.25 N) blocks, Pre-LN after              yes
     hybridnorm    attention: x + Attn_QKVnorm(x); FFN: u = Norm(x), u + FFN(u)         yes
+                  hybridnorm_star: block 0 is Pre-LN with QKV-norm
 
-The residual stream is kept in fp32 even under bf16 autocast: Keel's branch is ~1/L of
-`alpha * x + F`, which bf16 (8 mantissa bits) cannot resolve at L >= 128.
+The residual stream, every sum and every norm are kept in fp32 even under bf16 autocast: Keel's
+branch is ~1/L of `alpha * x + F`, which bf16 (8 mantissa bits) cannot resolve at L >= 128. Only
+the branches' matmuls run in bf16 (autocast, or the weights' own dtype under bf16-true / FSDP).
 """
 
 from __future__ import annotations
@@ -86,10 +89,12 @@ class ModelConfig:
         _require(
             1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0,
             "model.n_kv_heads",
-            f"must divide model.n_heads={self.n_heads}, got {self.n_kv_heads}",
+            f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}",
         )
         _require(self.ffn_mult > 0, "model.ffn_mult", f"must be > 0, got {self.ffn_mult}")
         _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        _require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
+        _require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
         _require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
@@ -105,7 +110,7 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def ffn_hidden(self) -> int:
@@ -137,7 +142,7 @@ def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
         deep = SublayerSpec(norm_in=False, norm_out=True, alpha=alpha)
         return [(deep, deep)] * n
     if cfg.scheme == "mixln":
-        n_post = math.floor(cfg.mixln_post_fraction * n)
+        n_post = math.floor(round(cfg.mixln_post_fraction * n, 6))  # round: 0.29 * 100 must give 29, not 28
         return [(post, post)] * n_post + [(pre, pre)] * (n - n_post)
     if cfg.scheme in ("hybridnorm", "hybridnorm_star"):
         attn = SublayerSpec(norm_in=False, norm_out=False, qkv_norm=True)
@@ -220,6 +225,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None, block: int, start: int
     ) -> torch.Tensor:
         B, T, _ = x.shape
+        x = x.to(self.qkv.weight.dtype)  # no-op under autocast; bf16 when the weights are (bf16-true)
         q, k, v = self.qkv(x).split(
             [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
         )
@@ -248,7 +254,7 @@ class FeedForward(nn.Module):
         self.down = nn.Linear(cfg.ffn_hidden, cfg.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
+        h = self.up(x.to(self.up.weight.dtype))  # (B, T, hidden or 2 * hidden)
         if self.swiglu:
             gate, h = h.chunk(2, dim=-1)
             h = F.silu(gate) * h
@@ -269,10 +275,10 @@ class Sublayer(nn.Module):
         self.norm_out = RMSNorm(cfg.width, cfg.norm_eps) if spec.norm_out else None
 
     def forward(self, x: torch.Tensor, **branch_kwargs) -> torch.Tensor:
+        # x: (B, T, C) fp32 stream; the sum and the outer norm stay fp32 whatever dtype the branch uses
         h = self.norm_in(x) if self.norm_in is not None else x
         skip = h if self.skip_from_norm_in else x
-        s = self.branch(h, **branch_kwargs).float()
-        s = s + skip if self.alpha == 1.0 else torch.add(s, skip, alpha=self.alpha)
+        s = torch.add(self.branch(h, **branch_kwargs).float(), skip, alpha=self.alpha)  # F + alpha * skip
         return self.norm_out(s) if self.norm_out is not None else s
 
 
@@ -335,7 +341,7 @@ class KeelLM(nn.Module):
             x = block(x, rope, cache, start)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.head(x)
+        return self.head(x.to(self.head.weight.dtype))
 
     @torch.no_grad()
     def generate(

@@ -1,0 +1,173 @@
+"""`keel gradflow`: per-sublayer gradient flow at initialization, as JSON (and a plot).
+
+    keel gradflow --scheme postln,keel --depth 64 --init unit --detach-branches [--plot flow.png]
+
+One loss (mean cross-entropy of random targets on random tokens) is backpropagated through a fresh model
+per scheme; forward hooks record, for every sublayer l with input stream x_l (no model changes):
+
+    act_grad       ||dL/dx_l||                      (Frobenius norm over the whole batch)
+    rel_act_grad   ||dL/dx_l|| * rms(x_l)           (scale-free: raw norms are distorted by stream scale)
+    weight_grad    ||dL/dW|| over the branch's matrices
+    gain_grad      ||dL/dgamma|| over the sublayer's norm gains (norm_in, norm_out, q/k/v norms)
+    output_rms     rms of the sublayer's output
+
+`--detach-branches` feeds every branch a detached input, so only the skip path carries gradient to x_l.
+Summary ratios compare *blocks* (norm-schemes.md, "Expected gradient flow"): a block's activation gradient
+is that of its input stream (its attention sublayer's x_l), its weight gradient the norm over both branches.
+bottom = the first measured block (block 1 for Keel, whose alpha = 1 block 0 is excluded; block 0 otherwise),
+middle = block depth // 2, top = the last block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm
+
+PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms")
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors if t is not None))
+
+
+def _rms(x: torch.Tensor) -> float:
+    return float(x.double().square().mean().sqrt())
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detach_branches: bool = False) -> dict:
+    """Gradient flow of one mean cross-entropy loss through `model`: a KeelLM, activation checkpointing
+    allowed, not compiled or sharded (hooks). Uses autograd.grad, so parameters' .grad stay untouched."""
+    sublayers = [sub for block in model.blocks for sub in (block.attn, block.ffn)]
+    inputs: list[torch.Tensor] = [None] * len(sublayers)
+    input_grads: list[torch.Tensor] = [None] * len(sublayers)
+    outputs: list[torch.Tensor] = [None] * len(sublayers)
+
+    def record(i: int):
+        def pre_hook(module, args):
+            x = args[0]
+            inputs[i] = x.detach()
+            x.register_hook(lambda grad: input_grads.__setitem__(i, grad))
+
+        def hook(module, args, out):
+            outputs[i] = out.detach()
+
+        return pre_hook, hook
+
+    handles = []
+    for i, sub in enumerate(sublayers):
+        pre_hook, hook = record(i)
+        handles += [sub.register_forward_pre_hook(pre_hook), sub.register_forward_hook(hook)]
+        if detach_branches:  # the branch sees a constant: only the skip path carries gradient to x_l
+            handles.append(sub.branch.register_forward_pre_hook(lambda m, args: tuple(a.detach() for a in args)))
+    try:
+        logits = model(idx)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    grad_of = {p: g for p, g in zip(params, grads)}
+
+    rows = []
+    for i, sub in enumerate(sublayers):
+        gains = [m.weight for m in sub.modules() if isinstance(m, RMSNorm)]
+        matrices = [p for p in sub.branch.parameters() if p.ndim >= 2]
+        act_grad, input_rms = _norm([input_grads[i]]), _rms(inputs[i])
+        rows.append({
+            "index": i,
+            "block": i // 2,
+            "kind": ("attn", "ffn")[i % 2],
+            "act_grad": act_grad,
+            "input_rms": input_rms,
+            "rel_act_grad": act_grad * input_rms,
+            "weight_grad": _norm(grad_of.get(p) for p in matrices),
+            "gain_grad": _norm(grad_of.get(p) for p in gains),
+            "output_rms": _rms(outputs[i]),
+        })
+    return {"loss": float(loss.detach()), "sublayers": rows, "summary": summarize(model.cfg, rows)}
+
+
+def summarize(cfg: ModelConfig, rows: list[dict]) -> dict:
+    """bottom/top and middle/top ratios per block (see the module docstring for the definitions)."""
+    bottom = 1 if cfg.scheme == "keel" and cfg.depth > 1 else 0
+    middle, top = cfg.depth // 2, cfg.depth - 1
+    block_input = {key: [rows[2 * b][key] for b in range(cfg.depth)] for key in ("act_grad", "rel_act_grad")}
+    block_weight = [math.hypot(rows[2 * b]["weight_grad"], rows[2 * b + 1]["weight_grad"]) for b in range(cfg.depth)]
+    summary = {"bottom_block": bottom, "middle_block": middle, "top_block": top}
+    for key, values in (*block_input.items(), ("weight_grad", block_weight)):
+        summary[f"{key}_bottom_top"] = _ratio(values[bottom], values[top])
+        summary[f"{key}_middle_top"] = _ratio(values[middle], values[top])
+    summary["weight_grad_block0_top"] = _ratio(block_weight[0], block_weight[top])
+    return summary
+
+
+def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, seed: int = 0) -> dict:
+    """Build a fresh model from cfg (seeded) and measure it on random tokens and random targets."""
+    torch.manual_seed(seed)
+    model = KeelLM(cfg)
+    idx, targets = torch.randint(cfg.vocab_size, (2, batch, cfg.seq_len))
+    return measure_model(model, idx, targets, detach_branches)
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    for ax, key in zip(axes.flat, PROFILES):
+        for scheme, result in results.items():
+            ax.plot([row[key] for row in result["sublayers"]], label=scheme)
+        ax.set(title=key, yscale="log", xlabel="sublayer l (0 = block 0 attention)")
+    axes.flat[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="keel gradflow", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scheme", default="keel", help=f"comma list of: {', '.join(SCHEMES)}")
+    parser.add_argument("--depth", type=int, default=16, help="blocks (L = 2 * depth sublayers)")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--init", choices=INIT_KINDS, default="normal", help="normal: N(0, 0.02^2); unit: N(0, 1/fan_in)")
+    parser.add_argument("--detach-branches", action="store_true", help="only the skip path carries gradient")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alpha", type=float, default=None, help="Keel's alpha (default L = 2 * depth)")
+    parser.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, default="v1")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the per-sublayer profiles of every scheme")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = {}
+    for scheme in args.scheme.split(","):
+        cfg = ModelConfig(
+            scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len,
+            vocab_size=args.vocab, init=args.init, keel_alpha=args.alpha, keel_first_block=args.keel_first_block,
+        )
+        results[cfg.scheme] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed)}
+    print(json.dumps({"options": vars(args), "schemes": results}, indent=1))
+    if args.plot:
+        mode = "skip path only" if args.detach_branches else "full gradient"
+        plot(results, args.plot, f"depth {args.depth} (L = {2 * args.depth}), {args.init} init, {mode}")
+    return 0

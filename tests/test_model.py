@@ -1,0 +1,463 @@
+"""The model against shared/docs/norm-schemes.md: gradient flow, forward invariants, structure, precision,
+extreme depth, incremental decoding and config errors. Small widths, CPU, one thread (2 shared cores)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from keel.gradflow import measure
+from keel.model import SCHEMES, ConfigError, KeelLM, KVCache, ModelConfig, needs_final_norm, sublayer_specs
+from keel.parallel import apply_activation_checkpointing, compile_blocks
+
+TINY = dict(width=32, n_heads=2, seq_len=16, vocab_size=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny tensors: a second thread only adds synchronization (and contention on shared cores)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, "depth": 4, **overrides})
+
+
+def sublayers(model: KeelLM):
+    return [sub for block in model.blocks for sub in (block.attn, block.ffn)]
+
+
+# ---------------------------------------------------------------- gradient flow at initialization
+
+
+@lru_cache(maxsize=None)
+def flow(scheme: str, depth: int, detach: bool, init: str = "unit", **overrides) -> dict:
+    """gradflow.measure's summary (bottom/middle/top ratios; Keel's block 0 excluded)."""
+    cfg = ModelConfig(**TINY, scheme=scheme, depth=depth, init=init, **overrides)
+    return measure(cfg, detach_branches=detach, batch=2, seed=0)["summary"]
+
+
+DEPTHS = (16, 64)
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_preln_skip_path_is_exactly_one(depth):
+    # x + F(detached): the gradient passes the skip unchanged (raw norm; the relative one sees the stream grow)
+    summary = flow("preln", depth, True)
+    assert summary["act_grad_bottom_top"] == pytest.approx(1.0, abs=1e-6)
+    assert summary["act_grad_middle_top"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_postln_skip_path_decays_exponentially_with_depth():
+    shallow, deep = (flow("postln", depth, True)["rel_act_grad_bottom_top"] for depth in DEPTHS)
+    assert shallow < 1e-2  # ~1e-3 in norm-schemes.md
+    assert deep < 1e-10  # ~4e-14
+    assert deep < shallow**3  # 4x the sublayers: the exponent grows ~4x
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_keel_skip_ratio_is_depth_independent(depth):
+    summary = flow("keel", depth, True)
+    assert 0.6 < summary["act_grad_bottom_top"] < 1.1  # ~0.8 raw: block 1's input is block 0's unnormalized output
+    assert 0.85 < summary["rel_act_grad_bottom_top"] < 1.2
+    assert 0.9 < summary["rel_act_grad_middle_top"] < 1.1
+    other = flow("keel", DEPTHS[1 - DEPTHS.index(depth)], True)
+    assert abs(summary["act_grad_bottom_top"] - other["act_grad_bottom_top"]) < 0.15
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_keel_with_alpha_one_collapses_to_postln_decay(depth):
+    control = flow("keel", depth, True, keel_alpha=1.0)["rel_act_grad_bottom_top"]
+    postln = flow("postln", depth, True)["rel_act_grad_bottom_top"]
+    assert control < (1e-2 if depth == 16 else 1e-10)
+    assert abs(math.log10(control) - math.log10(postln)) < 1.5  # same decay, within a factor ~30
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_deepnorm_skip_ratio_near_one(depth):
+    summary = flow("deepnorm", depth, True)
+    assert 0.9 < summary["rel_act_grad_bottom_top"] < 1.1
+    assert 0.9 < summary["rel_act_grad_middle_top"] < 1.1
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_mixln_skip_path_decays_over_its_postln_part_only(depth):
+    summary = flow("mixln", depth, True)
+    assert summary["act_grad_middle_top"] == pytest.approx(1.0, abs=1e-6)  # block depth/2 is in the Pre-LN part
+    assert summary["act_grad_bottom_top"] < (0.5 if depth == 16 else 1e-2)
+    assert summary["act_grad_bottom_top"] > flow("postln", depth, True)["act_grad_bottom_top"]
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_full_gradient_relative_flow(depth):
+    for scheme in ("keel", "deepnorm"):
+        assert 0.8 < flow(scheme, depth, False)["rel_act_grad_bottom_top"] < 1.25, scheme
+    assert 0.3 < flow("preln", depth, False)["rel_act_grad_bottom_top"] < 3.0  # flat in relative terms
+    assert flow("postln", depth, False)["rel_act_grad_bottom_top"] > 0.1  # does not vanish at init
+    for scheme in SCHEMES:  # N(0, 0.02) init: r is tiny, every scheme sits near 1
+        assert 0.8 < flow(scheme, depth, False, "normal")["rel_act_grad_bottom_top"] < 1.5, scheme
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_keel_weight_gradient_ratios(depth):
+    summary, L = flow("keel", depth, False), 2 * depth
+    assert 0.7 < summary["weight_grad_bottom_top"] < 1.4  # block 1 / last block
+    assert L / 3 < summary["weight_grad_block0_top"] < 3 * L  # the alpha = 1 block 0: ~L times larger
+
+
+# ---------------------------------------------------------------- forward invariants
+
+
+def capture(modules, pre: bool = False):
+    """Record each module's first input (pre) or its output, in call order."""
+    seen, handles = [], []
+    for module in modules:
+        if pre:
+            handles.append(module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach())))
+        else:
+            handles.append(module.register_forward_hook(lambda m, args, out: seen.append(out.detach())))
+    return seen, handles
+
+
+def token_rms(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean(-1).sqrt()
+
+
+@pytest.mark.parametrize("init", ["unit", "normal"])
+@pytest.mark.parametrize("scheme", ["keel", "postln", "deepnorm", "mixln"])  # the schemes with a Norm_out
+def test_post_normalized_outputs_have_unit_rms(scheme, init):
+    torch.manual_seed(0)
+    model = KeelLM(tiny(scheme=scheme, init=init, depth=6))
+    # sublayer 0 is skipped: at N(0, 0.02) init its sum has rms ~0.02, where eps = 1e-5 costs ~1%
+    outputs, _ = capture([sub.norm_out for sub in sublayers(model)[1:] if sub.norm_out is not None])
+    model(torch.randint(64, (2, 16)))
+    assert outputs
+    for out in outputs:
+        torch.testing.assert_close(token_rms(out), torch.ones(out.shape[:-1]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("init", ["unit", "normal"])
+@pytest.mark.parametrize("first_block", ["v1", "v2"])
+def test_keel_sum_over_alpha_has_unit_rms(init, first_block):
+    torch.manual_seed(0)
+    cfg = tiny(init=init, depth=16, keel_first_block=first_block)
+    model = KeelLM(cfg)
+    # from block 1's FFN on, every Keel sublayer's input is a normalized stream, so rms(alpha x + F) / alpha
+    # = 1 + cos(x, F) * r / alpha + O(r^2 / alpha^2) with r = rms(F) ~ 1: within 1 / L of 1
+    sums, _ = capture([sub.norm_out for sub in sublayers(model)[3:]], pre=True)
+    model(torch.randint(64, (2, 16)))
+    assert len(sums) == cfg.L - 3
+    for s in sums:
+        torch.testing.assert_close(token_rms(s) / cfg.L, torch.ones(s.shape[:-1]), atol=1 / cfg.L, rtol=0)
+
+
+# ---------------------------------------------------------------- structure
+
+
+@pytest.mark.parametrize("overrides", [{}, {"ffn": "swiglu", "n_heads": 4, "n_kv_heads": 2}])
+def test_deepnorm_beta_lands_on_ffn_v_and_out_only(overrides):
+    cfg = tiny(scheme="deepnorm", **overrides)
+    torch.manual_seed(0)
+    deep = KeelLM(cfg)
+    torch.manual_seed(0)
+    plain = KeelLM(tiny(scheme="deepnorm", deepnorm_beta=1.0, **overrides))
+    beta = (8 * cfg.depth) ** -0.25
+    assert [spec.alpha for pair in sublayer_specs(cfg) for spec in pair] == [(2 * cfg.depth) ** 0.25] * cfg.L
+    qk_rows = (cfg.n_heads + cfg.kv_heads) * cfg.head_dim
+    for d, p in zip(deep.blocks, plain.blocks):
+        da, pa = d.attn.branch, p.attn.branch
+        torch.testing.assert_close(da.qkv.weight[:qk_rows], pa.qkv.weight[:qk_rows], rtol=0, atol=0)  # q, k
+        torch.testing.assert_close(da.qkv.weight[qk_rows:], beta * pa.qkv.weight[qk_rows:])  # v
+        torch.testing.assert_close(da.out.weight, beta * pa.out.weight)
+        for name in ("up", "down"):
+            torch.testing.assert_close(getattr(d.ffn.branch, name).weight, beta * getattr(p.ffn.branch, name).weight)
+
+
+@pytest.mark.parametrize("scheme", ["hybridnorm", "hybridnorm_star"])
+def test_hybridnorm_structure(scheme):
+    torch.manual_seed(0)
+    model = KeelLM(tiny(scheme=scheme, init="unit"))
+    x = torch.randn(2, 16, 32) * 3
+    for i, block in enumerate(model.blocks):
+        star_block = scheme == "hybridnorm_star" and i == 0
+        attn = block.attn
+        assert attn.norm_out is None and (attn.norm_in is not None) == star_block  # x + Attn_QKVN([Norm](x))
+        for qkv_norm in (attn.branch.q_norm, attn.branch.k_norm, attn.branch.v_norm):
+            assert qkv_norm.weight.shape == (model.cfg.head_dim,)  # per head, shared across heads
+        torch.nn.init.zeros_(block.ffn.branch.down.weight)  # FFN(.) = 0 leaves only the skip
+        skip = block.ffn(x)
+        expected = x if star_block else F.rms_norm(x, (32,), eps=1e-5)  # Pre-LN skip vs HybridNorm's u = Norm(x)
+        torch.testing.assert_close(skip, expected)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 7, 8, 16, 64])
+def test_mixln_postln_block_count(depth):
+    specs = sublayer_specs(tiny(scheme="mixln", depth=depth))
+    post = [attn.norm_out and not attn.norm_in for attn, _ in specs]
+    n_post = math.floor(0.25 * depth)
+    assert post == [True] * n_post + [False] * (depth - n_post)  # Post-LN first, Pre-LN after
+    assert sum(attn.norm_out for attn, _ in sublayer_specs(tiny(scheme="mixln", depth=100, mixln_post_fraction=0.29))) == 29
+
+
+@pytest.mark.parametrize(
+    "overrides, final_norm",
+    [
+        ({"scheme": "preln"}, True),
+        ({"scheme": "postln"}, False),
+        ({"scheme": "postln", "postln_final_norm": True}, True),
+        ({"scheme": "deepnorm"}, False),
+        ({"scheme": "hybridnorm"}, True),
+        ({"scheme": "hybridnorm_star"}, True),
+        ({"scheme": "mixln"}, True),
+        ({"scheme": "keel"}, False),
+        ({"scheme": "keel", "keel_first_block": "v2"}, False),
+        ({"scheme": "keel", "depth": 1}, True),  # v1 with N = 1: the last sublayer is plain Pre-LN
+        ({"scheme": "keel", "depth": 1, "keel_first_block": "v2"}, False),
+    ],
+)
+def test_final_norm_rule(overrides, final_norm):
+    cfg = tiny(**overrides)
+    assert needs_final_norm(cfg) == final_norm
+    assert (KeelLM(cfg).final_norm is not None) == final_norm
+
+
+def test_keel_first_block_rules():
+    L = 8
+    v1, v2 = (sublayer_specs(tiny(keel_first_block=rule)) for rule in ("v1", "v2"))
+    assert [(s.norm_in, s.norm_out, s.alpha) for s in v1[0]] == [(True, False, 1.0), (True, False, 1.0)]
+    assert [(s.norm_in, s.norm_out, s.alpha) for s in v2[0]] == [(True, False, 1.0), (True, True, 1.0)]
+    for specs in (v1, v2):
+        assert all((s.norm_in, s.norm_out, s.alpha) == (True, True, L) for pair in specs[1:] for s in pair)
+    assert sublayer_specs(tiny(keel_alpha=3.0))[1][0].alpha == 3.0
+
+
+# width 32, 4 heads of 8, 2 KV heads, FFN hidden 128, vocab 64, depth 3
+QKV, OUT = 32 * (4 + 2 * 2) * 8, 32 * 32
+GELU_FFN, SWIGLU_FFN = 2 * 32 * 128, 3 * 32 * 128
+EMBED = HEAD = 64 * 32
+C, HEAD_DIM = 32, 8
+
+
+@pytest.mark.parametrize(
+    "overrides, norm_params",
+    [
+        ({"scheme": "preln"}, 6 * C + C),  # norm_in per sublayer + final
+        ({"scheme": "postln"}, 6 * C),  # norm_out per sublayer
+        ({"scheme": "postln", "postln_final_norm": True}, 7 * C),
+        ({"scheme": "deepnorm"}, 6 * C),
+        ({"scheme": "mixln"}, 6 * C + C),
+        ({"scheme": "keel"}, 2 * C + 2 * 4 * C),  # block 0: two norm_in; then norm_in + norm_out per sublayer
+        ({"scheme": "keel", "keel_first_block": "v2"}, 3 * C + 2 * 4 * C),  # block 0's FFN keeps its norm_out
+        ({"scheme": "hybridnorm"}, 3 * (3 * HEAD_DIM + C) + C),  # q/k/v norms + FFN norm per block, final
+        ({"scheme": "hybridnorm_star"}, 3 * (3 * HEAD_DIM + C) + C + C),  # + block 0's attention norm_in
+    ],
+)
+@pytest.mark.parametrize("ffn", ["gelu", "swiglu"])
+def test_parameter_counts(overrides, norm_params, ffn):
+    cfg = tiny(depth=3, n_heads=4, n_kv_heads=2, ffn=ffn, **overrides)
+    matrices = 3 * (QKV + OUT + (GELU_FFN if ffn == "gelu" else SWIGLU_FFN))
+    assert KeelLM(cfg).num_params() == EMBED + HEAD + matrices + norm_params
+    assert KeelLM(tiny(depth=3, n_heads=4, n_kv_heads=2, ffn=ffn, tie_embeddings=True, **overrides)).num_params() == (
+        EMBED + matrices + norm_params
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, key, allowed",
+    [
+        ({"scheme": "resnet"}, "model.scheme", "allowed: keel, preln"),
+        ({"ffn": "relu"}, "model.ffn", "allowed: gelu, swiglu"),
+        ({"init": "xavier"}, "model.init", "allowed: normal, unit"),
+        ({"keel_first_block": "v3"}, "model.keel_first_block", "allowed: v1, v2"),
+        ({"depth": 0}, "model.depth", ">= 1"),
+        ({"width": 30, "n_heads": 4}, "model.width", "divisible by model.n_heads"),
+        ({"width": 12, "n_heads": 4}, "model.width", "must be even"),
+        ({"n_heads": 4, "n_kv_heads": 3}, "model.n_kv_heads", "divisor of model.n_heads"),
+        ({"n_kv_heads": 0}, "model.n_kv_heads", "divisor of model.n_heads"),
+        ({"vocab_size": 0}, "model.vocab_size", ">= 1"),
+        ({"seq_len": 0}, "model.seq_len", ">= 1"),
+        ({"ffn_mult": 0}, "model.ffn_mult", "> 0"),
+        ({"norm_eps": 0}, "model.norm_eps", "> 0"),
+        ({"mixln_post_fraction": 1.5}, "model.mixln_post_fraction", "[0, 1]"),
+        ({"keel_alpha": 0.0}, "model.keel_alpha", "> 0"),
+        ({"deepnorm_beta": -1.0}, "model.deepnorm_beta", "> 0"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        tiny(**overrides)
+    assert str(err.value).startswith(f"{key}:") and allowed in str(err.value)
+
+
+# ---------------------------------------------------------------- precision
+
+
+def sublayer_update_error(model: KeelLM, idx: torch.Tensor, bf16_stream: bool) -> tuple[float, float]:
+    """(relative logits error, median relative error of the per-sublayer stream update out - in) of a bf16
+    autocast forward against the fp32 forward. bf16_stream rounds every sublayer output and every outer
+    norm's input to bf16: what a model whose residual stream is bf16 computes."""
+
+    def run(autocast: bool):
+        updates: list[torch.Tensor] = []
+        handles = []
+        if bf16_stream and autocast:
+            for sub in sublayers(model):
+                handles.append(sub.register_forward_hook(lambda m, args, out: out.bfloat16().float()))
+                if sub.norm_out is not None:
+                    handles.append(sub.norm_out.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(),)))
+        for sub in sublayers(model):  # registered last: sees the rounded output
+            handles.append(sub.register_forward_hook(lambda m, args, out: updates.append(out - args[0])))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(idx).float()
+        for handle in handles:
+            handle.remove()
+        return logits, updates
+
+    (ref_logits, ref_updates), (logits, updates) = run(False), run(True)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    update_errors = torch.tensor([rel(u, r) for u, r in zip(updates[2:], ref_updates[2:])])  # Keel blocks only
+    return rel(logits, ref_logits), float(update_errors.median())
+
+
+def test_bf16_autocast_keeps_keel_exact_where_a_bf16_stream_would_not():
+    torch.manual_seed(0)
+    model = KeelLM(tiny(depth=128, init="unit"))  # L = 256: the branch is ~1/256 of alpha * x + F
+    idx = torch.randint(64, (2, 16))
+    logits_err, update_err = sublayer_update_error(model, idx, bf16_stream=False)
+    ctl_logits_err, ctl_update_err = sublayer_update_error(model, idx, bf16_stream=True)
+    assert logits_err < 0.01 and update_err < 0.02  # measured 0.0045, 0.0057
+    assert ctl_update_err > 0.3  # measured 0.68: the branch is mostly lost to rounding
+    assert ctl_logits_err > 3 * logits_err  # measured 0.024
+
+
+def test_stream_stays_fp32_under_autocast_and_bf16_weights():
+    torch.manual_seed(0)
+    model = KeelLM(tiny(scheme="keel"))
+    outputs, _ = capture(sublayers(model))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(64, (2, 16)))
+    model.to(torch.bfloat16)  # bf16-true: branches compute in bf16, the stream stays fp32
+    logits = model(torch.randint(64, (2, 16)))
+    assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
+    assert {out.dtype for out in outputs} == {torch.float32} and len(outputs) == 2 * 2 * 4
+
+
+# ---------------------------------------------------------------- extreme depth and activation checkpointing
+
+
+def loss_and_grads(model: KeelLM, idx: torch.Tensor):
+    loss = F.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_depth_1024_forward_backward():
+    torch.manual_seed(0)
+    cfg = tiny(depth=1024)  # L = 2048 sublayers, alpha = 2048
+    loss, grads = loss_and_grads(KeelLM(cfg), torch.randint(64, (2, 16)))
+    assert loss.isfinite() and abs(float(loss) - math.log(64)) < 0.5
+    assert all(g is not None and g.isfinite().all() for g in grads.values())
+
+
+@pytest.mark.parametrize("scheme", ["keel", "hybridnorm"])
+def test_activation_checkpointing_gives_the_same_gradients_and_state_dict(scheme):
+    cfg = tiny(scheme=scheme, init="unit")
+    idx = torch.randint(64, (2, 16))
+    torch.manual_seed(0)
+    plain = KeelLM(cfg)
+    torch.manual_seed(0)
+    checkpointed = KeelLM(cfg)
+    apply_activation_checkpointing(checkpointed)
+    loss, grads = loss_and_grads(plain, idx)
+    ckpt_loss, ckpt_grads = loss_and_grads(checkpointed, idx)
+    torch.testing.assert_close(ckpt_loss, loss)
+    assert ckpt_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, msg=name)
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(checkpointed.state_dict())
+    checkpointed.load_state_dict(plain.state_dict())
+
+
+def test_compiled_checkpointed_blocks_keep_names_and_gradients():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    plain = KeelLM(tiny(depth=2, init="unit"))
+    compiled = copy.deepcopy(plain)
+    apply_activation_checkpointing(compiled)
+    compile_blocks(compiled)  # in place and lazy: nothing is compiled until the first call
+    assert compiled.state_dict().keys() == plain.state_dict().keys()
+    compiled.load_state_dict(plain.state_dict())
+
+    model = copy.deepcopy(plain)
+    apply_activation_checkpointing(model)
+    for block in model.blocks:  # as compile_blocks, with a backend that needs no C++ toolchain
+        block.compile(backend="eager", dynamic=False)
+    counters.clear()
+    idx = torch.randint(64, (2, 16))
+    _, compiled_grads = loss_and_grads(model, idx)
+    assert counters["frames"]["ok"] >= 1  # dynamo traced the checkpointed forward rather than skipping it
+    for name, grad in loss_and_grads(plain, idx)[1].items():
+        torch.testing.assert_close(compiled_grads[name], grad, msg=name)
+
+
+# ---------------------------------------------------------------- incremental decoding
+
+
+DECODE_CONFIGS = [{"scheme": s} for s in SCHEMES] + [
+    {"scheme": "keel", "n_heads": 4, "n_kv_heads": 2, "ffn": "swiglu"},
+    {"scheme": "hybridnorm", "n_heads": 4, "n_kv_heads": 1},
+    {"scheme": "keel", "keel_first_block": "v2", "n_heads": 4, "n_kv_heads": 2},
+]
+
+
+@pytest.mark.parametrize("overrides", DECODE_CONFIGS)
+def test_cached_logits_equal_full_forward(overrides):
+    torch.manual_seed(0)
+    model = KeelLM(tiny(init="unit", **overrides))
+    idx = torch.randint(64, (2, 12))
+    full = model(idx)
+    cache = KVCache(model.cfg.depth)
+    pieces = [model(idx[:, :5], cache), model(idx[:, 5:8], cache)]  # prefill, then a 3-token chunk
+    pieces += [model(idx[:, t : t + 1], cache) for t in range(8, 12)]  # then one token at a time
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 12
+
+
+@pytest.mark.parametrize("overrides", DECODE_CONFIGS[::3] + DECODE_CONFIGS[-3:])
+def test_generate_with_cache_matches_full_recompute(overrides):
+    torch.manual_seed(0)
+    model = KeelLM(tiny(init="unit", **overrides))
+    prompt = torch.randint(64, (2, 4))
+    greedy = model.generate(prompt, 8)
+    assert greedy.shape == (2, 12) and torch.equal(greedy[:, :4], prompt)
+    assert torch.equal(greedy, model.generate(prompt, 8, use_cache=False))
+    sampled = [
+        model.generate(prompt, 8, temperature=0.8, top_k=5, use_cache=cached, generator=torch.Generator().manual_seed(1))
+        for cached in (True, False)
+    ]
+    assert torch.equal(*sampled)
+    stop = int(greedy[0, 6])  # row 0 emits it as its third new token
+    stopped = [model.generate(prompt, 8, stop_tokens=(stop,), use_cache=cached) for cached in (True, False)]
+    assert torch.equal(*stopped)
+    first_stop = (stopped[0][0, 4:] == stop).nonzero()[0, 0]
+    assert (stopped[0][0, 4 + first_stop :] == stop).all()  # a stopped row keeps emitting the stop token
+
+
+def test_generate_left_crops_a_long_prompt():
+    torch.manual_seed(0)
+    model = KeelLM(tiny(init="unit"))  # seq_len 16
+    prompt = torch.randint(64, (2, 14))
+    out = model.generate(prompt, 6)  # only the last 16 - 6 = 10 prompt tokens fit
+    assert out.shape == (2, 20) and torch.equal(out[:, :14], prompt)
+    assert torch.equal(out[:, 4:], model.generate(prompt[:, 4:], 6))
+    assert torch.equal(out, model.generate(prompt, 6, use_cache=False))

@@ -17,10 +17,11 @@ import torch
 from tokenizers import Tokenizer
 
 from keel import cli
-from keel.config import Config, load_config
+from keel.config import Config, DataConfig, load_config
 from keel.data import (
     EOS_TOKEN,
     STDLIB_EXCLUDED_DIRS,
+    cut_text,
     is_validation,
     open_dataset,
     prepare,
@@ -68,6 +69,19 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     return types.SimpleNamespace(root=root, dir=root / "shards", cfg=cfg, texts=texts, manifest=prepare(cfg))
 
 
+def expected_tokens(data_dir: Path, texts: dict[str, str], val_fraction: float) -> dict[str, int]:
+    """Per split: the tokens of its documents {id: text}, encoded one by one, plus one EOS each."""
+    tokenizer = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
+    tokens = {"train": 0, "val": 0}
+    for doc_id, text in texts.items():
+        tokens["val" if is_validation(doc_id, val_fraction, 0) else "train"] += len(tokenizer.encode(text).ids) + 1
+    return tokens
+
+
+def chunk_tokens(data_dir: Path, split: str) -> int:
+    return sum(chunk["dim"] for chunk in json.loads((data_dir / split / "index.json").read_text())["chunks"])
+
+
 def copy_of(built: types.SimpleNamespace, tmp_path: Path, *overrides: str) -> Config:
     shutil.copytree(built.dir, tmp_path / "shards")
     return config(tmp_path / "shards", *overrides, corpus=built.root / "corpus")
@@ -92,13 +106,9 @@ def test_build_writes_tokenizer_shards_val_docs_and_manifest(built):
 
 
 def test_token_counts_add_up(built):
-    tokenizer = Tokenizer.from_file(str(built.dir / "tokenizer.json"))
+    expected = expected_tokens(built.dir, built.texts, VAL_FRACTION)
     for split in ("train", "val"):
-        held_out = split == "val"
-        expected = sum(len(tokenizer.encode(text).ids) + 1 for path, text in built.texts.items()  # + EOS
-                       if is_validation(path, VAL_FRACTION, 0) == held_out)
-        index = json.loads((built.dir / split / "index.json").read_text())
-        assert built.manifest["tokens"][split] == expected == sum(chunk["dim"] for chunk in index["chunks"])
+        assert built.manifest["tokens"][split] == expected[split] == chunk_tokens(built.dir, split)
 
 
 def test_tokenizer_round_trips_text(built):
@@ -123,6 +133,11 @@ def test_shards_built_with_another_tokenizer_are_refused(built, tmp_path):
     train_tokenizer(["some other text"], 260).save(str(other))
     with pytest.raises(ConfigError, match="another tokenizer.*--force"):
         prepare(config(built.dir, f"data.tokenizer={other}", corpus=built.root / "corpus"))
+
+
+def test_shards_built_with_another_doc_chars_are_refused(built):
+    with pytest.raises(ConfigError, match=rf"other data settings \(data.doc_chars: {DataConfig.doc_chars} -> 100\)"):
+        prepare(config(built.dir, "data.doc_chars=100", corpus=built.root / "corpus"))
 
 
 def test_force_rebuilds_with_the_new_settings(built, tmp_path, capsys):
@@ -163,6 +178,13 @@ def test_blank_corpus_is_refused(tmp_path):
         prepare(config(tmp_path / "out", corpus=tmp_path / "corpus"))
 
 
+def test_split_without_documents_is_refused(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("a single document, shorter than data.doc_chars\n")
+    with pytest.raises(ConfigError, match=r"the val split got none of the 1 document\(s\).*a smaller data.doc_chars"):
+        prepare(config(tmp_path / "out", corpus=tmp_path / "corpus"))
+
+
 def test_split_shorter_than_one_sequence_is_refused(built):
     with pytest.raises(ConfigError, match=r"val: its \d+ tokens make no sequence of model.seq_len \+ 1 = 20001"):
         prepare(config(built.dir, "model.seq_len=20000", corpus=built.root / "corpus"))
@@ -186,6 +208,35 @@ def test_jsonl_parquet_and_max_chars(tmp_path):
     cfg.data.text_field = "text"
     with pytest.raises(ConfigError, match="has no field 'text' \\(found: body\\)"):
         list(read_documents(cfg.data))
+
+
+def test_cut_text_prefers_paragraph_ends_and_never_splits_lines():
+    line = "word " * 19 + "word\n"  # 100 characters
+    paragraph = line * 3 + "\n"  # 301 characters
+    prose = paragraph * 40
+    pieces = cut_text(prose, 1000)
+    assert pieces == [paragraph * 3] * 13 + [paragraph]  # the paragraph end nearest to 1000 characters: 903
+    assert cut_text(prose + line * 30, 1000)[:len(pieces) - 2] == pieces[:-2]  # appending changes only the last
+    assert cut_text(prose.replace("\n\n", "\n \r\n"), 1000)[0].endswith("\n \r\n")  # blank = whitespace only
+    lines = line * 35
+    assert cut_text(lines, 1000) == [line * 10] * 3 + [line * 5]  # no paragraph end: at the nearest line end
+    assert cut_text(lines, 0) == cut_text(lines, len(lines)) == [lines]
+    assert cut_text("x" * 5000 + "\n", 1000) == ["x" * 5000 + "\n"]  # one line: never split
+
+
+def test_big_plain_text_files_are_cut_but_source_files_are_not(tmp_path):
+    text = ("word " * 19 + "word\n") * 35
+    for name in ("big.txt", "big.md", "big.py", "small.txt"):
+        (tmp_path / name).write_text(text[:300] if name == "small.txt" else text)
+    cfg = config(tmp_path, f"data.paths=[{tmp_path}/*]", "data.doc_chars=1000")
+    docs = dict(read_documents(cfg.data))
+    cut = [f"{tmp_path}/big.{suffix}#{k}" for suffix in ("md", "txt") for k in range(4)]
+    assert sorted(docs) == sorted([*cut, f"{tmp_path}/big.py", f"{tmp_path}/small.txt"])
+    assert "".join(docs[f"{tmp_path}/big.txt#{k}"] for k in range(4)) == docs[f"{tmp_path}/big.py"] == text
+    cfg.data.doc_chars = 0
+    assert len(list(read_documents(cfg.data))) == 4
+    with pytest.raises(ConfigError, match="data.doc_chars"):
+        load_config(None, ["data.doc_chars=-1"])
 
 
 def test_stdlib_source_skips_test_suites_and_site_packages():
@@ -359,10 +410,24 @@ def test_shared_jsonl_corpus_builds_and_loads(tmp_path):
     assert next(iter(token_loader(cfg, "val", shuffle=False))).shape == (4, 33)
 
 
-def test_single_plain_text_file_is_one_document_and_is_refused(tmp_path):
+def test_single_big_plain_text_file_builds(tmp_path, capsys):
+    """tinyshakespeare's one 1.1 MB file, with the default data.doc_chars and data.val_fraction: cut into documents
+    that join back into it, split by their ids, and every token accounted for."""
     shakespeare = shared("tinyshakespeare/input.txt")
-    with pytest.raises(ConfigError, match=r"split got none of the 1 document\(s\) \(plain-text files are one document"):
-        prepare(config(tmp_path / "out", f"data.paths=[{shakespeare}]"))
+    val_fraction = DataConfig.val_fraction
+    cfg = config(tmp_path / "out", f"data.paths=[{shakespeare}]", f"data.val_fraction={val_fraction}")
+    texts = dict(read_documents(cfg.data))
+    assert list(texts) == [f"{shakespeare}#{k}" for k in range(len(texts))]
+    assert "".join(texts.values()) == shakespeare.read_text(encoding="utf-8")
+    manifest = prepare(cfg)
+    val = sum(is_validation(doc_id, val_fraction, 0) for doc_id in texts)
+    assert manifest["documents"] == {"train": len(texts) - val, "val": val} and val > 0
+    expected = expected_tokens(tmp_path / "out", texts, val_fraction)
+    for split in ("train", "val"):
+        assert manifest["tokens"][split] == expected[split] == chunk_tokens(tmp_path / "out", split) > 0
+    assert prepare(cfg) == manifest and "up to date" in capsys.readouterr().out
+    with capsys.disabled():
+        print(f"\ntinyshakespeare: {manifest['documents']} documents, {manifest['tokens']} tokens")
 
 
 @pytest.mark.slow

@@ -92,6 +92,7 @@ class DataConfig:
     hf_name: str | None = "sample-10BT"
     hf_split: str = "train"
     max_chars: int = 0  # stop reading the source after this many characters; 0 = all
+    doc_chars: int = 4000  # text_files: cut longer plain-text files (not .py) into documents of ~this size; 0 = never
     tokenizer: str | None = None  # tokenizer.json path or hub name; null = train a byte-level BPE
     vocab_size: int = 4096  # for the trained BPE
     val_fraction: float = 0.02  # held-out documents
@@ -103,6 +104,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(self.source in DATA_SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(DATA_SOURCES)}")
         _require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+        _require(self.doc_chars >= 0, "data.doc_chars", "must be >= 0 (0 = one document per plain-text file)")
         _require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
         _require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",
                  "loader_workers must be >= 0 and prepare_workers >= 1")
@@ -118,38 +120,67 @@ class RunConfig:
 
 @dataclass
 class GradNormsConfig:
+    """Per-layer gradient norms before clipping (keel.callbacks.grad_norms)."""
+
     enabled: bool = True
     every_n_steps: int = 10
-    activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) through hooks; 0 = off
-    heatmap_every_n_steps: int = 100
+    heatmap_every_n_steps: int = 100  # depth x step image; 0 = never
+    activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) via keel.gradflow (one extra fwd+bwd); 0 = off
+    max_blocks: int = 32  # blocks with their own scalar tags (evenly spaced); 0 = all. The heatmap shows all
+
+    def __post_init__(self) -> None:
+        for key in ("every_n_steps", "heatmap_every_n_steps", "activation_every_n_steps", "max_blocks"):
+            _require(getattr(self, key) >= 0, f"callbacks.grad_norms.{key}", "must be >= 0")
+        _require(not self.enabled or self.every_n_steps >= 1, "callbacks.grad_norms.every_n_steps",
+                 "must be >= 1 (or set callbacks.grad_norms.enabled=false)")
 
 
 @dataclass
 class StabilityConfig:
+    """Non-finite steps, irrecoverable loss spikes and stagnation (keel.callbacks.stability)."""
+
     enabled: bool = True
-    on_nonfinite: str = "skip"  # skip the optimizer step | stop the run
-    max_nonfinite: int = 5  # consecutive non-finite steps tolerated under skip
-    spike_margin: float = 1.0  # loss above its running minimum by this much (nats) ...
-    spike_patience: int = 20  # ... for this many steps = irrecoverable spike
-    stagnation_window: int = 0  # no new minimum for this many steps = stagnation; 0 = off
-    stop_on_failure: bool = False
+    on_nonfinite: str = "skip"  # skip: drop that step's update; stop: drop it and end the run (a failure)
+    max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
+    spike_margin: float = 1.0  # smoothed loss above its running minimum by this much (nats) ...
+    spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
+    stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
+    stagnation_min_delta: float = 0.01  # nats that count as an improvement
+    stop_on_failure: bool = False  # end the run (with a final checkpoint) at the first failure
 
     def __post_init__(self) -> None:
         _require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
+        for key in ("max_nonfinite", "spike_patience"):
+            _require(getattr(self, key) >= 1, f"callbacks.stability.{key}", "must be >= 1")
+        _require(self.spike_margin > 0, "callbacks.stability.spike_margin", "must be > 0")
+        _require(self.stagnation_window >= 0, "callbacks.stability.stagnation_window", "must be >= 0 (0 = off)")
+        _require(self.stagnation_min_delta >= 0, "callbacks.stability.stagnation_min_delta", "must be >= 0")
 
 
 @dataclass
 class ThroughputConfig:
+    """tokens/s, FLOP/s, MFU and data-wait share (keel.callbacks.throughput); logged every trainer.log_every_n_steps."""
+
     enabled: bool = True
-    window: int = 20  # steps averaged
-    peak_flops: float = 0.0  # per device; 0 = look up the GPU (CPU: no MFU)
+    window: int = 20  # optimizer steps averaged
+    peak_flops: float = 0.0  # per device; 0 = look the GPU up (bf16/fp16 runs; CPU: no MFU)
+
+    def __post_init__(self) -> None:
+        _require(self.window >= 2, "callbacks.throughput.window", "must be >= 2")
+        _require(self.peak_flops >= 0, "callbacks.throughput.peak_flops", "must be >= 0 (0 = look up)")
 
 
 @dataclass
 class LayerImportanceConfig:
+    """Loss increase when each block is skipped, on a fixed validation batch (keel.callbacks.layer_importance)."""
+
     enabled: bool = True
     every_n_steps: int = 200
-    max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included)
+    max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included); 0 = all
+
+    def __post_init__(self) -> None:
+        _require(self.every_n_steps >= 1, "callbacks.layer_importance.every_n_steps", "must be >= 1")
+        _require(self.max_blocks >= 0, "callbacks.layer_importance.max_blocks", "must be >= 0 (0 = all)")
 
 
 @dataclass

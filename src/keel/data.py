@@ -23,6 +23,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -55,6 +56,11 @@ MANIFEST_KEYS = ("settings", "documents", "tokens", "vocab_size", "eos_id", "tok
 # still several times what the default run trains on.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
+# Source files stay whole documents whatever data.doc_chars says: a module is code's natural unit (its imports and
+# definitions are the context of the rest), a code corpus comes as many files anyway, and text_files then reads
+# .py files exactly as the stdlib source does.
+WHOLE_FILE_SUFFIXES = frozenset({".py"})
+PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank lines (spaces, \r allowed in them)
 # Characters of spooled text per optimize() input: small enough to spread over the workers, large enough for
 # each tokenizer call to batch many documents.
 SPAN_CHARS = 1_000_000
@@ -123,6 +129,37 @@ def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
             row += 1
 
 
+def cut_text(text: str, doc_chars: int) -> list[str]:
+    """`text` in consecutive pieces of about doc_chars characters (the whole text when it is no longer; 0 = never
+    cut), which join back into it. Each cut is at the paragraph end (a line end before blank lines) nearest to
+    doc_chars past the previous cut when one lies within a quarter of doc_chars of that, else at the nearest line
+    end. A line is never split, so long lines make longer pieces. The cuts depend on the text and doc_chars alone,
+    and each only on the text up to a little past it: appending to a text changes none but its last pieces."""
+    pieces, start = [], 0
+    while doc_chars and len(text) - start > doc_chars:
+        target, slack = start + doc_chars, doc_chars // 4
+        paragraph_ends = [match.end() for match in PARAGRAPH_END.finditer(text, target - slack, target + slack)]
+        if paragraph_ends:
+            cut = min(paragraph_ends, key=lambda end: abs(end - target))
+        else:
+            before, after = text.rfind("\n", start, target) + 1, text.find("\n", target) + 1
+            cut = min((end for end in (before, after) if end > start), key=lambda end: abs(end - target), default=0)
+        if not start < cut < len(text):
+            break  # no line end left: the rest is one piece
+        pieces.append(text[start:cut])
+        start = cut
+    return [*pieces, text[start:]]
+
+
+def _plain_text_documents(path: str, doc_chars: int) -> Iterator[tuple[str, str]]:
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    pieces = cut_text(text, 0 if Path(path).suffix.lower() in WHOLE_FILE_SUFFIXES else doc_chars)
+    if len(pieces) == 1:  # an uncut file keeps its path as id: its split does not depend on data.doc_chars
+        yield path, text
+    else:
+        yield from ((f"{path}#{number}", piece) for number, piece in enumerate(pieces))
+
+
 def _text_file_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
     for path in _matched_files(data.paths):
         suffix = Path(path).suffix.lower()
@@ -131,7 +168,7 @@ def _text_file_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
         elif suffix == ".parquet":
             yield from _parquet_documents(path, data.text_field)
         elif suffix in PLAIN_TEXT_SUFFIXES:
-            yield path, Path(path).read_text(encoding="utf-8", errors="replace")
+            yield from _plain_text_documents(path, data.doc_chars)
         else:
             plain = ", ".join(sorted(s for s in PLAIN_TEXT_SUFFIXES if s))
             raise ConfigError(f"data.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}")
@@ -180,7 +217,11 @@ def describe_source(data: DataConfig) -> str:
         return (f"Python {sys.version.split()[0]} standard library .py files under {sysconfig.get_paths()['stdlib']}, "
                 f"except in directories named {', '.join(sorted(STDLIB_EXCLUDED_DIRS))}")
     if data.source == "text_files":
-        return f"files matching {', '.join(data.paths)} (field {data.text_field!r} of .jsonl / .parquet)"
+        whole = "/".join(sorted(WHOLE_FILE_SUFFIXES))
+        plain = (f"other plain-text files cut into documents of about {data.doc_chars:,} characters" if data.doc_chars
+                 else "other plain-text files whole")
+        return (f"files matching {', '.join(data.paths)} (field {data.text_field!r} of .jsonl / .parquet, "
+                f"{whole} files whole, {plain})")
     return (f"Hugging Face dataset {data.hf_dataset} (name {data.hf_name}, split {data.hf_split}, "
             f"field {data.text_field!r})")
 
@@ -194,7 +235,7 @@ def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:
 def build_settings(data: DataConfig) -> dict[str, Any]:
     """The data.* values that determine what `keel data` builds: recorded in the manifest, compared on re-runs."""
     keys = ["source", "max_chars", "val_fraction", "seed", "tokenizer"]
-    keys += {"stdlib": [], "text_files": ["paths", "text_field"],
+    keys += {"stdlib": [], "text_files": ["paths", "text_field", "doc_chars"],
              "hf": ["hf_dataset", "hf_name", "hf_split", "text_field"]}[data.source]
     if data.tokenizer is None:
         keys.append("vocab_size")  # shapes only a tokenizer trained here
@@ -252,10 +293,10 @@ def _spool(data: DataConfig, workdir: str) -> dict[str, _Spool]:
         )
     for split, spool in spools.items():
         if spool.documents == 0:
+            smaller = ", a smaller data.doc_chars" if data.source == "text_files" else ""
             raise ConfigError(
                 f"data.val_fraction={data.val_fraction}: the {split} split got none of the {total} document(s) "
-                "(plain-text files are one document each); use more documents, "
-                "or another data.val_fraction or data.seed"
+                f"({describe_source(data)}); use more text{smaller}, or another data.val_fraction or data.seed"
             )
     return spools
 

@@ -1,1 +1,8 @@
-"""Lightning callbacks for Keel training: each owns one job and its metrics."""
+"""Lightning callbacks for Keel training: each owns one job and its metrics (tags: docs/tensorboard.md)."""
+
+from keel.callbacks.grad_norms import GradNormMonitor
+from keel.callbacks.layer_importance import LayerImportance
+from keel.callbacks.stability import Failure, StabilityMonitor
+from keel.callbacks.throughput import SpeedMonitor
+
+__all__ = ["Failure", "GradNormMonitor", "LayerImportance", "SpeedMonitor", "StabilityMonitor"]

@@ -133,6 +133,9 @@ class GradNormsConfig:
             _require(getattr(self, key) >= 0, f"callbacks.grad_norms.{key}", "must be >= 0")
         _require(not self.enabled or self.every_n_steps >= 1, "callbacks.grad_norms.every_n_steps",
                  "must be >= 1 (or set callbacks.grad_norms.enabled=false)")
+        _require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
+                 "callbacks.grad_norms.heatmap_every_n_steps",
+                 f"must be a multiple of callbacks.grad_norms.every_n_steps={self.every_n_steps} (0 = never)")
 
 
 @dataclass
@@ -193,14 +196,23 @@ class CallbacksConfig:
 
 @dataclass
 class EvalConfig:
+    """Downstream tasks during training (keel.callbacks.downstream_eval; docs/evaluation.md)."""
+
     enabled: bool = True
-    every_n_steps: int = 200
-    tasks: list[str] = field(default_factory=lambda: ["keel_next_line", "keel_last_token"])
-    limit: int = 100  # examples per task per evaluation
-    num_fewshot: int = 0
-    batch_size: int = 16
-    data_dir: str = "../shared/data"  # where the standard-suite files live (shared/data/MANIFEST.md layout)
-    include_path: str | None = None  # extra lm-eval task YAMLs
+    every_n_steps: int = 100  # a multiple of trainer.val_every_n_steps: tasks run right after validation
+    tasks: list[str] = field(default_factory=lambda: ["keel_next_line", "keel_last_token"])  # names, tags or groups
+    limit: int | None = 100  # first documents of each task per evaluation; null = all
+    num_fewshot: int | None = None  # null: each task's own default
+    batch_size: int = 16  # sequences per forward pass
+    data_dir: str = "../shared/data"  # the standard-suite files (shared/data/MANIFEST.md layout)
+    include_path: str | None = None  # a directory of extra lm-eval task YAMLs
+
+    def __post_init__(self) -> None:
+        for key in ("every_n_steps", "batch_size"):
+            _require(getattr(self, key) >= 1, f"eval.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(self.limit is None or self.limit >= 1, "eval.limit", "must be >= 1 or null (all documents)")
+        _require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
+        _require(not self.enabled or bool(self.tasks), "eval.tasks", "name at least one task, or set eval.enabled=false")
 
 
 @dataclass

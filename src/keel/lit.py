@@ -28,6 +28,23 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; batch: (B, T + 1) token ids."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+    logits = model(inputs)  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, weight decay on matrices only (`keel bench` times this same optimizer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"name": "matrices", "params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"name": "gains", "params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm gains
+    ]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+
 class KeelLitModule(L.LightningModule):
     def __init__(self, cfg: Config, tokenizer_json: str | None = None) -> None:
         super().__init__()
@@ -47,9 +64,7 @@ class KeelLitModule(L.LightningModule):
         return self.cfg.trainer.micro_batch_size * self.cfg.model.seq_len * self.trainer.world_size
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        logits = self.model(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = next_token_loss(self.model, batch)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens", float((self.global_step + 1) * self.tokens_per_step * self.cfg.trainer.grad_accum))
         return loss
@@ -66,12 +81,7 @@ class KeelLitModule(L.LightningModule):
 
     def configure_optimizers(self):
         optim = self.cfg.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"name": "matrices", "params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-            {"name": "gains", "params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm gains
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        optimizer = make_optimizer(self.model, optim)
         max_steps = self.cfg.trainer.max_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}

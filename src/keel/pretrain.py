@@ -11,10 +11,12 @@ import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from keel.callbacks import GradNormMonitor, LayerImportance, SpeedMonitor, StabilityMonitor
 from keel.checkpoint import LAST, AtomicCheckpointIO, check_resumable, checkpoint_dir, read_checkpoint, resolve_resume
 from keel.config import Config, load_config, to_yaml
 from keel.data import KeelDataModule, open_dataset
 from keel.lit import KeelLitModule, check_same_model
+from keel.model import ConfigError, flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 
 
@@ -41,6 +43,29 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
         ),
         LearningRateMonitor(logging_interval="step"),
     ]
+    cb = cfg.callbacks
+    if cb.grad_norms.enabled:
+        if cb.grad_norms.activation_every_n_steps and (cfg.trainer.strategy == "fsdp" or cfg.trainer.compile):
+            raise ConfigError("callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile "
+                              "(keel.gradflow) needs unsharded, uncompiled blocks; set it to 0 with "
+                              "trainer.strategy=fsdp or trainer.compile=true")
+        callbacks.append(GradNormMonitor(cb.grad_norms.every_n_steps, cb.grad_norms.heatmap_every_n_steps,
+                                         cb.grad_norms.activation_every_n_steps, cb.grad_norms.max_blocks))
+    if cb.stability.enabled:
+        s = cb.stability
+        callbacks.append(StabilityMonitor(cfg.run.dir, s.on_nonfinite, s.max_nonfinite, s.spike_margin,
+                                          s.spike_patience, s.stagnation_window, s.stagnation_min_delta,
+                                          s.stop_on_failure))
+    if cb.layer_importance.enabled:
+        callbacks.append(LayerImportance(cb.layer_importance.every_n_steps, cb.layer_importance.max_blocks))
+    if cfg.eval.enabled:
+        from keel.callbacks.downstream_eval import DownstreamEval  # imported only when used: lm-eval loads slowly
+
+        callbacks.append(DownstreamEval(cfg))
+    if cb.throughput.enabled:  # last: its step timing then includes the other callbacks' work
+        tokens_per_step = cfg.trainer.micro_batch_size * cfg.model.seq_len * cfg.trainer.grad_accum
+        callbacks.append(SpeedMonitor(tokens_per_step, flops_per_token(cfg.model), cb.throughput.window,
+                                      cb.throughput.peak_flops))
     return callbacks
 
 

@@ -1,0 +1,147 @@
+"""Per-layer gradient norms: where the gradient goes, layer by layer, as training proceeds.
+
+Every `every_n_steps`, in on_before_optimizer_step (after backward and AMP unscaling, before clipping):
+
+    grad/attn/block_003, grad/ffn/block_003           ||grad|| of that sublayer's branch matrices
+    grad/gain/attn/block_003, grad/gain/ffn/block_003   ||grad|| of its norm gains (norm_in, norm_out, q/k/v norms)
+    grad/embed, grad/head, grad/gain/final
+    grad/global                                       all parameters together: the norm clipping sees
+    grad/ratio/bottom_top, grad/ratio/middle_top, grad/ratio/block0_top   block weight-gradient ratios
+    grad/heatmap/branch_weights                       every sublayer x step, log10 (every heatmap_every_n_steps)
+
+Block ratios use a block's two branches together; bottom = block 1 for Keel, block 0 otherwise, middle =
+depth // 2, top = the last block (the definitions of keel.gradflow). Keel's block 0 (alpha = 1) gets ~L times
+the weight gradient of the others by design (norm-schemes.md, "Keel and gradient scale"): block0_top shows it.
+
+Optionally, every `activation_every_n_steps`, the activation-gradient profile ||dL/dx_l|| * rms(x_l) of the
+step's batch (grad/act/..., measured by keel.gradflow.measure_model: one extra forward and backward).
+
+Lightning's `utilities.grad_norm` is not used: it gives per-parameter norms (we group by sublayer) and costs a
+collective per parameter on FSDP2 DTensors; here all norms are reduced together (keel.callbacks._norms).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
+from keel.callbacks._norms import full_norms
+from keel.gradflow import measure_model
+
+KINDS = ("attn", "ffn")
+
+
+def block_tag(prefix: str, kind: str, block: int) -> str:
+    return f"{prefix}/{kind}/block_{block:03d}"
+
+
+def bottom_middle_top(scheme: str, depth: int) -> tuple[int, int, int]:
+    """The blocks that summary ratios compare; Keel's alpha = 1 block 0 is not "bottom" (see module doc)."""
+    return (1 if scheme == "keel" and depth > 1 else 0), depth // 2, depth - 1
+
+
+def parameter_groups(model) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """(tag, parameters) for every tagged group of a KeelLM; together they hold every parameter once."""
+    groups = []
+    for b, block in enumerate(model.blocks):
+        for kind in KINDS:
+            params = list(getattr(block, kind).parameters())
+            groups.append((block_tag("grad", kind, b), [p for p in params if p.ndim >= 2]))
+            groups.append((block_tag("grad/gain", kind, b), [p for p in params if p.ndim < 2]))
+    groups.append(("grad/embed", [model.embed.weight]))
+    if model.final_norm is not None:
+        groups.append(("grad/gain/final", [model.final_norm.weight]))
+    if model.head.weight is not model.embed.weight:  # tied embeddings: one matrix, reported as grad/embed
+        groups.append(("grad/head", [model.head.weight]))
+    grouped = {id(p) for _, params in groups for p in params}
+    others = [p for p in model.parameters() if id(p) not in grouped]
+    if others:
+        groups.append(("grad/other", others))
+    return [(tag, params) for tag, params in groups if params]
+
+
+class GradNormMonitor(Callback):
+    def __init__(
+        self, every_n_steps: int = 10, heatmap_every_n_steps: int = 100, activation_every_n_steps: int = 0,
+        max_blocks: int = 32,
+    ) -> None:
+        self.every_n_steps = every_n_steps
+        self.heatmap_every_n_steps = heatmap_every_n_steps
+        self.activation_every_n_steps = activation_every_n_steps
+        self.max_blocks = max_blocks  # blocks with their own scalar tags; the heatmap always shows all
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # After the strategy's setup: under FSDP the parameters are now the DTensors the optimizer updates.
+        model = pl_module.model
+        cfg = model.cfg
+        groups = parameter_groups(model)
+        self._tags = [tag for tag, _ in groups]
+        self._params = [p for _, params in groups for p in params]
+        self._group_of = torch.tensor([g for g, (_, params) in enumerate(groups) for _ in params])
+        self._depth = cfg.depth
+        self._ratio_blocks = bottom_middle_top(cfg.scheme, cfg.depth)
+        self._shown = set(evenly_spaced(cfg.depth, self.max_blocks))
+        hidden = {block_tag(prefix, kind, b) for b in range(cfg.depth) if b not in self._shown
+                  for prefix in ("grad", "grad/gain") for kind in KINDS}
+        self._logged = [tag for tag in [*self._tags, "grad/global"] if tag not in hidden]
+        rows = [f"{kind} {b}" for b in range(cfg.depth) for kind in KINDS]
+        self._heatmap = Heatmap("grad/heatmap/branch_weights", rows, "||grad|| of branch weights", log10=True)
+
+    def norms(self) -> dict[str, float]:
+        """Every group's gradient norm and the global one, by tag (a collective under FSDP: call on all ranks)."""
+        with_grad = [i for i, p in enumerate(self._params) if p.grad is not None]
+        if not with_grad:
+            return {}
+        per_param = full_norms([self._params[i].grad for i in with_grad])
+        squares = torch.zeros(len(self._tags), device=per_param.device)
+        squares.index_add_(0, self._group_of[with_grad].to(per_param.device), per_param.square())
+        values = torch.cat((squares, squares.sum()[None])).sqrt().tolist()
+        return dict(zip([*self._tags, "grad/global"], values))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        step = trainer.global_step
+        if not due(step, self.every_n_steps):
+            return
+        start = time.perf_counter()
+        norms = self.norms()
+        if not norms:
+            return
+        blocks = [math.hypot(norms[block_tag("grad", "attn", b)], norms[block_tag("grad", "ffn", b)])
+                  for b in range(self._depth)]
+        bottom, middle, top = self._ratio_blocks
+        ratios = {
+            "grad/ratio/bottom_top": blocks[bottom] / blocks[top] if blocks[top] else math.nan,
+            "grad/ratio/middle_top": blocks[middle] / blocks[top] if blocks[top] else math.nan,
+            "grad/ratio/block0_top": blocks[0] / blocks[top] if blocks[top] else math.nan,
+        }
+        shown = {tag: norms[tag] for tag in self._logged}
+        if trainer.is_global_zero:
+            self._heatmap.add(step, [norms[block_tag("grad", kind, b)] for b in range(self._depth) for kind in KINDS])
+            if due(step, self.heatmap_every_n_steps):
+                self._heatmap.log(trainer, step)
+        elapsed = {"time/grad_norms_ms": 1e3 * (time.perf_counter() - start)}
+        log_scalars(trainer, {**shown, **ratios, **elapsed}, step)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        step = finished_step(trainer)
+        if step is None or not due(step, self.activation_every_n_steps):
+            return
+        start = time.perf_counter()
+        with trainer.precision_plugin.forward_context():
+            flow = measure_model(pl_module.model, batch[:, :-1], batch[:, 1:])
+        metrics = {
+            block_tag("grad/act", row["kind"], row["block"]): row["rel_act_grad"]
+            for row in flow["sublayers"] if row["block"] in self._shown
+        }
+        for ratio in ("bottom_top", "middle_top"):
+            if (value := flow["summary"][f"rel_act_grad_{ratio}"]) is not None:  # None: a zero top gradient
+                metrics[f"grad/act/ratio/{ratio}"] = value
+        metrics["time/grad_act_ms"] = 1e3 * (time.perf_counter() - start)
+        log_scalars(trainer, metrics, step)

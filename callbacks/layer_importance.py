@@ -1,0 +1,92 @@
+"""Layer importance over training (the paper's Section 8, made dynamic): how much the loss rises when one
+block is skipped, i.e. its output replaced by its input, on one fixed validation batch.
+
+Every `every_n_steps`:
+
+    importance/block_003        loss with block 3 skipped - loss of the full model (nats)
+    importance/base_loss        loss of the full model on that batch
+    importance/heatmap          blocks x steps
+    time/layer_importance_ms
+
+Deep models measure `max_blocks` evenly spaced blocks (first and last included). A skip swaps the block for
+a module that returns its input, so the skipped block costs nothing and nothing else changes (no hooks to
+recompile under torch.compile). Under FSDP every rank runs the same forwards (their all-gathers are
+collective) on its own batch; the losses are averaged over ranks and rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
+
+
+class SkippedBlock(nn.Module):
+    """Stands in for a block: returns the residual stream it is given."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return x
+
+
+@torch.no_grad()
+def skip_losses(model, batch: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """[loss of the full model, loss with blocks[0] skipped, ...] on a (B, T + 1) token batch."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
+
+    losses = [loss()]
+    for b in blocks:
+        block = model.blocks[b]
+        model.blocks[b] = SkippedBlock()
+        try:
+            losses.append(loss())
+        finally:
+            model.blocks[b] = block
+    return torch.stack(losses)
+
+
+class LayerImportance(Callback):
+    def __init__(self, every_n_steps: int = 200, max_blocks: int = 16) -> None:
+        self.every_n_steps = every_n_steps
+        self.max_blocks = max_blocks
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.datamodule is None:
+            raise RuntimeError("LayerImportance takes its fixed batch from trainer.datamodule.val_dataloader()")
+        self._batch = next(iter(trainer.datamodule.val_dataloader())).to(pl_module.device)
+        self._blocks = evenly_spaced(pl_module.model.cfg.depth, self.max_blocks)
+        rows = [f"block {b}" for b in self._blocks]
+        self._heatmap = Heatmap("importance/heatmap", rows, "loss increase when skipped")
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
+        step = finished_step(trainer)
+        if step is None or not due(step, self.every_n_steps):
+            return
+        start = time.perf_counter()
+        model = pl_module.model
+        was_training = model.training
+        model.eval()
+        try:
+            with trainer.precision_plugin.forward_context():
+                losses = skip_losses(model, self._batch, self._blocks)
+        finally:
+            model.train(was_training)
+        base, *skipped = trainer.strategy.reduce(losses, reduce_op="mean").tolist()
+        increases = [loss - base for loss in skipped]
+        metrics = {f"importance/block_{b:03d}": inc for b, inc in zip(self._blocks, increases)}
+        metrics["importance/base_loss"] = base
+        if trainer.is_global_zero:
+            self._heatmap.add(step, increases)
+            self._heatmap.log(trainer, step)
+        metrics["time/layer_importance_ms"] = 1e3 * (time.perf_counter() - start)
+        log_scalars(trainer, metrics, step)

@@ -1,0 +1,236 @@
+"""Training-failure detection: the three ways the paper's runs die, caught as they happen.
+
+    nonfinite    the step's loss or global gradient norm is NaN/inf. Its update is always dropped (the grads
+                 are set to None, so AdamW leaves weights and moments alone; the LR schedule still advances).
+                 on_nonfinite=skip tolerates up to max_nonfinite consecutive such steps; stop fails at the first.
+    spike        the smoothed loss stays above its running minimum by spike_margin nats for spike_patience steps
+                 (an irrecoverable spike; shorter excursions are logged as recovered spikes)
+    stagnation   the smoothed loss has not improved on its best by stagnation_min_delta for stagnation_window
+                 steps (abnormally slow descent; off when the window is 0)
+
+The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the step before the
+failure's onset, and written to <run.dir>/stability.json (rewritten at the end of training, failed or not).
+The run then ends cleanly (trainer.should_stop; pretrain.train writes the final checkpoint) if
+stop_on_failure, and always for a non-finite step under on_nonfinite=stop. Typical use (the max-LR experiment):
+
+    monitor = StabilityMonitor(run_dir, stop_on_failure=True, stagnation_window=100)
+    trainer.fit(...)
+    monitor.failure        # None, or Failure(kind, step, detected_step, lr, max_tolerable_lr, loss, message)
+    monitor.max_tolerable_lr
+
+Every decision uses values that are the same on every rank (the loss averaged over ranks, the full gradient
+norm), so all ranks skip and stop together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from keel.callbacks._logging import due, log_scalars, log_text
+from keel.callbacks._norms import full_norms
+from keel.config import ON_NONFINITE
+
+SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
+
+
+@dataclass
+class Failure:
+    kind: str  # nonfinite | spike | stagnation
+    step: int  # onset: the first step of the failure
+    detected_step: int
+    lr: float | None  # learning rate at the onset
+    max_tolerable_lr: float | None  # learning rate of the step before the onset (None: failed from the first step)
+    loss: float  # step loss when detected
+    message: str
+
+
+class StabilityMonitor(Callback):
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        on_nonfinite: str = "skip",
+        max_nonfinite: int = 5,
+        spike_margin: float = 1.0,
+        spike_patience: int = 20,
+        stagnation_window: int = 0,
+        stagnation_min_delta: float = 0.01,
+        stop_on_failure: bool = False,
+    ) -> None:
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.on_nonfinite = on_nonfinite
+        self.max_nonfinite = max_nonfinite
+        self.spike_margin = spike_margin
+        self.spike_patience = spike_patience
+        self.stagnation_window = stagnation_window
+        self.stagnation_min_delta = stagnation_min_delta
+        self.stop_on_failure = stop_on_failure
+        self.failure: Failure | None = None
+        self.counts = {"nonfinite_steps": 0, "spikes": 0, "stagnations": 0}
+        self.max_lr_seen = 0.0
+        # trend of the smoothed loss
+        self._ema: float | None = None
+        self._best = math.inf  # running minimum of the EMA
+        self._over = 0  # consecutive steps with the EMA above best + margin
+        self._ref, self._ref_step = math.inf, -1  # last significant improvement (stagnation)
+        self._nonfinite_run = 0
+        # per step
+        self._loss: torch.Tensor | None = None  # sum of the micro-batches' (1/accumulate)-scaled losses
+        self._lrs: deque[tuple[int, float]] = deque(maxlen=max(spike_patience, stagnation_window, max_nonfinite) + 2)
+        self._scaler = None
+        self._elapsed_s, self._timed_steps = 0.0, 0
+
+    @property
+    def max_tolerable_lr(self) -> float | None:
+        return self.failure.max_tolerable_lr if self.failure else None
+
+    def summary(self, steps: int) -> dict:
+        """What stability.json holds: the first failure (kind None if none), steps run, the largest LR seen."""
+        failure = asdict(self.failure) if self.failure else dict.fromkeys(Failure.__dataclass_fields__)
+        if failure["loss"] is not None and not math.isfinite(failure["loss"]):
+            failure["loss"] = None  # strict JSON has no NaN; the message says what it was
+        return {"failed": self.failure is not None, **failure, "steps": steps, "max_lr_seen": self.max_lr_seen,
+                **self.counts}
+
+    # ------------------------------------------------------------------------------------------------- hooks
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # fp16 loss scaling: inf gradients are routine there and handled by the scaler, so only the loss is checked
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        loss = loss.detach()
+        if self._scaler is not None:
+            loss = loss / self._scaler.get_scale()
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if self._loss is None:  # no backward this step (a training_step that returned None)
+            return
+        start = time.perf_counter()
+        step, lr = trainer.global_step, optimizer.param_groups[0]["lr"]
+        self._lrs.append((step, lr))
+        self.max_lr_seen = max(self.max_lr_seen, lr)
+        checks = [trainer.strategy.reduce(self._loss, reduce_op="mean").float()]
+        self._loss = None
+        if self._scaler is None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            checks.append(torch.linalg.vector_norm(full_norms(grads)).to(checks[0].device))
+        loss, *grad_norm = torch.stack(checks).tolist()  # the only host sync of this callback
+        if math.isfinite(loss) and all(math.isfinite(g) for g in grad_norm):
+            self._nonfinite_run = 0
+            self._follow_trend(trainer, step, loss)
+        else:
+            optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
+            self._on_nonfinite(trainer, step, loss, grad_norm)
+        self._elapsed_s += time.perf_counter() - start
+        self._timed_steps += 1
+        if due(step, trainer.log_every_n_steps):
+            self._log_state(trainer, step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer)
+
+    def state_dict(self) -> dict:
+        return {
+            "failure": asdict(self.failure) if self.failure else None, "counts": dict(self.counts),
+            "max_lr_seen": self.max_lr_seen, "ema": self._ema, "best": self._best, "over": self._over,
+            "ref": self._ref, "ref_step": self._ref_step, "nonfinite_run": self._nonfinite_run,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.failure = Failure(**state["failure"]) if state["failure"] else None
+        self.counts.update(state["counts"])
+        self.max_lr_seen = state["max_lr_seen"]
+        self._ema, self._best, self._over = state["ema"], state["best"], state["over"]
+        self._ref, self._ref_step, self._nonfinite_run = state["ref"], state["ref_step"], state["nonfinite_run"]
+
+    # ------------------------------------------------------------------------------------------------ checks
+
+    def _on_nonfinite(self, trainer: L.Trainer, step: int, loss: float, grad_norm: list[float]) -> None:
+        self.counts["nonfinite_steps"] += 1
+        self._nonfinite_run += 1
+        what = f"loss {loss:.4g}" + (f", gradient norm {grad_norm[0]:.4g}" if grad_norm else "")
+        self._event(trainer, step, f"non-finite step ({what}): update skipped")
+        if self.on_nonfinite == "stop":
+            self._fail(trainer, "nonfinite", step, step, loss, f"non-finite step ({what})", stop=True)
+        elif self._nonfinite_run >= self.max_nonfinite:
+            onset = step - self._nonfinite_run + 1
+            self._fail(trainer, "nonfinite", onset, step, loss, f"{self._nonfinite_run} consecutive non-finite steps")
+
+    def _follow_trend(self, trainer: L.Trainer, step: int, loss: float) -> None:
+        self._ema = loss if self._ema is None else SMOOTHING * self._ema + (1 - SMOOTHING) * loss
+        self._best = min(self._best, self._ema)
+        excess = self._ema - self._best
+        if excess > self.spike_margin:
+            self._over += 1
+            if self._over == 1:
+                self.counts["spikes"] += 1
+                self._event(trainer, step,
+                            f"loss spike: smoothed loss {self._ema:.3f} is {excess:.2f} above its minimum")
+            if self._over == self.spike_patience:
+                self._fail(trainer, "spike", step - self._over + 1, step, loss, f"smoothed loss above its minimum "
+                           f"{self._best:.3f} by > {self.spike_margin} for {self._over} steps")
+        elif self._over:
+            self._event(trainer, step, f"loss spike recovered after {self._over} steps")
+            self._over = 0
+        if not self.stagnation_window:
+            return
+        if self._ema < self._ref - self.stagnation_min_delta:
+            self._ref, self._ref_step = self._ema, step
+        elif step - self._ref_step >= self.stagnation_window:
+            self.counts["stagnations"] += 1
+            self._fail(trainer, "stagnation", self._ref_step + 1, step, loss,
+                       f"smoothed loss {self._ema:.3f} has not improved on {self._ref:.3f} by "
+                       f"{self.stagnation_min_delta} for {step - self._ref_step} steps")
+            self._ref_step = step  # another stagnation only after another full window
+
+    # ----------------------------------------------------------------------------------------------- outcome
+
+    def _lr_at(self, step: int) -> float | None:
+        return next((lr for s, lr in self._lrs if s == step), None)
+
+    def _fail(self, trainer: L.Trainer, kind: str, onset: int, step: int, loss: float, message: str,
+              stop: bool = False) -> None:
+        if self.failure is None:
+            self.failure = Failure(kind, onset, step, self._lr_at(onset), self._lr_at(onset - 1), loss, message)
+            self._write(trainer)
+        self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
+        if stop or self.stop_on_failure:
+            trainer.should_stop = True
+            rank_zero_warn(f"stability: stopping the run after step {step}: {kind}: {message}; "
+                           f"max tolerable LR {self.max_tolerable_lr}")
+
+    def _event(self, trainer: L.Trainer, step: int, text: str) -> None:
+        log_text(trainer, "stability/events", f"step {step}: {text}", step)
+        self._log_state(trainer, step)
+
+    def _log_state(self, trainer: L.Trainer, step: int) -> None:
+        metrics = {f"stability/{name}": float(count) for name, count in self.counts.items()}
+        metrics["stability/failed"] = float(self.failure is not None)
+        if self._ema is not None:
+            metrics["stability/loss_excess"] = self._ema - self._best  # what spike_margin is compared with
+        if self.max_tolerable_lr is not None:
+            metrics["stability/max_tolerable_lr"] = self.max_tolerable_lr
+        if self._timed_steps:
+            metrics["time/stability_ms"] = 1e3 * self._elapsed_s / self._timed_steps
+            self._elapsed_s, self._timed_steps = 0.0, 0
+        log_scalars(trainer, metrics, step)
+
+    def _write(self, trainer: L.Trainer) -> None:
+        if self.run_dir is None or not trainer.is_global_zero:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        steps = trainer.global_step
+        (self.run_dir / "stability.json").write_text(json.dumps(self.summary(steps), indent=1) + "\n")

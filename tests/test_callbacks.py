@@ -1,0 +1,165 @@
+"""The training callbacks: gradient norms against a manual computation, forced NaNs and a learning-rate
+blow-up caught and handled as configured, every TensorBoard tag written, layer importance of an identity block."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from keel.callbacks.grad_norms import GradNormMonitor
+from keel.callbacks.layer_importance import skip_losses
+from keel.config import load_config
+from keel.lit import lr_factor
+from keel.model import KeelLM, ModelConfig
+from keel.pretrain import train
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+
+NO_EXTRAS = ["eval.enabled=false"]
+# Every callback at a cadence the short runs below reach.
+BUSY_CALLBACKS = [
+    "callbacks.grad_norms.every_n_steps=2",
+    "callbacks.grad_norms.heatmap_every_n_steps=6",
+    "callbacks.grad_norms.activation_every_n_steps=3",
+    "callbacks.layer_importance.every_n_steps=6",
+    "callbacks.throughput.window=3",
+]
+
+
+def tiny_config(tiny_data, run_dir: Path, *extra: str):
+    return load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *NO_EXTRAS, *tiny_data, f"run.dir={run_dir}", *extra])
+
+
+def events(run_dir: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+class NaNLossAt(Callback):
+    """Makes the logits (hence the loss and every gradient) NaN during the given steps."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = set(steps)
+        self.handle = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step in self.steps:
+            self.handle = pl_module.model.head.register_forward_hook(lambda module, args, out: out * math.nan)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def test_grad_norms_match_manual_computation():
+    torch.manual_seed(0)
+    cfg = ModelConfig(depth=3, width=32, n_heads=2, seq_len=16, vocab_size=64)
+    model = KeelLM(cfg)
+    tokens = torch.randint(cfg.vocab_size, (2, cfg.seq_len + 1))
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    monitor = GradNormMonitor()
+    monitor.on_fit_start(None, SimpleNamespace(model=model))
+    norms = monitor.norms()
+
+    def manual(params) -> float:
+        return math.sqrt(sum(p.grad.double().square().sum().item() for p in params))
+
+    for b, block in enumerate(model.blocks):
+        for kind in ("attn", "ffn"):
+            sub = getattr(block, kind)
+            assert norms[f"grad/{kind}/block_{b:03d}"] == pytest.approx(manual(sub.branch.parameters()), rel=1e-5)
+            gains = [m.weight for m in (sub.norm_in, sub.norm_out) if m is not None]
+            assert norms[f"grad/gain/{kind}/block_{b:03d}"] == pytest.approx(manual(gains), rel=1e-5)
+    assert norms["grad/embed"] == pytest.approx(manual([model.embed.weight]), rel=1e-5)
+    assert norms["grad/head"] == pytest.approx(manual([model.head.weight]), rel=1e-5)
+    assert norms["grad/global"] == pytest.approx(manual(model.parameters()), rel=1e-5)
+    # the norm clipping sees
+    clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert norms["grad/global"] == pytest.approx(clipped_norm.item(), rel=1e-5)
+    # Keel's alpha = 1 block 0 takes far larger weight gradients than the highway blocks (norm-schemes.md)
+    assert norms["grad/attn/block_000"] > 5 * norms["grad/attn/block_002"]
+
+
+def test_nonfinite_step_is_skipped_and_every_tag_is_logged(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=12", "trainer.val_every_n_steps=6", "trainer.val_batches=1",
+                      *BUSY_CALLBACKS)
+    trainer = train(cfg, extra_callbacks=[NaNLossAt(4)])
+    assert trainer.global_step == 12  # skip: the run goes on
+    optimizer = trainer.optimizers[0]
+    assert all(optimizer.state[p]["step"] == 11 for p in trainer.lightning_module.parameters())  # one update dropped
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+
+    acc = events(run)
+    scalars = set(acc.Tags()["scalars"])
+    depth = cfg.model.depth
+    expected = {"train/loss", "train/tokens", "val/loss", "val/ppl", "lr/matrices", "lr/gains",
+                "grad/global", "grad/embed", "grad/head", "grad/ratio/bottom_top", "grad/ratio/middle_top",
+                "grad/ratio/block0_top", "grad/act/ratio/bottom_top", "grad/act/ratio/middle_top",
+                "stability/nonfinite_steps", "stability/spikes", "stability/stagnations", "stability/failed",
+                "stability/loss_excess", "perf/tokens_per_s", "perf/tokens_per_s_per_device", "perf/flops_per_token",
+                "perf/flops_per_s", "perf/data_wait_frac", "perf/step_ms", "importance/base_loss",
+                "time/grad_norms_ms", "time/grad_act_ms", "time/stability_ms", "time/throughput_ms",
+                "time/layer_importance_ms"}
+    for b in range(depth):
+        expected |= {f"importance/block_{b:03d}"}
+        for kind in ("attn", "ffn"):
+            expected |= {f"grad/{prefix}{kind}/block_{b:03d}" for prefix in ("", "gain/", "act/")}
+    assert expected <= scalars, expected - scalars
+    assert set(acc.Tags()["images"]) == {"grad/heatmap/branch_weights", "importance/heatmap"}
+    assert [e.value for e in acc.Scalars("stability/nonfinite_steps")][-1] == 1
+    event_text = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("stability/events/text_summary")]
+    assert any("step 4: non-finite" in text for text in event_text)
+    assert json.loads((run / "stability.json").read_text())["failed"] is False
+
+
+def test_nonfinite_step_stops_the_run_when_configured(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=20", "callbacks.stability.on_nonfinite=stop",
+                      "optim.warmup_steps=10")
+    trainer = train(cfg, extra_callbacks=[NaNLossAt(3)])
+    assert trainer.global_step == 4  # stopped after the failing step, whose update was dropped
+    report = json.loads((run / "stability.json").read_text())
+    assert report["failed"] and report["kind"] == "nonfinite" and report["step"] == 3
+    assert report["max_tolerable_lr"] == pytest.approx(cfg.optim.lr * lr_factor(2, cfg.optim, 20))
+    assert (run / "checkpoints" / "last.ckpt").exists()
+
+
+def test_learning_rate_blow_up_is_detected_and_stops(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=80", "optim.lr=50", "optim.warmup_steps=20",
+                      "callbacks.stability.stop_on_failure=true", "callbacks.stability.spike_patience=5",
+                      "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false")
+    trainer = train(cfg)
+    monitor = next(cb for cb in trainer.callbacks if type(cb).__name__ == "StabilityMonitor")
+    failure = monitor.failure
+    assert failure is not None and trainer.global_step == failure.detected_step + 1 < 80
+    assert failure.kind in ("nonfinite", "spike")
+    expected = cfg.optim.lr * lr_factor(failure.step - 1, cfg.optim, 80)
+    assert monitor.max_tolerable_lr == pytest.approx(expected) and monitor.max_tolerable_lr < cfg.optim.lr
+    assert json.loads((run / "stability.json").read_text())["max_tolerable_lr"] == pytest.approx(expected)
+
+
+def test_layer_importance_is_zero_for_an_identity_block():
+    torch.manual_seed(0)
+    cfg = ModelConfig(depth=4, width=32, n_heads=2, seq_len=16, vocab_size=64, init="unit")
+    model = KeelLM(cfg).eval()
+    with torch.no_grad():  # block 2 adds nothing: Norm_out(alpha * x) = x for its unit-rms, unit-gain input
+        model.blocks[2].attn.branch.out.weight.zero_()
+        model.blocks[2].ffn.branch.down.weight.zero_()
+    batch = torch.randint(cfg.vocab_size, (4, cfg.seq_len + 1))
+    base, *skipped = skip_losses(model, batch, [0, 1, 2, 3]).tolist()
+    increases = [loss - base for loss in skipped]
+    assert abs(increases[2]) < 1e-5
+    assert all(abs(increases[b]) > 1e-3 for b in (0, 1, 3))
+    assert all(block.__class__.__name__ == "Block" for block in model.blocks)  # restored

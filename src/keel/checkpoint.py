@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,10 @@ def _fsync(path: Path) -> None:
 
 
 def _remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def commit_dir(staging: Path, path: Path) -> None:
@@ -124,7 +128,9 @@ def _sharded_weights(reader) -> dict[str, torch.Tensor]:
         for key, entry in entries.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    load({"state_dict": weights}, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # reading in one process is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load({"state_dict": weights}, storage_reader=reader, no_dist=True)
     return weights
 
 

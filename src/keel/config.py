@@ -35,7 +35,7 @@ class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | gpu
     devices: int = 1  # processes per node
     num_nodes: int = 1
-    strategy: str = "auto"  # auto (= single device) | ddp | fsdp
+    strategy: str = "auto"  # auto (one device, or DDP over several) | single | ddp | fsdp
     precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU
     max_steps: int = 400
     micro_batch_size: int = 8  # sequences per device per step

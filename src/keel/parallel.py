@@ -1,21 +1,142 @@
-"""Things applied *to* a plain KeelLM from outside (torchtitan style): activation checkpointing and
-per-block torch.compile. The model never knows about them."""
+"""Things applied *to* a plain KeelLM from outside (torchtitan style): activation checkpointing,
+per-block torch.compile and FSDP2 sharding, and the Lightning strategy that goes with them. The model
+never knows about them."""
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+import os
+import shutil
+import types
+from pathlib import Path
 
-from keel.model import KeelLM
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from keel.checkpoint import commit_dir, staging_path
+from keel.model import ConfigError, KeelLM
 
 
 def apply_activation_checkpointing(model: KeelLM) -> None:
-    """Recompute each block's activations in backward: memory O(1 block) instead of O(depth)."""
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    """Recompute each block's activations in backward: memory O(1 block) instead of O(depth).
+    In place (each block's forward becomes a checkpointed call of its class's forward), so parameter names,
+    state_dict keys and module hooks stay those of the plain model - `checkpoint_wrapper` strips its
+    `_checkpoint_wrapped_module.` prefix from state_dict() but not from named_parameters() - and
+    per-block compile still traces it (it silently skips a functools.partial(checkpoint, ...) forward)."""
+    for block in model.blocks:
+        block.forward = types.MethodType(_checkpointed_forward, block)
+
+
+def _checkpointed_forward(block, *args, **kwargs):
+    # no RNG state to keep: the model has no dropout
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
 def compile_blocks(model: KeelLM) -> None:
-    """Compile each block separately: one graph reused by every block (fast compile at any depth)."""
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, dynamic=False)
+    """Compile each block separately: one graph reused by every block (fast compile at any depth).
+    In place (`Module.compile`), unlike `torch.compile(block)`, which would add an `_orig_mod.`
+    prefix to every state_dict key and make checkpoints depend on the compile setting."""
+    for block in model.blocks:
+        block.compile(dynamic=False)
+
+
+def parallelize(model: KeelLM, trainer, device_mesh=None) -> None:
+    """Apply the trainer config's activation checkpointing and compile, then shard over `device_mesh` (given
+    by the FSDP strategy only), once. Checkpointing and compile wrap each block before sharding, so each FSDP
+    unit is a whole checkpointed / compiled block: recomputation re-gathers that block's parameters alone."""
+    if getattr(model, "_keel_parallelized", False):
+        return
+    if trainer.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if trainer.compile:
+        compile_blocks(model)
+    if device_mesh is not None:
+        shard(model, device_mesh["data_parallel"], mixed_precision_policy(trainer))
+    model._keel_parallelized = True
+
+
+def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """FSDP2: every parameter is split over the mesh's ranks (dim 0). Each block is one unit, all-gathered
+    just before its forward (and again for backward) and freed after; the root unit holds the rest
+    (embedding, final norm, head). Every rank must start from the same full weights: the same seed does it."""
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def mixed_precision_policy(trainer) -> MixedPrecisionPolicy:
+    """Under bf16-mixed: compute with bf16 copies of the parameters (half the all-gather traffic), reduce
+    gradients in fp32; the sharded master weights and the optimizer state stay fp32. cast_forward_inputs=False
+    keeps FSDP from casting each block's input - the fp32 residual stream - to bf16, which Keel's
+    alpha * x + F(x) cannot afford at depth (see model.py); Lightning's autocast casts the matmul inputs."""
+    if resolve_precision(trainer) != "bf16-mixed":
+        return MixedPrecisionPolicy()  # fp32 throughout
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def resolve_accelerator(trainer) -> str:
+    if trainer.accelerator != "auto":
+        return trainer.accelerator
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_precision(trainer) -> str:
+    if trainer.precision != "auto":
+        return trainer.precision
+    return "bf16-mixed" if resolve_accelerator(trainer) == "gpu" else "32-true"
+
+
+def check_trainer(trainer) -> None:
+    """Refuse combinations that cannot run, saying what to change, before any process starts."""
+    world = trainer.devices * trainer.num_nodes
+    if trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator=gpu: no CUDA GPU is visible; use trainer=cpu (or trainer.accelerator=cpu)")
+    if resolve_accelerator(trainer) == "gpu" and trainer.devices > torch.cuda.device_count():
+        raise ConfigError(f"trainer.devices={trainer.devices}: only {torch.cuda.device_count()} CUDA GPU(s) visible on "
+                          "this node; trainer.devices counts GPUs per node")
+    if trainer.strategy == "single" and world > 1:
+        raise ConfigError(f"trainer.strategy=single runs one process, not trainer.devices x trainer.num_nodes = {world}; "
+                          "use trainer=ddp or trainer=fsdp")
+    if trainer.strategy == "fsdp" and world < 2 and resolve_accelerator(trainer) == "cpu":
+        raise ConfigError("trainer.strategy=fsdp: FSDP shards over >= 2 processes; on CPU use trainer.devices=2 or trainer=cpu")
+    if trainer.strategy == "fsdp" and resolve_precision(trainer) == "16-mixed":
+        raise ConfigError("trainer.precision=16-mixed: fp16 loss scaling does not work on FSDP shards; "
+                          "use trainer.precision=bf16-mixed (or 32-true)")
+    if trainer.num_nodes > 1 and not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect() or "NODE_RANK" in os.environ):
+        raise ConfigError(f"trainer.num_nodes={trainer.num_nodes}: start one launcher per node with torchrun or srun "
+                          "(docs/distributed.md); run alone, every node would wait for the others forever")
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 through Lightning's ModelParallelStrategy (data parallel over every process, no tensor parallel;
+    `parallelize` shards the model in configure_model). Its distributed checkpoints - a directory of per-rank
+    shards plus rank 0's meta.pt - are written to a staging directory first, then swapped in whole, so a
+    crash mid-save leaves the previous checkpoint readable."""
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        staging = staging_path(path)
+        if self.is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+        self.barrier()
+        super().save_checkpoint(checkpoint, staging, storage_options)  # returns once every rank wrote its shards
+        if self.is_global_zero:
+            commit_dir(staging, path)
+        self.barrier()
+
+
+def build_strategy(trainer):
+    """The Lightning strategy for trainer.strategy: auto = one device, or DDP over several; nccl between
+    GPUs, gloo between CPU processes."""
+    check_trainer(trainer)
+    world = trainer.devices * trainer.num_nodes
+    if trainer.strategy == "single" or (trainer.strategy == "auto" and world == 1):
+        return "auto"
+    backend = "nccl" if resolve_accelerator(trainer) == "gpu" else "gloo"
+    if trainer.strategy == "fsdp":
+        return FSDP2Strategy(
+            data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=True, process_group_backend=backend
+        )
+    return DDPStrategy(process_group_backend=backend)

@@ -1,0 +1,322 @@
+"""Distributed training on CPU (gloo, 2 processes): FSDP2 against one process and against DDP, gradient
+norms under sharding, sharded checkpoints (atomic, exact resume, consolidation) and the strategy
+combinations refused.
+
+`keel pretrain` runs go through subprocesses: Lightning starts the other rank by re-running the command.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from keel.callbacks import GradNormMonitor
+from keel.checkpoint import (
+    LAST,
+    SHARDED_META,
+    check_resumable,
+    commit_dir,
+    load_model,
+    previous_path,
+    read_checkpoint,
+    resolve_resume,
+    staging_path,
+)
+from keel.checkpoint import main as consolidate
+from keel.cli import main as cli_main
+from keel.config import load_config, to_dict
+from keel.model import ConfigError, KeelLM
+from keel.parallel import parallelize
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+from test_pretrain import scalars
+
+WORLD = 2
+STEPS = 4  # optimizer steps of the in-process comparison
+GLOBAL_BATCH = 8  # sequences per step, split evenly over the ranks
+LR, CLIP = 1e-2, 0.05  # CLIP below the gradient norm, so that clipping acts on every step
+
+
+# ------------------------------------------------------------------ FSDP2 in-process against one process
+
+
+def _tiny_cfg(*extra: str):
+    return load_config(overrides=[*TINY_MODEL, "trainer.accelerator=cpu", *extra])
+
+
+def _batches() -> torch.Tensor:
+    """(STEPS, GLOBAL_BATCH, seq_len + 1) token ids, the same in every process."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 512, (STEPS, GLOBAL_BATCH, 33), generator=generator)
+
+
+def _train(model, batches, reduce_loss) -> dict:
+    """AdamW steps with global-norm clipping, as in training; the loss and gradient norms seen at each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    monitor = GradNormMonitor()
+    monitor.on_fit_start(None, SimpleNamespace(model=model))  # it only reads pl_module.model
+    losses, clip_norms, grad_norms = [], [], []
+    for batch in batches:
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        grad_norms.append(monitor.norms())
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        clip_norms.append((total.full_tensor() if isinstance(total, DTensor) else total).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(reduce_loss(loss.detach()))
+    return {"loss": losses, "clip_norm": clip_norms, "grad_norms": grad_norms}
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    per_rank = GLOBAL_BATCH // WORLD
+    batches = _batches()[:, rank * per_rank : (rank + 1) * per_rank]
+
+    def global_mean(loss: torch.Tensor) -> float:  # the full batch's loss: the mean of equal halves
+        dist.all_reduce(loss)
+        return loss.item() / WORLD
+
+    results = {}
+    for checkpointing in ("false", "true"):  # activation checkpointing recomputes on the gathered block
+        cfg = _tiny_cfg("trainer.precision=32-true", f"trainer.activation_checkpointing={checkpointing}")
+        torch.manual_seed(0)
+        model = KeelLM(cfg.model)
+        parallelize(model, cfg.trainer, mesh)
+        results[checkpointing] = _train(model, batches, global_mean)
+    results["local"] = sum(p.to_local().numel() for p in model.parameters())
+    results["total"] = sum(p.numel() for p in model.parameters())
+
+    # bf16-mixed: blocks compute with bf16 copies, yet receive the fp32 residual stream
+    cfg = _tiny_cfg("trainer.precision=bf16-mixed")
+    model = KeelLM(cfg.model)
+    parallelize(model, cfg.trainer, mesh)
+    seen = results["bf16_seen"] = []
+    model.blocks[1].register_forward_pre_hook(lambda block, args: seen.append((args[0].dtype, block.ffn.branch.up.weight.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(batches[0, :, :-1])
+    F.cross_entropy(logits.float().flatten(0, 1), batches[0, :, 1:].flatten()).backward()
+    results["bf16_grad_dtypes"] = {p.grad.dtype for p in model.parameters()}
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(_fsdp_worker, args=(find_free_network_port(), str(tmp_path)), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    torch.manual_seed(0)
+    reference = _train(KeelLM(_tiny_cfg().model), _batches(), lambda loss: loss.item())
+    assert all(norm > CLIP for norm in reference["clip_norm"])  # clipping acted
+    for checkpointing in ("false", "true"):
+        fsdp = ranks[0][checkpointing]
+        assert fsdp["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert fsdp["clip_norm"] == pytest.approx(reference["clip_norm"], rel=1e-5)
+        for step in range(STEPS):  # the grad-norm callback's DTensor-aware norms
+            assert fsdp["grad_norms"][step].keys() == reference["grad_norms"][step].keys()
+            assert fsdp["grad_norms"][step] == pytest.approx(reference["grad_norms"][step], rel=1e-5)
+        assert ranks[1][checkpointing] == fsdp  # every rank saw the same global values
+    # each rank holds about half of every parameter (dim 0 split; odd sizes round up on rank 0)
+    assert sum(r["local"] for r in ranks) == ranks[0]["total"]
+    assert all(abs(r["local"] / r["total"] - 1 / WORLD) < 0.02 for r in ranks)
+    assert ranks[0]["bf16_seen"] == [(torch.float32, torch.bfloat16)]  # fp32 stream in, bf16 weights gathered
+    assert ranks[0]["bf16_grad_dtypes"] == {torch.float32}  # reduced and kept in fp32
+
+
+# ------------------------------------------------------------------------------ sharded checkpoint files
+
+
+def _sharded_checkpoint(path: Path):
+    """A sharded checkpoint laid out as the FSDP strategy writes it (one process standing in for the ranks)."""
+    from torch.distributed.checkpoint import save
+
+    cfg = _tiny_cfg()
+    model = KeelLM(cfg.model)
+    save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, checkpoint_id=path, no_dist=True)
+    torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": None}, "global_step": 3}, path / SHARDED_META)
+    return model, cfg
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # _sharded_checkpoint saves in one process
+def test_consolidate_and_broken_sharded_checkpoints(tmp_path, capsys):
+    sharded = tmp_path / "last.ckpt"
+    model, cfg = _sharded_checkpoint(sharded)
+    out = tmp_path / "model.ckpt"
+    assert cli_main(["consolidate", str(sharded), str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    for path in (out, sharded):  # load_model reads either
+        loaded, loaded_cfg, _ = load_model(path)
+        assert loaded_cfg == cfg
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    meta = read_checkpoint(sharded, weights=False)
+    assert "state_dict" not in meta and meta["global_step"] == 3
+
+    with pytest.raises(ConfigError, match="is a sharded .FSDP. checkpoint; resume it with trainer=fsdp"):
+        check_resumable(cfg.trainer, sharded, meta)
+    with pytest.raises(ConfigError, match="holds model weights only"):
+        check_resumable(cfg.trainer, out, read_checkpoint(out))
+    assert cli_main(["consolidate", str(out), str(tmp_path / "again.ckpt")]) == 2
+    assert "not a sharded checkpoint directory" in capsys.readouterr().err
+
+    (sharded / SHARDED_META).write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        read_checkpoint(sharded, weights=False)
+    shard = next(sharded.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"corrupt: shard file {shard.name} is missing or truncated"):
+        read_checkpoint(sharded)
+    for name in (SHARDED_META, ".metadata"):
+        (sharded / name).unlink()
+        with pytest.raises(ConfigError, match=rf"incomplete sharded checkpoint \(no .*{name}"):
+            read_checkpoint(sharded)
+
+
+def test_sharded_commit_survives_a_crash_between_renames(tmp_path, monkeypatch):
+    cfg = _tiny_cfg(f"run.dir={tmp_path}", "resume=auto")
+    last = tmp_path / "checkpoints" / LAST
+    for step, path in ((1, last), (2, staging_path(last))):
+        path.mkdir(parents=True)
+        torch.save({"step": step}, path / SHARDED_META)
+
+    replace = os.replace
+    calls = []
+
+    def crash_on_second_rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("killed")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_second_rename)
+    with pytest.raises(OSError, match="killed"):
+        commit_dir(staging_path(last), last)
+    monkeypatch.undo()
+    assert not last.exists() and resolve_resume(cfg) == str(previous_path(last))  # the old one, intact
+    assert torch.load(previous_path(last) / SHARDED_META) == {"step": 1}
+
+    commit_dir(staging_path(last), last)  # the next save
+    assert resolve_resume(cfg) == str(last) and torch.load(last / SHARDED_META) == {"step": 2}
+    assert sorted(p.name for p in last.parent.iterdir()) == [LAST]
+
+
+# ------------------------------------------------------------------------------- refused combinations
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer=fsdp", "trainer.accelerator=cpu"],
+         "FSDP shards over >= 2 processes; on CPU use trainer.devices=2 or trainer=cpu"),
+        (["trainer.accelerator=gpu"], "trainer.accelerator=gpu: no CUDA GPU is visible; use trainer=cpu"),
+        (["trainer.strategy=single", "trainer.devices=2"], "runs one process, not trainer.devices x trainer.num_nodes = 2"),
+        (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"],
+         "fp16 loss scaling does not work on FSDP shards; use trainer.precision=bf16-mixed"),
+        (["trainer.num_nodes=2"], "start one launcher per node with torchrun or srun"),
+        (["trainer.strategy=zero3"], "trainer.strategy: unknown strategy 'zero3'; allowed: auto, single, ddp, fsdp"),
+    ],
+)
+def test_bad_combinations_say_what_to_do(tiny_data, tmp_path, monkeypatch, capsys, overrides, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for launcher_variable in ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "NODE_RANK"):
+        monkeypatch.delenv(launcher_variable, raising=False)
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={tmp_path}", *overrides]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------- `keel pretrain` with 2 processes: FSDP, DDP, resume
+
+LAUNCHER = '''
+import os, sys
+from lightning.pytorch.callbacks import Callback
+from keel import cli, pretrain
+
+class Crash(Callback):  # a killed run: every rank stops before the step given
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == int(os.environ["KEEL_TEST_CRASH_AT"]):
+            raise RuntimeError("simulated crash")
+
+if "KEEL_TEST_CRASH_AT" in os.environ:
+    configured = pretrain.build_callbacks
+    pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Crash()]
+sys.exit(cli.main(sys.argv[1:]))
+'''
+RUN = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "trainer.accelerator=cpu", "trainer.devices=2",
+       "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
+       "trainer.val_batches=2", "optim.warmup_steps=2", f"optim.grad_clip={CLIP}", "callbacks.grad_norms.every_n_steps=1"]
+
+
+def pretrain(tiny_data, run_dir: Path, strategy: str, crash_at: int | None = None) -> None:
+    """`keel pretrain trainer=<strategy>` on 2 CPU processes, Lightning launching the second (it re-runs the
+    command, so the second rank gets the crash callback too)."""
+    launcher = run_dir.parent / "launch.py"
+    launcher.write_text(LAUNCHER)
+    env = {**os.environ, **({"KEEL_TEST_CRASH_AT": str(crash_at)} if crash_at is not None else {})}
+    cmd = [sys.executable, str(launcher), "pretrain", f"trainer={strategy}", *RUN, *tiny_data, f"run.dir={run_dir}"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if crash_at is None:
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        assert done.returncode != 0 and "simulated crash" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted 8-step runs under FSDP and DDP, on the same data."""
+    runs = {strategy: tmp_path_factory.mktemp(strategy) / "run" for strategy in ("fsdp", "ddp")}
+    for strategy, run_dir in runs.items():
+        pretrain(tiny_data, run_dir, strategy)
+    return runs
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_ddp(straight_runs, tmp_path):
+    fsdp, ddp = straight_runs["fsdp"], straight_runs["ddp"]
+    losses = scalars(fsdp, "train/loss")
+    assert sorted(losses) == list(range(8))
+    assert losses == pytest.approx(scalars(ddp, "train/loss"), rel=1e-5)
+    for tag in ("grad/global", "grad/attn/block_001", "grad/embed", "val/loss"):
+        assert scalars(fsdp, tag) == pytest.approx(scalars(ddp, tag), rel=1e-5)
+
+    assert len(list((fsdp / "tb").glob("events.*"))) == 1  # rank 0 alone logs
+    assert (fsdp / "config.yaml").is_file()
+    checkpoints = fsdp / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST]  # no staging or previous copy left
+    assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                      SHARDED_META]
+    out = tmp_path / "fsdp.ckpt"
+    assert consolidate([str(checkpoints / LAST), str(out)]) == 0
+    sharded_model, _, _ = load_model(out)
+    ddp_model, _, _ = load_model(ddp / "checkpoints" / LAST)
+    # equal up to float rounding: the clipping norm is summed in another order (1 ulp), which AdamW amplifies
+    # to ~1e-6 on embedding rows whose gradient is near 0 (update = m / (sqrt(v) + eps))
+    torch.testing.assert_close(sharded_model.state_dict(), ddp_model.state_dict(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_runs, tmp_path, strategy):
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, strategy, crash_at=6)
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4
+    pretrain(tiny_data, run, strategy)  # resume=auto: from step 4, replaying steps 4 and 5
+    resumed, straight = scalars(run, "train/loss"), scalars(straight_runs[strategy], "train/loss")
+    assert sorted(resumed) == list(range(8))
+    assert resumed == straight  # bit for bit, every step
+    assert scalars(run, "grad/global") == scalars(straight_runs[strategy], "grad/global")

@@ -34,6 +34,17 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronization (and contention on shared cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """About 40 real Python source files (~600 KB) from this interpreter's standard library."""

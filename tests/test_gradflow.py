@@ -17,12 +17,7 @@ RATIOS = [f"{q}_{where}_top" for q in ("act_grad", "rel_act_grad", "weight_grad"
 SMALL = ["--depth", "4", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "2", "--vocab", "32"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(capsys, *args: str) -> dict:

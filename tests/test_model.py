@@ -18,13 +18,7 @@ from keel.parallel import apply_activation_checkpointing, compile_blocks
 TINY = dict(width=32, n_heads=2, seq_len=16, vocab_size=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny tensors: a second thread only adds synchronization (and contention on shared cores)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -27,6 +27,23 @@ test: install
 test-fast: install
 	$(VENV)/bin/pytest -q -m 'not slow' $(PYTEST_ARGS)
 
+# Experiments (docs/experiments.md). ARGS mixes the command's options and config overrides; only data.* ones reach `keel data`.
+maxlr sweep: install
+	$(KEEL) data $(filter data=% data.%,$(ARGS))
+	$(KEEL) $@ $(ARGS)
+
+redundancy: install
+	$(KEEL) redundancy $(ARGS)
+
+bench: install
+	$(KEEL) bench $(ARGS)
+
+# Downstream tasks on a checkpoint with lm-eval (docs/evaluation.md); ARGS adds lm-eval options (e.g. --limit 200).
+CKPT ?= runs/default/checkpoints/last.ckpt
+TASKS ?= keel_generated
+eval: install
+	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval $(ARGS)
+
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir runs
 

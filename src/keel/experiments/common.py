@@ -1,0 +1,235 @@
+"""What the experiment commands share: symbolic alpha, width at a fixed parameter budget, training one run and
+reading back what it left in its run directory, tables and line plots."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+import operator
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from keel.config import Config, ModelConfig, from_dict
+from keel.model import Block, ConfigError, needs_final_norm, sublayer_specs
+
+
+def comma_list(cast: Callable[[str], Any]) -> Callable[[str], list]:
+    """An argparse type for `--depths 8,16`: comma-separated values, never confused with trailing key=value
+    overrides the way space-separated nargs='+' values would be."""
+    return lambda text: [cast(item.strip()) for item in text.split(",") if item.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ alpha
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.Pow: operator.pow}
+
+
+def resolve_alpha(expr: str | float, L: int) -> float:
+    """Keel's alpha from a number or an arithmetic expression in L (= 2 * depth sublayers): `1`, `sqrt(L)`,
+    `L/2`, `L`, `2L`, `L**0.75`. Evaluated on a whitelist of AST nodes, never with eval()."""
+    text = re.sub(r"(\d)\s*(?=L|sqrt|\()", r"\1*", str(expr).strip())  # implicit product: 2L -> 2*L
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return float(node.value)
+        if isinstance(node, ast.Name) and node.id == "L":
+            return float(L)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "sqrt" and len(node.args) == 1:
+            return math.sqrt(value(node.args[0]))
+        raise ValueError(ast.dump(node))
+
+    try:
+        alpha = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as err:
+        raise ConfigError(f"alpha {expr!r}: not a number or an expression in L "
+                          f"(e.g. 1, sqrt(L), L/2, L, 2L): {err}") from None
+    if not alpha > 0:
+        raise ConfigError(f"alpha {expr!r} = {alpha} at L = {L}: must be > 0")
+    return alpha
+
+
+def slug(text: str) -> str:
+    """A directory-safe form of an axis value: sqrt(L) -> sqrtL, L/2 -> Ldiv2, 3e-3 -> 3e-3."""
+    return re.sub(r"[^\w.+-]", "", str(text).replace("/", "div").replace("*", "x"))
+
+
+# ------------------------------------------------------------------------------------ parameter budget
+
+
+def non_embedding_params(model: ModelConfig) -> int:
+    """Parameters outside the embedding and the LM head (Kaplan et al.'s count): one meta-device block per
+    distinct block layout (no memory at any size, and no formula that could drift from model.py), plus the
+    final norm."""
+    specs = sublayer_specs(model)
+    with torch.device("meta"):
+        per_layout = {spec: sum(p.numel() for p in Block(model, 0, *spec).parameters()) for spec in set(specs)}
+    return sum(per_layout[spec] for spec in specs) + (model.width if needs_final_norm(model) else 0)
+
+
+def width_for_budget(model: ModelConfig, depth: int, budget: int) -> int:
+    """The width (a multiple of 2 * n_heads: even head dim for RoPE) whose non-embedding parameter count at
+    `depth` is closest to `budget`, n_heads and the FFN ratio kept. The count grows with width, so bisect."""
+    step = 2 * model.n_heads
+
+    def params(width: int) -> int:
+        return non_embedding_params(replace(model, depth=depth, width=width))
+
+    lo, hi = 1, 2
+    while params(hi * step) < budget:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # invariant: params(lo * step) < budget <= params(hi * step), or lo = 1
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if params(mid * step) < budget else (lo, mid)
+    return min((lo * step, hi * step), key=lambda width: abs(params(width) - budget))
+
+
+# -------------------------------------------------------------------------------------- runs and results
+
+
+def train_run(cfg: Config, extra_callbacks: Sequence = ()) -> float:
+    """Train one configured run (its stability monitor, eval etc. come from cfg.callbacks); wall seconds."""
+    from keel.pretrain import train  # lightning: imported only by the commands that train
+
+    start = time.perf_counter()
+    train(cfg, list(extra_callbacks))
+    return time.perf_counter() - start
+
+
+def _last_scalar(run_dir: Path, tag: str) -> tuple[int, float] | None:
+    """(step, value) of a TensorBoard scalar's last event over every event file of the run, or None."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not (run_dir / "tb").is_dir():
+        return None
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["scalars"]:
+        return None
+    last = max(acc.Scalars(tag), key=lambda event: (event.step, event.wall_time))
+    return last.step, last.value
+
+
+def _eval_scores(run_dir: Path) -> dict[str, float]:
+    """The last in-loop evaluation's primary metric per task, from the downstream-eval callback's history."""
+    path = run_dir / "eval_history.json"
+    if not path.is_file():
+        return {}
+    history = json.loads(path.read_text())
+    if not history.get("evaluations"):
+        return {}
+    last = history["evaluations"][-1]["scores"]
+    return {f"eval/{task}/{info['metric']}": last[task][info["metric"]] for task, info in history["tasks"].items()
+            if task in last and info["metric"] in last[task]}
+
+
+def load_run_config(run_dir: str | Path) -> Config:
+    return from_dict(OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml")))
+
+
+def run_row(run_dir: str | Path) -> dict[str, Any]:
+    """One run as a flat record: what it was (from its config.yaml) and what it left behind - the stability
+    monitor's verdict (stability.json), the last validation loss with its TensorBoard step (the 0-based index
+    of the optimizer step it followed) and the last task scores (eval_history.json)."""
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir)
+    m = cfg.model
+    row: dict[str, Any] = {
+        "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.L, "width": m.width,
+        "alpha": (m.keel_alpha or m.L) if m.scheme == "keel" else None,
+        "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
+        "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
+    }
+    stability = run_dir / "stability.json"
+    if stability.is_file():
+        s = json.loads(stability.read_text())
+        row |= {"steps": s["steps"], "failed": s["failed"], "failure": s["kind"], "onset_step": s["step"],
+                "max_tolerable_lr": s["max_tolerable_lr"], "max_lr_seen": s["max_lr_seen"]}
+    val = _last_scalar(run_dir, "val/loss")
+    if val is not None:
+        row |= {"val_step": val[0], "val_loss": val[1]}
+    return row | _eval_scores(run_dir)
+
+
+# -------------------------------------------------------------------------------------- tables and plots
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_table(rows: list[dict[str, Any]], csv_path: Path, md_path: Path | None = None) -> list[str]:
+    """rows as CSV (every key any row has, in first-seen order) and, optionally, a markdown table."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    if md_path is not None:
+        md_path.write_text(markdown_table(rows, columns) + "\n")
+    return columns
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_lines(
+    curves: Iterable[tuple[str, Sequence[float], Sequence[float]]],
+    path: Path,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    xscale: str = "linear",
+    yscale: str = "linear",
+    marker: str | None = "o",
+    decorate: Callable[[Any], None] | None = None,
+) -> None:
+    """One line per (label, xs, ys) in one PNG; decorate(ax) adds anything command-specific."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, xs, ys in curves:
+        ax.plot(xs, ys, marker=marker, markersize=3, linewidth=1.2, label=label)
+    ax.set_xscale(xscale)
+    ax.set_yscale(yscale)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if decorate is not None:
+        decorate(ax)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

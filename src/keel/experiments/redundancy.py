@@ -1,0 +1,94 @@
+"""`keel redundancy checkpoint=PATH [checkpoint=PATH ...] [--batches N] [--data-dir DIR] [--out DIR]`
+
+The paper's layer redundancy analysis (Section 8): the validation perplexity of a trained model when each
+block in turn is removed (skipped: its output is its input), against the intact model's. A redundant block
+barely moves it; the paper reports Pre-LN's shallow blocks as redundant and Keel's as not. One or several
+checkpoints (`checkpoint=PATH`, a bare PATH or `--checkpoint PATH`, any number) are measured on the first
+--batches validation batches of their own data (or of --data-dir, tokenized alike) and drawn side by side.
+
+Writes under --out: redundancy.csv (a row per checkpoint and block), redundancy.md and redundancy.png.
+The block skipping is keel.callbacks.layer_importance's, which tracks the same quantity during training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from keel.callbacks.layer_importance import skip_losses
+from keel.checkpoint import load_model
+from keel.data import token_loader
+from keel.experiments.common import plot_lines, write_table
+from keel.model import ConfigError, KeelLM
+from keel.pretrain import set_threads
+
+
+@torch.no_grad()
+def removal_losses(model: KeelLM, batches: list[torch.Tensor]) -> tuple[float, list[float]]:
+    """Mean loss of the intact model and with each block removed, over equal-sized batches (the mean of the
+    batch means is then the token mean)."""
+    losses = torch.stack([skip_losses(model, batch, list(range(model.cfg.depth))) for batch in batches]).mean(0)
+    base, *removed = losses.tolist()
+    return base, removed
+
+
+def measure(path: str, batches: int, batch_size: int | None, data_dir: str | None, device: str) -> list[dict]:
+    model, cfg, _ = load_model(path, device)
+    cfg.data.loader_workers = 0
+    if data_dir:
+        cfg.data.dir = data_dir
+    if batch_size:
+        cfg.trainer.micro_batch_size = batch_size
+    set_threads(cfg)
+    data = [b.to(device) for b in islice(token_loader(cfg, "val", shuffle=False), batches)]
+    base, removed = removal_losses(model, data)
+    label = f"{Path(cfg.run.dir).name}/{Path(path).stem} ({cfg.model.scheme}, depth {cfg.model.depth})"
+    return [{"checkpoint": label, "path": path, "scheme": cfg.model.scheme, "depth": cfg.model.depth, "block": b,
+             "val_tokens": sum(x[:, 1:].numel() for x in data), "ppl_base": math.exp(base),
+             "ppl_removed": math.exp(loss), "ppl_increase": math.exp(loss) - math.exp(base),
+             "loss_increase": loss - base}
+            for b, loss in enumerate(removed)]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    curves: dict[str, tuple[list, list]] = {}
+    for r in rows:
+        blocks, increases = curves.setdefault(r["checkpoint"], ([], []))
+        blocks.append(r["block"])
+        increases.append(r["ppl_increase"])
+    # symlog: removing block 0 can cost 1e4 perplexity, removing a middle block ~1, some removals even help
+    plot_lines([(label, xs, ys) for label, (xs, ys) in curves.items()], path, "removed block (0 = first)",
+               "validation perplexity increase", "Layer redundancy: perplexity increase when one block is skipped",
+               yscale="symlog")
+
+
+def checkpoint_paths(positional: list[str], options: list[str]) -> list[str]:
+    paths = [item.removeprefix("checkpoint=") for item in positional] + options
+    if not paths:
+        raise ConfigError("redundancy: give at least one checkpoint (checkpoint=PATH)")
+    return paths
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="keel redundancy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="*", help="checkpoint=PATH or PATH")
+    parser.add_argument("--checkpoint", action="append", default=[], help="another checkpoint (repeatable)")
+    parser.add_argument("--batches", type=int, default=16, help="validation batches evaluated per removal")
+    parser.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's micro batch)")
+    parser.add_argument("--data-dir", help="shards to evaluate on (default: each run's data.dir)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="runs/redundancy")
+    args = parser.parse_args(argv)
+    rows = [row for path in checkpoint_paths(args.checkpoints, args.checkpoint)
+            for row in measure(path, args.batches, args.batch_size, args.data_dir, args.device)]
+    out = Path(args.out)
+    columns = write_table(rows, out / "redundancy.csv", out / "redundancy.md")
+    plot(rows, out / "redundancy.png")
+    print(f"keel redundancy: {len(rows)} blocks -> {out}/redundancy.csv ({', '.join(columns)}), "
+          "redundancy.md, redundancy.png")
+    return 0

@@ -1,0 +1,193 @@
+"""Grids of training runs, and one table of what they gave.
+
+    keel sweep [--schemes A,B] [--depths 8,16] [--lrs 1e-3,3e-3] [--alphas 1,sqrt(L),L/2,L,2L] [--fixed-params]
+               [--seeds 0,1] [--out DIR] [--emit run|commands|slurm] [--sbatch OPTION ...] [--config FILE] [key=value]
+    keel sweep collect DIR
+
+The grid is the product of the axes given (an axis left out keeps the configured value). Alphas are Keel's
+(numbers or expressions in L = 2 * depth, resolved per depth) and apply to keel runs only: every other scheme
+runs once per point of the remaining axes. --fixed-params is deeper-vs-wider: each depth gets the width (a
+multiple of 2 * n_heads) that keeps the non-embedding parameter count closest to the configured model's.
+
+--emit run (default) trains the runs one after another here, then collects. --emit commands writes
+DIR/commands.sh, one `keel pretrain ...` per run; --emit slurm writes DIR/sweep.sbatch, a SLURM array with one
+task per run (add cluster options with --sbatch, e.g. --sbatch=--gres=gpu:8 --sbatch=--time=24:00:00).
+Every mode writes DIR/sweep.json, the grid. Runs go to DIR/<name>; with the default resume=auto, rerunning a
+sweep continues unfinished runs and skips finished ones.
+
+`collect` reads every run of DIR (those sweep.json lists, or else every subdirectory with a config.yaml):
+its last validation loss, last in-loop task scores (eval_history.json) and stability verdict with the max
+tolerable LR (stability.json), into DIR/sweep.csv and DIR/sweep.md, and plots each metric against each axis
+that varies (DIR/sweep_<metric>_vs_<axis>.png, a line per combination of the other axes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from keel.config import load_config
+from keel.experiments.common import (
+    comma_list,
+    non_embedding_params,
+    plot_lines,
+    resolve_alpha,
+    run_row,
+    slug,
+    train_run,
+    width_for_budget,
+    write_table,
+)
+from keel.model import ConfigError
+
+MANIFEST = "sweep.json"
+PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
+PLOT_METRICS = {"val_loss": "validation loss", "max_tolerable_lr": "max tolerable LR"}
+AXIS_KEYS = {"scheme": "model.scheme", "depth": "model.depth", "width": "model.width", "lr": "optim.lr",
+             "seed": "run.seed"}
+AXIS_PREFIX = {"scheme": "", "depth": "d", "width": "w", "lr": "lr", "alpha": "a", "seed": "s"}
+IDENTITY = ("scheme", "depth", "lr", "alpha_expr", "seed")  # what tells the curves of one plot apart
+
+
+@dataclass
+class Run:
+    name: str
+    axes: dict[str, str]  # axis -> the value as given (alpha stays symbolic)
+    overrides: list[str]
+
+
+def build_grid(args: argparse.Namespace) -> list[Run]:
+    base = load_config(args.config, args.overrides).model
+    widths = {}
+    if args.fixed_params:
+        if not args.depths:
+            raise ConfigError("sweep --fixed-params: give the depths to trade against width with --depths")
+        budget = non_embedding_params(base)
+        widths = {d: width_for_budget(base, d, budget) for d in args.depths}
+    runs = []
+    for scheme, depth, lr, seed in itertools.product(args.schemes or [None], args.depths or [None],
+                                                     args.lrs or [None], args.seeds or [None]):
+        alphas = args.alphas if args.alphas and (scheme or base.scheme) == "keel" else [None]
+        for alpha in alphas:
+            values = {"scheme": scheme, "depth": depth, "width": widths.get(depth), "lr": lr,
+                      "alpha": alpha, "seed": seed}
+            axes = {axis: str(value) for axis, value in values.items() if value is not None}
+            overrides = [f"{AXIS_KEYS[axis]}={value}" for axis, value in axes.items() if axis != "alpha"]
+            if alpha is not None:
+                overrides.append(f"model.keel_alpha={resolve_alpha(alpha, 2 * (depth or base.depth))!r}")
+            name = "-".join(AXIS_PREFIX[axis] + slug(value) for axis, value in axes.items()) or "base"
+            runs.append(Run(name, axes, overrides))
+    return runs
+
+
+def pretrain_command(args: argparse.Namespace, run: Run, out: Path) -> str:
+    config = ["--config", args.config] if args.config else []
+    return shlex.join(["keel", "pretrain", *config, *args.overrides, *run.overrides, f"run.dir={out / run.name}"])
+
+
+def slurm_script(commands: list[str], out: Path, sbatch: list[str]) -> str:
+    lines = ["#!/bin/bash", "#SBATCH --job-name=keel-sweep", f"#SBATCH --array=0-{len(commands) - 1}",
+             f"#SBATCH --output={out}/slurm-%A_%a.out", *(f"#SBATCH {option}" for option in sbatch),
+             "# one `keel pretrain` per array task, run from the submission directory", "set -euo pipefail",
+             "COMMANDS=(", *(f"  {shlex.quote(command)}" for command in commands), ")",
+             'eval "${COMMANDS[$SLURM_ARRAY_TASK_ID]}"']
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- collect
+
+
+def collect(out: Path) -> list[dict]:
+    """One row per run of the sweep in `out` (sweep.csv, sweep.md) and the plots; a listed run not started yet
+    gets a row saying so."""
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        runs = json.loads(manifest.read_text())["runs"]
+    else:
+        runs = [{"name": path.parent.name, "axes": {}} for path in sorted(out.glob("*/config.yaml"))]
+    rows = []
+    for run in runs:
+        run_dir = out / run["name"]
+        row = run_row(run_dir) if (run_dir / "config.yaml").is_file() else {"run": run["name"], "status": "not started"}
+        if "alpha" in run["axes"]:
+            row["alpha_expr"] = run["axes"]["alpha"]
+        rows.append(row)
+    if not rows:
+        raise ConfigError(f"sweep collect: no runs in {out} (no {MANIFEST} and no */config.yaml)")
+    write_table(rows, out / "sweep.csv", out / "sweep.md")
+    plot_sweep(rows, out)
+    return rows
+
+
+def plot_sweep(rows: list[dict], out: Path) -> None:
+    for (metric, ylabel), (axis, xlabel) in itertools.product(PLOT_METRICS.items(), PLOT_AXES.items()):
+        have = [r for r in rows if r.get(metric) is not None and r.get(axis) is not None]
+        if len({r[axis] for r in have}) < 2:
+            continue
+        own = "alpha_expr" if axis == "alpha" else axis
+        keys = [k for k in IDENTITY if k != own and len({r.get(k) for r in have}) > 1]  # label by what varies
+        groups: dict[tuple, list[dict]] = {}
+        for r in have:
+            groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+        curves = []
+        for group, members in groups.items():
+            members.sort(key=lambda r: r[axis])
+            label = " ".join(f"{k}={v}" for k, v in zip(keys, group)) or metric
+            curves.append((label, [r[axis] for r in members], [r[metric] for r in members]))
+        plot_lines(curves, out / f"sweep_{metric}_vs_{axis}.png", xlabel, ylabel,
+                   f"{out.name}: {ylabel} against {xlabel}", xscale="log" if axis in ("lr", "alpha") else "linear")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["collect"]:
+        parser = argparse.ArgumentParser(prog="keel sweep collect", description="Collect a sweep's results.")
+        parser.add_argument("dir")
+        out = Path(parser.parse_args(argv[1:]).dir)
+        rows = collect(out)
+        print(f"keel sweep collect: {len(rows)} runs -> {out}/sweep.csv, sweep.md, plots")
+        return 0
+    parser = argparse.ArgumentParser(prog="keel sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schemes", type=comma_list(str), default=[])
+    parser.add_argument("--depths", type=comma_list(int), default=[])
+    parser.add_argument("--lrs", type=comma_list(str), default=[])
+    parser.add_argument("--alphas", type=comma_list(str), default=[], help="Keel alpha: numbers or expressions in L")
+    parser.add_argument("--seeds", type=comma_list(int), default=[])
+    parser.add_argument("--fixed-params", action="store_true",
+                        help="width per depth at the configured model's parameter count")
+    parser.add_argument("--out", default="runs/sweep")
+    parser.add_argument("--emit", choices=("run", "commands", "slurm"), default="run")
+    parser.add_argument("--sbatch", action="append", default=[], help="an extra #SBATCH option (repeatable)")
+    parser.add_argument("--config", help="YAML merged over conf/config.yaml")
+    parser.add_argument("overrides", nargs="*", help="group=choice or key.path=value, for every run")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    runs = build_grid(args)
+    # every run's config is checked before anything is written, emitted or trained
+    configs = [load_config(args.config, [*args.overrides, *run.overrides, f"run.dir={out / run.name}"]) for run in runs]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).write_text(json.dumps({"config": args.config, "overrides": args.overrides,
+                                            "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
+    if args.emit == "run":
+        for i, (run, cfg) in enumerate(zip(runs, configs), 1):
+            print(f"keel sweep: run {i}/{len(runs)}: {run.name}", flush=True)
+            train_run(cfg)
+        collect(out)
+        print(f"keel sweep: {len(runs)} runs -> {out}/sweep.csv, sweep.md, plots")
+        return 0
+    commands = [pretrain_command(args, run, out) for run in runs]
+    if args.emit == "commands":
+        path = out / "commands.sh"
+        path.write_text("".join(command + "\n" for command in commands))
+    else:
+        path = out / "sweep.sbatch"
+        path.write_text(slurm_script(commands, out, args.sbatch))
+    print(f"keel sweep: {len(runs)} runs -> {path}; afterwards: keel sweep collect {out}")
+    return 0

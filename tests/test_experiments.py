@@ -1,0 +1,132 @@
+"""The experiment commands end to end on seconds-long runs: maxlr, sweep (emit, run, collect), redundancy."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.cli import main as cli_main
+from keel.config import load_config
+from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
+from keel.model import ConfigError, KeelLM
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+
+QUICK = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "callbacks.layer_importance.enabled=false",
+         "callbacks.grad_norms.enabled=false"]
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_alpha_expressions_resolve():
+    L = 16
+    expected = {"1": 1, "sqrt(L)": 4, "L/2": 8, "L": 16, "2L": 32, "2*L": 32, "L**0.5": 4, "0.5": 0.5, "3e-1": 0.3}
+    assert {expr: resolve_alpha(expr, L) for expr in expected} == pytest.approx(expected)
+    for bad in ("x", "__import__('os')", "L - L", "sqrt(L, 2)", "L/0"):
+        with pytest.raises(ConfigError, match="alpha"):
+            resolve_alpha(bad, L)
+
+
+def test_width_at_fixed_params_keeps_the_budget():
+    base = load_config(overrides=["model.depth=8", "model.width=128", "model.n_heads=4"]).model
+    budget = non_embedding_params(base)
+    lm = KeelLM(base)
+    assert budget == lm.num_params(embeddings=False) - lm.head.weight.numel()  # embedding and head excluded
+    widths = {d: width_for_budget(base, d, budget) for d in (2, 4, 8, 16, 32)}
+    assert widths[8] == 128
+    assert list(widths.values()) == sorted(widths.values(), reverse=True)  # deeper = narrower
+    for depth, width in widths.items():
+        assert width % 8 == 0
+        params = non_embedding_params(load_config(overrides=[f"model.depth={depth}", f"model.width={width}",
+                                                             "model.n_heads=4"]).model)
+        assert abs(params / budget - 1) < 0.1, (depth, width, params, budget)
+
+
+def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
+    out = tmp_path / "maxlr"
+    peak = 20.0  # absurd for AdamW: every run must fail on the way up
+    argv = ["maxlr", "--schemes", "preln,keel", "--depths", "2", "--steps", "24", "--peak-lr", str(peak),
+            "--out", str(out), *QUICK, *tiny_data, "callbacks.stability.spike_patience=4"]
+    assert cli_main(argv) == 0
+    rows = read_csv(out / "maxlr.csv")
+    assert [r["scheme"] for r in rows] == ["preln", "keel"]
+    for r in rows:
+        assert r["failed"] == "True" and r["failure"] in ("nonfinite", "spike", "stagnation")
+        assert 0 < float(r["max_tolerable_lr"]) < peak
+        assert int(r["steps"]) < 24  # stopped at the failure
+        stability = json.loads((out / f"{r['scheme']}-d2" / "stability.json").read_text())
+        assert stability["max_tolerable_lr"] == pytest.approx(float(r["max_tolerable_lr"]))
+        curve = read_csv(out / f"{r['scheme']}-d2" / "loss_lr.csv")
+        assert float(curve[0]["lr"]) == pytest.approx(peak / 24)  # linear ramp from 0: step 0 runs at peak/steps
+    assert "| preln |" in (out / "maxlr.md").read_text()
+    assert (out / "maxlr.png").stat().st_size > 0
+
+
+def test_sweep_emits_commands_and_slurm(tmp_path, capsys):
+    grid = ["--schemes", "keel,preln", "--depths", "4", "--alphas", "sqrt(L),2L", "trainer.max_steps=7"]
+    assert cli_main(["sweep", *grid, "--emit", "commands", "--out", str(tmp_path / "c")]) == 0
+    commands = (tmp_path / "c" / "commands.sh").read_text().splitlines()
+    assert len(commands) == 3  # keel x 2 alphas, preln once: alpha is Keel's
+    assert all(c.startswith("keel pretrain trainer.max_steps=7 model.scheme=") for c in commands)
+    assert "model.keel_alpha=2.8284271247461903" in commands[0] and "model.keel_alpha=16.0" in commands[1]
+    assert "keel_alpha" not in commands[2] and f"run.dir={tmp_path / 'c'}/preln-d4" in commands[2]
+    assert cli_main(["sweep", *grid, "--emit", "slurm", "--sbatch=--gres=gpu:8", "--out", str(tmp_path / "s")]) == 0
+    script = (tmp_path / "s" / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-2" in script and "#SBATCH --gres=gpu:8" in script
+    assert script.count("'keel pretrain ") == 3
+    manifest = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert [r["axes"].get("alpha") for r in manifest["runs"]] == ["sqrt(L)", "2L", None]
+    deeper = ["sweep", "--depths", "2,4,8", "--fixed-params", "--emit", "commands", "--out", str(tmp_path / "w"),
+              "model.depth=4", "model.width=64", "model.n_heads=4"]
+    assert cli_main(deeper) == 0
+    widths = [c.split("model.width=")[-1].split()[0] for c in (tmp_path / "w" / "commands.sh").read_text().splitlines()]
+    assert widths == ["88", "64", "48"]  # deeper = narrower, at ~ the depth-4 width-64 parameter count
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tiny_data, tmp_path_factory) -> Path:
+    """A 2-run grid (two learning rates) trained here, then collected."""
+    out = tmp_path_factory.mktemp("sweep")
+    argv = ["sweep", "--schemes", "preln", "--lrs", "1e-3,3e-3", "--out", str(out), *QUICK, *tiny_data,
+            "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.val_batches=2"]
+    assert cli_main(argv) == 0
+    return out
+
+
+def test_sweep_runs_and_collects_a_grid(sweep_dir):
+    rows = read_csv(sweep_dir / "sweep.csv")
+    assert [r["run"] for r in rows] == ["preln-lr1e-3", "preln-lr3e-3"]
+    assert [float(r["lr"]) for r in rows] == [1e-3, 3e-3]
+    for r in rows:
+        assert int(r["val_step"]) == 5 and 0 < float(r["val_loss"]) < math.log(512) + 1
+        assert r["failed"] == "False" and r["max_tolerable_lr"] == ""  # stability.json read, no failure
+    assert (sweep_dir / "sweep_val_loss_vs_lr.png").stat().st_size > 0
+    (sweep_dir / "sweep.csv").unlink()
+    assert cli_main(["sweep", "collect", str(sweep_dir)]) == 0  # collect alone rebuilds it
+    assert read_csv(sweep_dir / "sweep.csv") == rows
+
+
+def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp_path):
+    checkpoint = torch.load(sweep_dir / "preln-lr3e-3" / "checkpoints" / "last.ckpt", weights_only=True)
+    for name in ("blocks.1.attn.branch.out.weight", "blocks.1.ffn.branch.down.weight"):  # block 1 = identity
+        checkpoint["state_dict"][f"model.{name}"].zero_()
+    zeroed = tmp_path / "zeroed.ckpt"
+    torch.save(checkpoint, zeroed)
+    out = tmp_path / "red"
+    other = sweep_dir / "preln-lr1e-3" / "checkpoints" / "last.ckpt"
+    argv = ["redundancy", f"checkpoint={zeroed}", "--checkpoint", str(other), "--batches", "2", "--out", str(out)]
+    assert cli_main(argv) == 0
+    rows = read_csv(out / "redundancy.csv")
+    assert [(r["path"], int(r["block"])) for r in rows] == [(str(zeroed), 0), (str(zeroed), 1), (str(other), 0),
+                                                            (str(other), 1)]
+    assert float(rows[1]["ppl_increase"]) == pytest.approx(0.0, abs=1e-6)
+    assert abs(float(rows[0]["ppl_increase"])) > 1e-3
+    assert (out / "redundancy.png").stat().st_size > 0

@@ -1,0 +1,468 @@
+"""`keel bench`: training throughput, peak memory, FLOP/s and MFU of several schemes side by side (docs/bench.md).
+
+    keel bench [--schemes keel,preln] [--compile off,on] [--threads 1,2] [--app [--loader-workers 0,1]] [--json FILE]
+
+Each row is a variant, timed in tokens/s:
+
+    step    one scheme's bare training step on a fixed random batch: forward, backward, gradient clipping and the
+            AdamW step `keel pretrain` uses (lit.make_optimizer); --peer litgpt adds litgpt's GPT at the same dims
+    app     (--app) a short real `keel pretrain` run of the first scheme (train(cfg): loader, logging, callbacks at
+            their default cadence), timed from the end of the warm-up steps to the end of the run
+    loader  (--app) the training loader (data.token_loader) alone, yielding batches as fast as it can
+
+Every variant runs its warm-up steps first (compile happens there, and its peak memory is taken on one more step);
+then the timed repeats are interleaved across variants, in an order rotated each round, so that machine noise
+lands on all of them alike. Figures are medians over repeats; each ratio is the median of per-round ratios to a
+reference row measured in the same round: a step to Pre-LN's step (same compile and threads), an app run to the
+bare step of its model, the loader to the fastest step (the training it must keep up with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from keel.config import OptimConfig, load_config
+from keel.lit import make_optimizer, next_token_loss
+from keel.model import SCHEMES, ConfigError, KeelLM, ModelConfig, flops_per_token
+from keel.parallel import compile_blocks
+
+REFERENCE_SCHEME = "preln"
+# Spec-sheet dense peaks (bf16 tensor core, fp32 without TF32: torch's default matmul precision), per device.
+# First substring of the CUDA device name that matches wins; unlisted devices are measured like a CPU.
+GPU_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100 NVL", 835e12, 60e12),
+    ("H100", 989e12, 67e12),
+    ("H200", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L4", 121e12, 30.3e12),
+    ("RTX 4090", 165e12, 82.6e12),
+)
+MATMUL_SIZE, MATMUL_REPEATS = 2048, 10
+LOADER_BATCHES_PER_STEP = 10  # a loader segment reads this many batches per step of a step segment
+PEER_RECIPE = """\
+litgpt is not importable here. It pins other versions of packages Keel uses (huggingface_hub, psutil), so keep it
+out of Keel's environment: a throwaway venv that sees Keel's packages, with litgpt and its few extra dependencies:
+    python -m venv /tmp/peer && echo "import site; site.addsitedir('$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')')" \\
+        > /tmp/peer/lib/python3*/site-packages/keel-venv.pth
+    /tmp/peer/bin/pip install --no-deps litgpt psutil 'jsonargparse[signatures]<=4.41' docstring_parser typeshed_client 'huggingface_hub<1.4' safetensors
+    /tmp/peer/bin/keel bench --peer litgpt ...        (docs/bench.md: timing `litgpt pretrain` against `keel pretrain`)"""
+
+
+# ------------------------------------------------------------------------------------------------------- devices
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x {len(os.sched_getaffinity(0))} cores"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """The best FLOP/s of MATMUL_REPEATS square matmuls: what this device reaches on the easiest possible work."""
+    a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype) for _ in range(2))
+    a @ b  # first call: allocation, kernel selection
+    best = float("inf")
+    for _ in range(MATMUL_REPEATS):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * MATMUL_SIZE**3 / best
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(FLOP/s, where the figure comes from) that MFU is measured against."""
+    if args.peak_flops:
+        return args.peak_flops, "--peak-flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, bf16, fp32 in GPU_PEAK_FLOPS:
+            if key in name:
+                return (bf16 if dtype == torch.bfloat16 else fp32), f"spec sheet, {name}"
+    torch.set_num_threads(max(args.threads))  # the peak of every core the variants may use
+    flops = measured_matmul_flops(device, dtype)
+    return flops, f"measured: best of {MATMUL_REPEATS} {MATMUL_SIZE}x{MATMUL_SIZE} {args.dtype} matmuls, {max(args.threads)} threads"
+
+
+def _proc_status_bytes(key: str) -> int:
+    """VmRSS (resident now) or VmHWM (peak resident since the last reset) of this process, in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split(f"{key}:")[1].split()[0]) * 1024
+
+
+def _reset_cpu_peak() -> int | None:
+    """Hand freed heap back to the OS (glibc) and restart the kernel's peak-RSS count; the RSS now, or None where
+    Linux's /proc/self/clear_refs is not available."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)  # else pages another variant freed would be reused unseen
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _proc_status_bytes("VmRSS")
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------------ variants
+
+
+def model_config(args: argparse.Namespace, scheme: str) -> ModelConfig:
+    return ModelConfig(
+        scheme=scheme, depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len, vocab_size=args.vocab
+    )
+
+
+def litgpt_model(args: argparse.Namespace) -> nn.Module:
+    """litgpt's GPT at Keel's dims and layout: Pre-LN RMSNorm, full RoPE, GELU MLP of 4x width, no biases."""
+    from litgpt import GPT, Config
+
+    cfg = Config(
+        block_size=args.seq_len, vocab_size=args.vocab, padded_vocab_size=args.vocab, n_layer=args.depth,
+        n_embd=args.width, n_head=args.heads, n_query_groups=args.heads, rotary_percentage=1.0,
+        parallel_residual=False, bias=False, norm_class_name="RMSNorm", norm_eps=1e-5, mlp_class_name="GptNeoxMLP",
+        intermediate_size=4 * args.width,
+    )
+    return GPT(cfg)
+
+
+def compile_litgpt_blocks(model: nn.Module) -> None:
+    """Block by block, as keel.parallel.compile_blocks does for KeelLM."""
+    for block in model.transformer.h:
+        block.compile(dynamic=False)
+
+
+class TrainStep:
+    """One bare training step of a model on a fixed random batch, as Lightning runs it in `keel pretrain`:
+    forward under autocast (bf16) or not (fp32), backward, global-norm clipping, AdamW step."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace, device: torch.device) -> None:
+        self.model = model.to(device)
+        self.optim = OptimConfig()
+        self.optimizer = make_optimizer(self.model, self.optim)
+        self.batch = torch.randint(args.vocab, (args.batch, args.seq_len + 1), device=device)
+        self.device, self.bf16 = device, args.dtype == "bf16"
+
+    def __call__(self) -> None:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = next_token_loss(self.model, self.batch)
+        loss.backward()
+        if self.optim.grad_clip:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        tensors = [*self.model.parameters()]
+        tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def peak_memory(self) -> int | None:
+        """Parameters + optimizer state + the most one step adds on top (activations, gradients, temporaries):
+        CUDA's max allocated; on CPU the peak RSS (VmHWM) over the step, an approximation (allocator caching)."""
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            self()
+            synchronize(self.device)
+            return self.state_bytes() + torch.cuda.max_memory_allocated(self.device) - start
+        start = _reset_cpu_peak()
+        if start is None:
+            return None
+        self()
+        return self.state_bytes() + _proc_status_bytes("VmHWM") - start
+
+    def timed(self, steps: int) -> float:
+        """Tokens/s over `steps` steps."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            self()
+        synchronize(self.device)
+        return steps * self.batch[:, 1:].numel() / (time.perf_counter() - start)
+
+
+class _AppTimer(Callback):
+    """Tokens/s of the training loop after `skip` batches: wall time between batch ends, so data loading,
+    logging, callbacks and any validation or checkpoint in the window all count."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip, self.batches, self.tokens = skip, 0, 0
+        self.start = self.end = 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        synchronize(pl_module.device)
+        self.batches += 1
+        if self.batches == self.skip:
+            self.start = time.perf_counter()
+        elif self.batches > self.skip:
+            self.tokens += batch[:, 1:].numel() * trainer.world_size
+            self.end = time.perf_counter()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.end - self.start)
+
+
+@dataclass
+class Variant:
+    kind: str  # step | app | loader
+    scheme: str | None
+    compile: bool
+    threads: int
+    workers: int | None  # data.loader_workers (app, loader)
+    run: Callable[[], float]  # one timed segment -> tokens/s
+    peak_memory: int | None = None
+    tokens_per_s: list[float] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        parts = [f"{self.kind}:{self.scheme}" if self.scheme else self.kind]
+        parts[0] += "+compile" if self.compile else ""
+        if self.kind != "loader":
+            parts.append(f"t{self.threads}")
+        if self.workers is not None:
+            parts.append(f"w{self.workers}")
+        return " ".join(parts)
+
+
+def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int, run_dir: str):
+    """The `keel pretrain` config of an app run: the user's config and overrides, then the bench's model dims,
+    device, steps, threads and workers (which must match the step rows), in a throwaway run directory."""
+    return load_config(args.config, [
+        *args.overrides,
+        f"model.scheme={scheme}", f"model.depth={args.depth}", f"model.width={args.width}", f"model.n_heads={args.heads}",
+        f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab}", f"trainer.micro_batch_size={args.batch}",
+        f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
+        f"trainer.precision={'bf16-mixed' if args.dtype == 'bf16' else '32-true'}", "trainer.devices=1",
+        f"trainer.compile={compile}", f"trainer.threads={threads}", f"trainer.max_steps={args.warmup + args.steps}",
+        f"data.loader_workers={workers}", f"run.dir={run_dir}",
+    ])
+
+
+def app_run(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int) -> float:
+    from keel.pretrain import train
+
+    timer = _AppTimer(skip=args.warmup)
+    with tempfile.TemporaryDirectory(prefix="keel-bench-") as run_dir:
+        train(app_config(args, scheme, compile, threads, workers, run_dir), extra_callbacks=[timer])
+    return timer.tokens_per_s
+
+
+def loader_run(args: argparse.Namespace, workers: int) -> float:
+    """Tokens/s of the training loader, from its first batch (worker start-up excluded) over the next ones."""
+    from keel.data import token_loader
+
+    cfg = app_config(args, args.schemes[0], False, max(args.threads), workers, "unused")
+    batches = iter(token_loader(cfg, "train", shuffle=True))
+    next(batches)
+    start, tokens = time.perf_counter(), 0
+    for batch in itertools.islice(batches, LOADER_BATCHES_PER_STEP * args.steps):
+        tokens += batch[:, 1:].numel()
+    return tokens / (time.perf_counter() - start)
+
+
+def build_variants(args: argparse.Namespace, device: torch.device) -> list[Variant]:
+    """Every variant, warmed up (and compiled), its peak memory taken."""
+    variants = []
+    models: list[tuple[str, Callable[[], nn.Module], Callable[[nn.Module], None]]] = [
+        (scheme, lambda s=scheme: KeelLM(model_config(args, s)), compile_blocks) for scheme in args.schemes
+    ]
+    if args.peer == "litgpt":
+        models.append(("litgpt", lambda: litgpt_model(args), compile_litgpt_blocks))
+    for (scheme, build, compile_fn), compile, threads in itertools.product(models, args.compile, args.threads):
+        torch.manual_seed(0)
+        torch.set_num_threads(threads)  # before warm-up: compiled CPU kernels are built for the thread count
+        model = build()
+        if compile:
+            compile_fn(model)
+        step = TrainStep(model, args, device)
+        for _ in range(args.warmup):
+            step()
+        variant = Variant("step", scheme, compile, threads, None, lambda s=step: s.timed(args.steps), step.peak_memory())
+        variants.append(variant)
+        print(f"keel bench: warmed up {variant.label}", file=sys.stderr)
+    if args.app:
+        from keel.data import prepare
+
+        prepare(app_config(args, args.schemes[0], False, max(args.threads), 0, "unused"))  # no-op when built
+        for compile, threads, workers in itertools.product(args.compile, args.threads, args.loader_workers):
+            run = lambda c=compile, t=threads, w=workers: app_run(args, args.schemes[0], c, t, w)  # noqa: E731
+            variants.append(Variant("app", args.schemes[0], compile, threads, workers, run))
+        for workers in args.loader_workers:
+            variants.append(Variant("loader", None, False, max(args.threads), workers, lambda w=workers: loader_run(args, w)))
+    return variants
+
+
+def reference(variant: Variant, variants: list[Variant]) -> Variant | None:
+    steps = [v for v in variants if v.kind == "step"]
+    if variant.kind == "loader":
+        return max(steps, key=lambda v: statistics.median(v.tokens_per_s))
+    scheme = REFERENCE_SCHEME if variant.kind == "step" else variant.scheme
+    return next((v for v in steps if v is not variant and (v.scheme, v.compile, v.threads) == (scheme, variant.compile, variant.threads)), None)
+
+
+def measure(variants: list[Variant], repeats: int) -> None:
+    """Interleaved rounds: each runs every variant once, starting one further along than the last round."""
+    for round_ in range(repeats):
+        shift = round_ % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            torch.set_num_threads(variant.threads)
+            variant.tokens_per_s.append(variant.run())
+        print(f"keel bench: round {round_ + 1}/{repeats} done", file=sys.stderr)
+
+
+# -------------------------------------------------------------------------------------------------------- report
+
+
+def report(args: argparse.Namespace, variants: list[Variant], device: torch.device, peak: tuple[float, str]) -> dict:
+    flops = flops_per_token(model_config(args, args.schemes[0]))  # same for every scheme (and the peer): norms excluded
+    rows = []
+    for variant in variants:
+        tps = statistics.median(variant.tokens_per_s)
+        ref = reference(variant, variants)
+        ratios = [a / b for a, b in zip(variant.tokens_per_s, ref.tokens_per_s)] if ref else None
+        rows.append({
+            "label": variant.label, "kind": variant.kind, "scheme": variant.scheme, "compile": variant.compile,
+            "threads": variant.threads, "loader_workers": variant.workers,
+            "tokens_per_s": tps, "tokens_per_s_repeats": variant.tokens_per_s,
+            "spread": (max(variant.tokens_per_s) - min(variant.tokens_per_s)) / tps,
+            "step_s": args.batch * args.seq_len / tps,
+            "flops_per_token": flops if variant.kind != "loader" else None,
+            "flops_per_s": tps * flops if variant.kind != "loader" else None,
+            "mfu": tps * flops / peak[0] if variant.kind != "loader" else None,
+            "peak_memory_bytes": variant.peak_memory,
+            "reference": ref.label if ref else None,
+            "ratio": statistics.median(ratios) if ratios else None, "ratio_repeats": ratios,
+        })
+    return {
+        "device": args.device, "device_name": device_name(device), "dtype": args.dtype,
+        "model": {"depth": args.depth, "width": args.width, "heads": args.heads, "seq_len": args.seq_len, "vocab": args.vocab},
+        "batch": args.batch, "tokens_per_step": args.batch * args.seq_len,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "peak_flops": peak[0], "peak_flops_source": peak[1], "flops_per_token": flops,
+        "torch": torch.__version__, "rows": rows,
+    }
+
+
+def _cell(value: float | None, fmt: str, unit: float = 1.0) -> str:
+    return "-" if value is None else format(value / unit, fmt)
+
+
+def table(result: dict) -> str:
+    m = result["model"]
+    lines = [
+        f"keel bench: {result['device_name']}, {result['dtype']}, {m['depth']} blocks x width {m['width']}, {m['heads']} heads, "
+        f"seq {m['seq_len']}, batch {result['batch']}, vocab {m['vocab']}",
+        f"model FLOPs/token {result['flops_per_token'] / 1e6:.2f}M; peak {result['peak_flops'] / 1e9:,.1f} GFLOP/s "
+        f"({result['peak_flops_source']}); medians of {result['repeats']} interleaved repeats of {result['steps']} steps "
+        f"after {result['warmup']} warm-up steps",
+        "",
+        f"{'variant':<26} {'tokens/s':>10} {'spread':>7} {'ratio':>6}  {'vs':<26} {'ms/step':>8} {'GFLOP/s':>8} {'MFU':>6} {'peak MB':>8}",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"{row['label']:<26} {row['tokens_per_s']:>10,.0f} {row['spread']:>7.0%} {_cell(row['ratio'], '.3f'):>6}  "
+            f"{row['reference'] or '-':<26} {row['step_s'] * 1e3:>8.1f} {_cell(row['flops_per_s'], ',.1f', 1e9):>8} "
+            f"{_cell(row['mfu'], '.1%'):>6} {_cell(row['peak_memory_bytes'], ',.0f', 2**20):>8}"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+
+
+def _list(kind: Callable[[str], object]) -> Callable[[str], list]:
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def _scheme(text: str) -> str:
+    if text not in SCHEMES:
+        raise argparse.ArgumentTypeError(f"unknown scheme {text!r}; allowed: {', '.join(SCHEMES)}")
+    return text
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    cores = len(os.sched_getaffinity(0))
+    parser = argparse.ArgumentParser(prog="keel bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--schemes", type=_list(_scheme), default="keel,preln", help="comma-separated; ratios are to preln")
+    parser.add_argument("--peer", choices=("litgpt",), help="add litgpt's GPT at the same dims (needs litgpt importable)")
+    parser.add_argument("--depth", type=int, default=16, help="blocks")
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here); >= 1")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all variants")
+    parser.add_argument("--threads", type=_list(int), default=str(cores), help="intra-op threads, comma-separated")
+    parser.add_argument("--compile", type=_list(_on_off), default="off", help="off, on or off,on")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
+    parser.add_argument("--peak-flops", type=float, help="FLOP/s for MFU (default: GPU spec sheet, else measured)")
+    parser.add_argument("--app", action="store_true", help="also time short `keel pretrain` runs and the loader")
+    parser.add_argument("--loader-workers", type=_list(int), default="0", help="data.loader_workers values (--app)")
+    parser.add_argument("--config", help="--app: YAML merged over conf/config.yaml, as for keel pretrain")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("overrides", nargs="*", help="--app: key=value / group=choice config overrides (data=...)")
+    args = parser.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1 or args.repeats < 1:
+        parser.error("--warmup, --steps and --repeats must be >= 1")
+    if not args.schemes or not args.compile or not args.threads or min(args.threads) < 1:
+        parser.error("--schemes, --compile and --threads need at least one value; threads >= 1")
+    if args.peer == "litgpt" and importlib.util.find_spec("litgpt") is None:
+        raise ConfigError(f"--peer litgpt: {PEER_RECIPE}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    peak = peak_flops(args, device, dtype)
+    variants = build_variants(args, device)
+    measure(variants, args.repeats)
+    result = report(args, variants, device, peak)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,50 @@
+"""`keel eval [lm-eval arguments]`: lm-eval's own command line (same arguments, same results files) with
+the `keel` model registered and three defaults: --model keel, --include_path <the bundled keel_* tasks>,
+--batch_size 16 (lm-eval's own default is 1). For example
+
+    keel eval --model_args checkpoint=runs/default/checkpoints/last.ckpt --tasks keel_generated,keel_arc_easy \\
+        --limit 200 --output_path out/eval
+    keel eval ls tasks
+
+The generated tasks read the checkpoint's data.dir (or --metadata corpus_dir=DIR); the standard suite reads
+../shared/data (or --metadata data_dir=DIR). Any lm-eval task name works where the Hugging Face hub is reachable.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lm_eval.__main__ import cli_evaluate
+
+import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
+from keel.evaluation.suite import TASKS_DIR
+
+RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}
+SUBCOMMANDS = ("run", "ls", "validate")
+
+
+def _given(argv: list[str], flags: tuple[str, ...]) -> bool:
+    return any(arg in flags or arg.startswith(tuple(f"{flag}=" for flag in flags)) for arg in argv)
+
+
+def with_defaults(argv: list[str]) -> list[str]:
+    """lm-eval's arguments with keel's defaults added where absent; a bare call or --help passes through."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return argv
+    command, rest = (argv[0], argv[1:]) if argv[0] in SUBCOMMANDS else ("run", argv)
+    defaults = {("--include_path",): str(TASKS_DIR)}
+    if command == "run":
+        defaults.update(RUN_DEFAULTS)
+    for flags, value in defaults.items():
+        if not _given(rest, flags):
+            rest += [flags[0], value]
+    return [command, *rest]
+
+
+def main(argv: list[str]) -> int:
+    saved, sys.argv = sys.argv, ["keel eval", *with_defaults(list(argv))]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0

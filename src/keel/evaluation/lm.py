@@ -1,0 +1,190 @@
+"""lm-eval adapter for KeelLM, registered as lm-eval model `keel`:
+
+    lm_eval.simple_evaluate(model="keel", model_args="checkpoint=runs/default/checkpoints/last.ckpt", ...)
+    KeelEvalLM(model=module.model, tokenizer_json=module.tokenizer_json)   # in memory, for in-loop evaluation
+
+Requests are tokenized exactly as lm-eval's HF model does (TemplateLM: context and continuation encoded
+together, trailing context whitespace moved to the continuation, EOS as the prefix of an empty context),
+left-truncated to the model's seq_len. Every process evaluates every request it is given: the adapter
+reports rank 0 of 1, so under DDP/FSDP all ranks run the same forward passes (FSDP's are collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import asdict
+
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from keel.checkpoint import load_model
+from keel.data import eos_id_of
+from keel.model import ConfigError, KeelLM
+
+log = logging.getLogger(__name__)
+
+
+def _device(requested: str | None) -> torch.device:
+    # lm-eval's command line passes device=cuda:0 unless told otherwise; fall back to the CPU without a GPU.
+    if requested and (not requested.startswith("cuda") or torch.cuda.is_available()):
+        return torch.device(requested)
+    if requested:
+        log.warning("device %s is not available; evaluating on the CPU", requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@register_model("keel")
+class KeelEvalLM(TemplateLM):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        *,
+        model: KeelLM | None = None,
+        tokenizer_json: str | None = None,
+        batch_size: int | str = 16,
+        max_batch_size: int | None = None,
+        device: str | None = None,
+        max_gen_toks: int = 256,
+    ) -> None:
+        """Either `checkpoint` (a single-file keel checkpoint, loaded onto `device`) or an in-memory `model`
+        and `tokenizer_json` (evaluated where the model is). batch_size 'auto' = max_batch_size or 64."""
+        super().__init__()
+        if (checkpoint is None) == (model is None):
+            raise ConfigError("keel model: give either checkpoint=PATH or an in-memory model, not both")
+        if checkpoint is not None:
+            model, _, tokenizer_json = load_model(checkpoint, _device(device))
+        if not tokenizer_json:
+            raise ConfigError("keel model: no tokenizer (the checkpoint has no tokenizer_json)")
+        self.model = model
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self._eot_token_id = eos_id_of(self.tokenizer)
+        self._device = next(model.parameters()).device
+        self._batch_size = int(batch_size) if str(batch_size).isdigit() else (max_batch_size or 64)
+        self._max_gen_toks = int(max_gen_toks)
+
+    # ------------------------------------------------------------------ TemplateLM interface
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.model.cfg.seq_len
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        # Training shards are encoded without special tokens (EOS only separates documents).
+        return self.tokenizer.encode(string, add_special_tokens=False).ids
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def get_model_info(self) -> dict:
+        """Recorded by lm-eval in the results' `config`."""
+        return {"model_num_parameters": self.model.num_params(), "model_config": asdict(self.model.cfg)}
+
+    @contextlib.contextmanager
+    def _inference(self):
+        # bf16 autocast on GPU (as in training); eager even if training compiled the blocks (compile_blocks
+        # uses dynamic=False, and evaluation batches have a new shape almost every time: endless recompiles).
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._device.type == "cuda")
+        with torch.no_grad(), autocast, torch.compiler.set_stance("force_eager"):
+            yield
+
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), whether greedy decoding yields the continuation) per request. A
+        continuation longer than seq_len (where lm-eval's HF model gives up) is scored in seq_len-token
+        pieces, each conditioned on the seq_len tokens before it."""
+        pieces, owners = [], []
+        for index, (_, context, continuation) in enumerate(requests):
+            for start in range(0, len(continuation), self.max_length):
+                pieces.append((context + continuation[:start], continuation[start : start + self.max_length]))
+                owners.append(index)
+        results = [(0.0, True)] * len(requests)
+        for owner, (logprob, greedy) in zip(owners, self._score(pieces, disable_tqdm)):
+            results[owner] = (results[owner][0] + logprob, results[owner][1] and greedy)
+        for (request, _, _), answer in zip(requests, results):
+            if request is not None:  # rolling windows have no request of their own
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return results
+
+    def _score(self, pieces: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """Batched (context, continuation <= seq_len) scoring: longest first (lm-eval's Collator), inputs
+        left-truncated to seq_len and right-padded (causal attention never looks at the padding)."""
+        collator = Collator(pieces, sort_fn=lambda piece: (-len(piece[0]) - len(piece[1]), tuple(piece[0] + piece[1])))
+        results = []
+        progress = tqdm(total=len(pieces), desc="Running loglikelihood requests", disable=disable_tqdm)
+        for chunk in collator.get_batched(n=self.batch_size):
+            windows = [(context + continuation)[-(self.max_length + 1) :][:-1] for context, continuation in chunk]
+            batch = torch.full((len(windows), max(map(len, windows))), self.eot_token_id, dtype=torch.long)
+            for row, window in enumerate(windows):
+                batch[row, : len(window)] = torch.tensor(window)
+            with self._inference():
+                logits = self.model(batch.to(self._device))
+            for (_, continuation), window, row_logits in zip(chunk, windows, logits):
+                # Logits at position t predict token t + 1: the continuation's are the last len(continuation).
+                logprobs = row_logits[len(window) - len(continuation) : len(window)].float().log_softmax(-1)
+                target = torch.tensor(continuation, device=logprobs.device)
+                results.append(
+                    (float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all()))
+                )
+            progress.update(len(chunk))
+        progress.close()
+        return collator.get_original(results)
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Whole-text log-likelihood in non-overlapping windows of seq_len tokens, EOS before the first."""
+        windows, owners = [], []
+        for index, (text,) in enumerate(request.args for request in requests):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1),
+            ):
+                windows.append((None, context, continuation))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, if do_sample) continuation through KeelLM.generate's KV cache, one request at
+        a time (the model takes no padding mask), cut at the first stop sequence of the decoded text."""
+        results = []
+        for context, gen_kwargs in tqdm(
+            [request.args for request in requests], desc="Running generate_until requests", disable=disable_tqdm
+        ):
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            # A short-context model keeps at least half its window for the prompt.
+            max_new = min(kwargs["max_gen_toks"], self.max_length // 2)
+            ids = self.tok_encode(context) or [self.prefix_token_id]
+            with self._inference():
+                out = self.model.generate(
+                    torch.tensor([ids], device=self._device),
+                    max_new,
+                    temperature=kwargs.get("temperature", 1.0) if kwargs["do_sample"] else 0.0,
+                    top_k=kwargs.get("top_k"),
+                    stop_tokens=(self.eot_token_id,),
+                )
+            text = postprocess_generated_text(self.tok_decode(out[0, len(ids) :].tolist()), kwargs["until"], None)
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+        return results

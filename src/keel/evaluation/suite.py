@@ -1,0 +1,93 @@
+"""The bundled tasks, one TaskManager per process, and running tasks on a model for plain metric values."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lm_eval.utils
+from lm_eval.api.model import LM
+from lm_eval.api.task import Task
+from lm_eval.defaults import DEFAULT_OTHER_SEED
+from lm_eval.evaluator import evaluate
+from lm_eval.tasks import TaskManager
+
+TASKS_DIR = Path(__file__).parent / "tasks"  # generated/ and standard/ task YAMLs
+STDERR = "_stderr"
+
+
+class _DropMetadataHint(logging.Filter):
+    """lm-eval warns, for every task with a custom_dataset, that such loaders may want --metadata; ours
+    already read theirs (data_dir, corpus_dir, checkpoint), so the hint is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+logging.getLogger("lm_eval.api.task").addFilter(_DropMetadataHint())
+
+# lm-eval renders prompt templates through jinja2's Environment.from_string, which compiles the template anew
+# for every document and field (5-15 ms on a small CPU: more than a small model's forward pass). A template is
+# a pure function of its source: compile each source once per process.
+lm_eval.utils.env.from_string = functools.lru_cache(maxsize=1024)(lm_eval.utils.env.from_string)
+
+
+@functools.cache
+def _task_manager(include_path: tuple[str, ...], include_defaults: bool, metadata: tuple) -> TaskManager:
+    return TaskManager(include_path=list(include_path), include_defaults=include_defaults, metadata=dict(metadata))
+
+
+def task_manager(
+    tasks: Sequence[str] = (),
+    include_path: str | None = None,
+    data_dir: str | None = None,
+    corpus_dir: str | None = None,
+) -> TaskManager:
+    """A TaskManager indexing the bundled tasks (and include_path), built once per process and argument set.
+    lm-eval's own ~15k tasks are indexed too (about 15 s) only when `tasks` names one that is not bundled.
+    data_dir (standard-suite files) and corpus_dir (a `keel data` directory, for the generated tasks) reach
+    the task loaders as task metadata."""
+    paths = (str(TASKS_DIR),) + ((include_path,) if include_path else ())
+    dirs = {"data_dir": data_dir, "corpus_dir": corpus_dir}
+    metadata = tuple(sorted((key, os.path.abspath(value)) for key, value in dirs.items() if value))
+    local = _task_manager(paths, False, metadata)
+    if all(name in local.all_tasks for name in tasks):
+        return local
+    return _task_manager(paths, True, metadata)
+
+
+def primary_metric(task: Task) -> tuple[str, bool]:
+    """The metric that stands for a task in loss-vs-task comparisons - the first of its metric_list, with the
+    first filter's name for generative tasks - and whether higher is better."""
+    name, higher = next(iter(task.higher_is_better().items()))
+    filters = [f.name for f in task._filters]
+    return (name if filters[0] == "none" else f"{name}/{filters[0]}"), higher
+
+
+def run_tasks(
+    lm: LM, tasks: dict[str, Task], limit: int | None = None, num_fewshot: int | None = None
+) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of loaded tasks (TaskManager.load(...)["tasks"], reusable: their documents are
+    read once). num_fewshot None keeps each task's default (0 if it has none). Metric names are lm-eval's,
+    the filter appended for generative tasks ('exact_match/strict-match'). lm-eval's evaluate(), not
+    simple_evaluate(), which also probes the environment (seconds of subprocesses) and reseeds the global RNGs;
+    no bootstrap standard errors, which would cost more than the evaluation itself."""
+    for task in tasks.values():
+        if num_fewshot is not None or task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=num_fewshot or 0)
+        task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)  # the same few-shot examples at every evaluation
+    results = evaluate(lm=lm, task_dict={"tasks": tasks}, limit=limit, bootstrap_iters=0, log_samples=False)
+    return {task: _metrics(values) for task, values in results["results"].items()}
+
+
+def _metrics(values: dict[str, Any]) -> dict[str, float]:
+    metrics = {}
+    for key, value in values.items():
+        metric, _, filter_name = key.partition(",")
+        if filter_name and not metric.endswith(STDERR) and isinstance(value, (int, float)):
+            metrics[metric if filter_name == "none" else f"{metric}/{filter_name}"] = float(value)
+    return metrics

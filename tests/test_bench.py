@@ -1,0 +1,60 @@
+"""`keel bench` end to end on seconds-long configs: the printed table and the JSON fields. No timing assertions:
+the figures are benchmark output (docs/bench.md), not test thresholds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from keel.cli import main as cli_main
+from keel.model import ModelConfig, flops_per_token
+
+TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--seq-len", "32", "--vocab", "512", "--batch", "4",
+        "--steps", "2", "--warmup", "1", "--repeats", "2", "--threads", "1"]
+TINY_FLOPS = flops_per_token(ModelConfig(depth=2, width=32, n_heads=2, seq_len=32, vocab_size=512))
+
+
+def run_bench(tmp_path, capsys, *argv: str) -> tuple[dict, str]:
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", *TINY, "--json", str(out), *argv]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_schemes_side_by_side(tmp_path, capsys):
+    result, printed = run_bench(tmp_path, capsys, "--schemes", "keel,preln", "--compile", "off")
+    keel, preln = result["rows"]
+    assert (keel["label"], preln["label"]) == ("step:keel t1", "step:preln t1")
+    assert "variant" in printed and "tokens/s" in printed and all(row["label"] in printed for row in result["rows"])
+    assert result["flops_per_token"] == TINY_FLOPS
+    assert result["peak_flops"] > 0 and result["peak_flops_source"].startswith("measured")
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and len(row["tokens_per_s_repeats"]) == 2
+        assert row["flops_per_token"] == TINY_FLOPS
+        assert row["flops_per_s"] == pytest.approx(row["tokens_per_s"] * TINY_FLOPS)
+        assert row["mfu"] == pytest.approx(row["flops_per_s"] / result["peak_flops"])
+        assert row["peak_memory_bytes"] > 0 and row["compile"] is False and row["threads"] == 1
+    assert keel["reference"] == "step:preln t1" and keel["ratio"] > 0 and len(keel["ratio_repeats"]) == 2
+    assert preln["reference"] is None and preln["ratio"] is None
+
+
+def test_app_and_loader_rows(tiny_data, tmp_path, capsys):
+    result, printed = run_bench(
+        tmp_path, capsys, "--schemes", "keel", "--app", "--loader-workers", "0", "--peak-flops", "1e9",
+        "eval.enabled=false", "trainer.progress_bar=false", *tiny_data,
+    )
+    step, app, loader = result["rows"]
+    assert (step["label"], app["label"], loader["label"]) == ("step:keel t1", "app:keel t1 w0", "loader w0")
+    assert result["peak_flops"] == 1e9 and result["peak_flops_source"] == "--peak-flops"
+    assert app["reference"] == loader["reference"] == "step:keel t1"
+    for row in (app, loader):
+        assert row["tokens_per_s"] > 0 and row["ratio"] > 0 and row["loader_workers"] == 0
+    assert app["flops_per_token"] == TINY_FLOPS and loader["flops_per_token"] is None and loader["mfu"] is None
+    assert "app:keel t1 w0" in printed and "loader w0" in printed
+
+
+@pytest.mark.skipif(importlib.util.find_spec("litgpt") is not None, reason="litgpt is installed here")
+def test_missing_peer_says_how_to_install_it(capsys):
+    assert cli_main(["bench", "--peer", "litgpt"]) == 2
+    assert "pip install --no-deps litgpt" in capsys.readouterr().err

@@ -1,0 +1,251 @@
+"""Downstream evaluation: the lm-eval adapter against the model's own log-probabilities, generation stops, the
+bundled tasks (gold answers, determinism, generated tasks above chance), `keel eval`, `keel compare`, and the
+in-loop callback leaving training untouched."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import get_model
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from keel.checkpoint import LAST, load_model
+from keel.cli import main as cli_main
+from keel.config import load_config
+from keel.data import main as data_main
+from keel.evaluation import KeelEvalLM, generate_tasks, run_tasks, task_manager
+from keel.evaluation.suite import primary_metric
+from keel.pretrain import train
+
+from conftest import QUIET_TRAINER, SHARED_DATA, shared_data
+
+EVAL_MODEL = ["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=64", "model.vocab_size=512"]
+STANDARD_TASKS = ["keel_arc_easy", "keel_arc_challenge", "keel_boolq", "keel_gsm8k", "keel_hellaswag",
+                  "keel_lambada_openai", "keel_openbookqa", "keel_piqa", "keel_winogrande"]
+
+
+@pytest.fixture(scope="session")
+def eval_data(corpus_dir, tmp_path_factory) -> str:
+    """`keel data` over conftest's 40 standard-library files with a quarter held out: ~12 files, ~8k lines in
+    val_docs.jsonl for the generated tasks."""
+    data_dir = tmp_path_factory.mktemp("eval_shards") / "data"
+    overrides = ["data.source=text_files", f"data.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}",
+                 "data.vocab_size=512", "data.prepare_workers=1", "data.val_fraction=0.25"]
+    assert data_main(overrides) == 0
+    return str(data_dir)
+
+
+@pytest.fixture(scope="session")
+def manager(eval_data):
+    """The one TaskManager of the session (the callback's, too: same include path and metadata)."""
+    return task_manager(data_dir=str(SHARED_DATA), corpus_dir=eval_data)
+
+
+def config(eval_data: str, run_dir: Path, *extra: str):
+    return load_config(overrides=[*EVAL_MODEL, *QUIET_TRAINER, f"data.dir={eval_data}", f"run.dir={run_dir}",
+                                  f"eval.data_dir={SHARED_DATA}", "resume=null", *extra])
+
+
+SHORT_RUN = ["trainer.max_steps=30", "trainer.val_every_n_steps=10", "trainer.val_batches=2",
+             "trainer.checkpoint_every_n_steps=30", "eval.every_n_steps=10", "eval.limit=16"]
+
+
+@pytest.fixture(scope="session")
+def baseline(eval_data, tmp_path_factory) -> Path:
+    """A short run without downstream evaluation; its last.ckpt is the fixed checkpoint of the other tests."""
+    run = tmp_path_factory.mktemp("baseline")
+    train(config(eval_data, run, *SHORT_RUN, "eval.enabled=false"))
+    return run
+
+
+@pytest.fixture(scope="session")
+def checkpoint(baseline) -> Path:
+    return baseline / "checkpoints" / LAST
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)} if tag in events.Tags()["scalars"] else {}
+
+
+# ---------------------------------------------------------------------------------------------- the adapter
+
+
+def reference_logprob(model, ids: list[int], n_continuation: int) -> tuple[float, bool]:
+    """Summed log p of the last n_continuation of ids, one unpadded forward of the last seq_len + 1 tokens."""
+    ids = ids[-(model.cfg.seq_len + 1) :]
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids[:-1]]))[0].log_softmax(-1)[-n_continuation:]
+    target = torch.tensor(ids[-n_continuation:])
+    return float(logprobs.gather(-1, target[:, None]).sum()), bool((logprobs.argmax(-1) == target).all())
+
+
+def test_loglikelihood_is_the_models_own_logprob(checkpoint):
+    model, cfg, tokenizer_json = load_model(checkpoint)
+    lm = KeelEvalLM(model=model, tokenizer_json=tokenizer_json, batch_size=3)  # padded batches of mixed lengths
+    encode = lm.tok_encode
+    long_context = "x = compute(value)\n" * 40  # far beyond seq_len: left-truncated
+    cases = [("def f(x):", "\n    return x + 1"), ("import os", "\nimport sys"), (long_context.strip(), "\ny = 2"),
+             ("class A:\n    pass", "\n")]
+    results = lm.loglikelihood([Instance("loglikelihood", {}, case, i) for i, case in enumerate(cases)])
+    for (context, continuation), (logprob, greedy) in zip(cases, results):
+        whole, ctx = encode(context + continuation), encode(context)
+        assert whole[: len(ctx)] == ctx  # a token boundary between the two: the reference is unambiguous
+        ref_logprob, ref_greedy = reference_logprob(model, whole, len(whole) - len(ctx))
+        assert logprob == pytest.approx(ref_logprob, abs=1e-4) and greedy == ref_greedy
+
+    # Empty context: conditioned on EOS, as lm-eval's HF model does.
+    [(logprob, _)] = lm.loglikelihood([Instance("loglikelihood", {}, ("", "import os"), 0)])
+    ids = encode("import os")
+    assert logprob == pytest.approx(reference_logprob(model, [lm.eot_token_id] + ids, len(ids))[0], abs=1e-4)
+
+    # Rolling: every token once, each window the seq_len tokens before the ones it scores, EOS first.
+    text = "def f(a, b):\n    return a * b + 1\n" * 12
+    seq, L = [lm.eot_token_id] + encode(text), cfg.model.seq_len
+    assert len(seq) > 3 * L
+    expected = sum(
+        reference_logprob(model, seq[max(0, end - L) : end + 1], end - start)[0]
+        for start, end in ((s, min(s + L, len(seq) - 1)) for s in range(0, len(seq) - 1, L))
+    )
+    [total] = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    assert total == pytest.approx(expected, abs=1e-3)
+
+
+def test_generate_until_honours_stop_sequences(checkpoint):
+    model, _, tokenizer_json = load_model(checkpoint)
+    lm = KeelEvalLM(model=model, tokenizer_json=tokenizer_json)
+    context = "def main():\n    "
+
+    def generate(gen_kwargs: dict) -> str:
+        return lm.generate_until([Instance("generate_until", {}, (context, gen_kwargs), 0)])[0]
+
+    free = generate({"until": [], "max_gen_toks": 12})
+    assert len(lm.tok_encode(free)) <= 12 and free == generate({"until": [], "max_gen_toks": 12})  # greedy
+    stop = free[len(free) // 2 :][:2]
+    assert len(stop) == 2 and generate({"until": [stop], "max_gen_toks": 12}) == free[: free.index(stop)]
+
+
+# ------------------------------------------------------------------------------------------------------ tasks
+
+
+def test_generated_tasks_are_deterministic_and_well_formed(eval_data, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(Path(eval_data) / "val_docs.jsonl", copy)
+    paths, again = generate_tasks(eval_data), generate_tasks(copy)
+    for name, path in paths.items():
+        assert path.read_bytes() == again[name].read_bytes()
+        assert 100 <= len(path.read_text().splitlines()) <= 500  # 500, or every candidate a small corpus has
+    next_line = [json.loads(line) for line in paths["keel_next_line"].read_text().splitlines()]
+    assert all(len({c.strip() for c in ex["choices"]}) == 4 and 0 <= ex["gold"] < 4 for ex in next_line)
+    golds = [ex["gold"] for ex in next_line]
+    assert min(golds.count(g) for g in range(4)) > 90  # the gold position is uniform: chance is 25%
+    for ex in map(json.loads, paths["keel_last_token"].read_text().splitlines()):
+        assert re.fullmatch(r"[A-Za-z_]\w{2,}", ex["target"]) and re.search(rf"\b{ex['target']}\b", ex["context"])
+
+
+@pytest.fixture(scope="session")
+def standard_tasks(manager):
+    shared_data()
+    return manager.load(STANDARD_TASKS)["tasks"]
+
+
+def gold_problem(task, doc) -> str | None:
+    """Why a document has no valid gold answer, or None."""
+    target = task.doc_to_target(doc)
+    if task.OUTPUT_TYPE == "multiple_choice":
+        choices = task.doc_to_choice(doc)
+        gold = task.doc_to_text(doc) if task.multiple_input else target  # winogrande: the gold is the context
+        if not (len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)):
+            return f"bad choices {choices}"
+        if not (isinstance(gold, int) and 0 <= gold < len(choices)):
+            return f"gold {gold!r} not an index into {len(choices)} choices"
+        return None if isinstance(target, (int, str)) and str(target) else f"empty target {target!r}"
+    if task.OUTPUT_TYPE == "generate_until":  # gsm8k: the strict-match filter must find the answer
+        return None if re.search(r"#### (\-?[0-9\.\,]+)", target) else f"no '#### <number>' in {target!r}"
+    return None if isinstance(target, str) and target.strip() else f"empty target {target!r}"
+
+
+def test_every_standard_document_has_a_valid_gold_answer(standard_tasks):
+    assert sorted(standard_tasks) == sorted(STANDARD_TASKS)
+    sizes = {}
+    for name, task in standard_tasks.items():
+        for split, docs in task.dataset.items():  # every file of the task, test and few-shot alike
+            problems = [(i, p) for i, doc in enumerate(docs) if (p := gold_problem(task, doc))]
+            assert not problems, f"{name} {split}: {len(problems)} bad documents, e.g. {problems[:3]}"
+            sizes[f"{name}/{split}"] = len(docs)
+    assert sizes["keel_hellaswag/validation"] == 10042 and sizes["keel_piqa/validation"] == 1838
+    assert sizes["keel_arc_easy/test"] == 2376 and sizes["keel_boolq/validation"] == 3270
+    assert sizes["keel_lambada_openai/test"] == 5153 and sizes["keel_winogrande/validation"] == 1267
+    assert sizes["keel_openbookqa/test"] == 500 and sizes["keel_gsm8k/test"] == 1319
+
+
+def test_standard_suite_scores_are_deterministic(checkpoint, standard_tasks):
+    def scores():
+        return run_tasks(KeelEvalLM(checkpoint=str(checkpoint), device="cpu"), standard_tasks, limit=3)
+
+    first = scores()
+    assert first == scores()
+    assert set(first) == set(STANDARD_TASKS)
+    for name, task in standard_tasks.items():
+        metric, _ = primary_metric(task)
+        assert metric in first[name]
+    assert all(0 <= first[name]["acc"] <= 1 for name in STANDARD_TASKS if name != "keel_gsm8k")
+
+
+def test_keel_eval_runs_a_local_task_and_writes_lm_evals_results(checkpoint, tmp_path):
+    out = tmp_path / "results"
+    # no corpus_dir given: the generated task finds its documents through the checkpoint's data.dir
+    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "keel_next_line", "--limit", "8",
+                     "--device", "cpu", "--output_path", str(out)]) == 0
+    [results_file] = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert get_model("keel") is KeelEvalLM and results["config"]["model"] == "keel"
+    assert results["n-samples"]["keel_next_line"]["effective"] == 8
+    assert 0 <= results["results"]["keel_next_line"]["acc_mutual_info,none"] <= 1
+
+
+# ----------------------------------------------------------------------------------------- in-loop evaluation
+
+
+def test_in_loop_evaluation_leaves_training_unchanged(eval_data, baseline, manager, tmp_path):
+    run = tmp_path / "with_eval"
+    train(config(eval_data, run, *SHORT_RUN))
+    assert scalars(run, "train/loss") == scalars(baseline, "train/loss")  # every step, bit for bit
+    assert len(scalars(run, "train/loss")) == 30
+
+    history = json.loads((run / "eval_history.json").read_text())
+    assert [e["step"] for e in history["evaluations"]] == [9, 19, 29]
+    assert history["tasks"]["keel_next_line"] == {"metric": "acc_mutual_info", "higher_is_better": True}
+    val_loss = scalars(run, "val/loss")
+    for evaluation in history["evaluations"]:  # next to validation loss, on its x-axis
+        assert evaluation["val_loss"] == pytest.approx(val_loss[evaluation["step"]])
+        assert scalars(run, "eval/keel_next_line/acc_mutual_info")[evaluation["step"]] == pytest.approx(
+            evaluation["scores"]["keel_next_line"]["acc_mutual_info"])
+    assert set(scalars(run, "time/downstream_eval_s")) == {9, 19, 29}
+    assert set(scalars(run, "eval/disagree/keel_last_token")) == {19, 29}
+    assert set(history["spearman"]) == {"keel_next_line", "keel_last_token"}
+
+    png = tmp_path / "compare.png"
+    assert cli_main(["compare", str(baseline), str(run), "--out", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_generated_task_rises_above_chance_after_a_short_training_run(eval_data, manager, tmp_path):
+    """~300 steps of a 2-block model (about a minute on 2 CPU cores): keel_next_line's acc_mutual_info goes
+    from chance (25%) to ~40% on 500 documents, where 32% is already 3.5 standard errors above chance."""
+    run = tmp_path / "learn"
+    train(config(eval_data, run, "model.width=64", "model.seq_len=128", "trainer.micro_batch_size=8",
+                 "trainer.max_steps=300", "trainer.val_every_n_steps=300", "trainer.val_batches=2",
+                 "trainer.checkpoint_every_n_steps=300", "eval.every_n_steps=300", "eval.limit=500",
+                 "eval.tasks=[keel_next_line]"))
+    [evaluation] = json.loads((run / "eval_history.json").read_text())["evaluations"]
+    assert evaluation["scores"]["keel_next_line"]["acc_mutual_info"] > 0.32

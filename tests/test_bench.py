@@ -17,12 +17,14 @@ TINY_FLOPS = flops_per_token(ModelConfig(depth=2, width=32, n_heads=2, seq_len=3
 
 
 def run_bench(tmp_path, capsys, *argv: str) -> tuple[dict, str]:
+    """`keel bench` at TINY dims: (its JSON, what it printed). It sets the process's thread count, which the
+    callers' one_thread fixture puts back."""
     out = tmp_path / "bench.json"
     assert cli_main(["bench", *TINY, "--json", str(out), *argv]) == 0
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_schemes_side_by_side(tmp_path, capsys):
+def test_schemes_side_by_side(one_thread, tmp_path, capsys):
     result, printed = run_bench(tmp_path, capsys, "--schemes", "keel,preln", "--compile", "off")
     keel, preln = result["rows"]
     assert (keel["label"], preln["label"]) == ("step:keel t1", "step:preln t1")
@@ -39,7 +41,7 @@ def test_schemes_side_by_side(tmp_path, capsys):
     assert preln["reference"] is None and preln["ratio"] is None
 
 
-def test_app_and_loader_rows(tiny_data, tmp_path, capsys):
+def test_app_and_loader_rows(one_thread, tiny_data, tmp_path, capsys):
     result, printed = run_bench(
         tmp_path, capsys, "--schemes", "keel", "--app", "--loader-workers", "0", "--peak-flops", "1e9",
         "eval.enabled=false", "trainer.progress_bar=false", *tiny_data,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import itertools
 import json
@@ -59,12 +60,13 @@ GPU_PEAK_FLOPS = (
 MATMUL_SIZE, MATMUL_REPEATS = 2048, 10
 LOADER_BATCHES_PER_STEP = 10  # a loader segment reads this many batches per step of a step segment
 PEER_RECIPE = """\
-litgpt is not importable here. It pins other versions of packages Keel uses (huggingface_hub, psutil), so keep it
-out of Keel's environment: a throwaway venv that sees Keel's packages, with litgpt and its few extra dependencies:
-    python -m venv /tmp/peer && echo "import site; site.addsitedir('$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')')" \\
-        > /tmp/peer/lib/python3*/site-packages/keel-venv.pth
-    /tmp/peer/bin/pip install --no-deps litgpt psutil 'jsonargparse[signatures]<=4.41' docstring_parser typeshed_client 'huggingface_hub<1.4' safetensors
-    /tmp/peer/bin/keel bench --peer litgpt ...        (docs/bench.md: timing `litgpt pretrain` against `keel pretrain`)"""
+litgpt is not importable here. It pins older huggingface_hub and psutil than Keel's environment has, so give it a
+throwaway venv that also sees Keel's packages (docs/bench.md, "Peer: litgpt"):
+    python -m venv /tmp/peer
+    echo "import site; site.addsitedir('<Keel's .venv site-packages>')" > /tmp/peer/lib/python3.*/site-packages/keel.pth
+    /tmp/peer/bin/pip install --no-deps litgpt psutil 'jsonargparse[signatures]<=4.41' docstring_parser \\
+        typeshed_client 'huggingface_hub<1.4' safetensors
+    /tmp/peer/bin/python -m keel.cli bench --peer litgpt ..."""
 
 
 # ------------------------------------------------------------------------------------------------------- devices
@@ -112,7 +114,8 @@ def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
                 return (bf16 if dtype == torch.bfloat16 else fp32), f"spec sheet, {name}"
     torch.set_num_threads(max(args.threads))  # the peak of every core the variants may use
     flops = measured_matmul_flops(device, dtype)
-    return flops, f"measured: best of {MATMUL_REPEATS} {MATMUL_SIZE}x{MATMUL_SIZE} {args.dtype} matmuls, {max(args.threads)} threads"
+    size = f"{MATMUL_SIZE}x{MATMUL_SIZE}"
+    return flops, f"measured: best of {MATMUL_REPEATS} {size} {args.dtype} matmuls, {max(args.threads)} threads"
 
 
 def _proc_status_bytes(key: str) -> int:
@@ -138,9 +141,8 @@ def _reset_cpu_peak() -> int | None:
 
 
 def model_config(args: argparse.Namespace, scheme: str) -> ModelConfig:
-    return ModelConfig(
-        scheme=scheme, depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len, vocab_size=args.vocab
-    )
+    return ModelConfig(scheme=scheme, depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len,
+                       vocab_size=args.vocab)
 
 
 def litgpt_model(args: argparse.Namespace) -> nn.Module:
@@ -257,17 +259,19 @@ class Variant:
         return " ".join(parts)
 
 
-def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int, run_dir: str):
+def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int,
+               run_dir: str | None = None):
     """The `keel pretrain` config of an app run: the user's config and overrides, then the bench's model dims,
-    device, steps, threads and workers (which must match the step rows), in a throwaway run directory."""
+    device, steps, threads and workers (which must match the step rows); run_dir: a throwaway run directory."""
     return load_config(args.config, [
         *args.overrides,
-        f"model.scheme={scheme}", f"model.depth={args.depth}", f"model.width={args.width}", f"model.n_heads={args.heads}",
-        f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab}", f"trainer.micro_batch_size={args.batch}",
+        f"model.scheme={scheme}", f"model.depth={args.depth}", f"model.width={args.width}",
+        f"model.n_heads={args.heads}", f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab}",
+        f"trainer.micro_batch_size={args.batch}",
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         f"trainer.precision={'bf16-mixed' if args.dtype == 'bf16' else '32-true'}", "trainer.devices=1",
         f"trainer.compile={compile}", f"trainer.threads={threads}", f"trainer.max_steps={args.warmup + args.steps}",
-        f"data.loader_workers={workers}", f"run.dir={run_dir}",
+        f"data.loader_workers={workers}", *([f"run.dir={run_dir}"] if run_dir else []),
     ])
 
 
@@ -284,7 +288,7 @@ def loader_run(args: argparse.Namespace, workers: int) -> float:
     """Tokens/s of the training loader, from its first batch (worker start-up excluded) over the next ones."""
     from keel.data import token_loader
 
-    cfg = app_config(args, args.schemes[0], False, max(args.threads), workers, "unused")
+    cfg = app_config(args, args.schemes[0], False, max(args.threads), workers)
     batches = iter(token_loader(cfg, "train", shuffle=True))
     next(batches)
     start, tokens = time.perf_counter(), 0
@@ -303,34 +307,38 @@ def build_variants(args: argparse.Namespace, device: torch.device) -> list[Varia
         models.append(("litgpt", lambda: litgpt_model(args), compile_litgpt_blocks))
     for (scheme, build, compile_fn), compile, threads in itertools.product(models, args.compile, args.threads):
         torch.manual_seed(0)
-        torch.set_num_threads(threads)  # before warm-up: compiled CPU kernels are built for the thread count
+        torch.set_num_threads(threads)  # before warm-up: torch.compile specializes (recompiles) per thread count
         model = build()
         if compile:
             compile_fn(model)
         step = TrainStep(model, args, device)
         for _ in range(args.warmup):
             step()
-        variant = Variant("step", scheme, compile, threads, None, lambda s=step: s.timed(args.steps), step.peak_memory())
+        timed = functools.partial(step.timed, args.steps)
+        variant = Variant("step", scheme, compile, threads, None, timed, step.peak_memory())
         variants.append(variant)
         print(f"keel bench: warmed up {variant.label}", file=sys.stderr)
     if args.app:
         from keel.data import prepare
 
-        prepare(app_config(args, args.schemes[0], False, max(args.threads), 0, "unused"))  # no-op when built
+        prepare(app_config(args, args.schemes[0], False, max(args.threads), 0))  # no-op when already built
         for compile, threads, workers in itertools.product(args.compile, args.threads, args.loader_workers):
-            run = lambda c=compile, t=threads, w=workers: app_run(args, args.schemes[0], c, t, w)  # noqa: E731
+            run = functools.partial(app_run, args, args.schemes[0], compile, threads, workers)
             variants.append(Variant("app", args.schemes[0], compile, threads, workers, run))
         for workers in args.loader_workers:
-            variants.append(Variant("loader", None, False, max(args.threads), workers, lambda w=workers: loader_run(args, w)))
+            run = functools.partial(loader_run, args, workers)
+            variants.append(Variant("loader", None, False, max(args.threads), workers, run))
     return variants
 
 
 def reference(variant: Variant, variants: list[Variant]) -> Variant | None:
+    """The row a variant's ratio is taken against (module docstring); None for Pre-LN's own steps."""
     steps = [v for v in variants if v.kind == "step"]
     if variant.kind == "loader":
         return max(steps, key=lambda v: statistics.median(v.tokens_per_s))
     scheme = REFERENCE_SCHEME if variant.kind == "step" else variant.scheme
-    return next((v for v in steps if v is not variant and (v.scheme, v.compile, v.threads) == (scheme, variant.compile, variant.threads)), None)
+    same = [v for v in steps if (v.scheme, v.compile, v.threads) == (scheme, variant.compile, variant.threads)]
+    return next((v for v in same if v is not variant), None)
 
 
 def measure(variants: list[Variant], repeats: int) -> None:
@@ -368,7 +376,8 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
         })
     return {
         "device": args.device, "device_name": device_name(device), "dtype": args.dtype,
-        "model": {"depth": args.depth, "width": args.width, "heads": args.heads, "seq_len": args.seq_len, "vocab": args.vocab},
+        "model": {"depth": args.depth, "width": args.width, "heads": args.heads, "seq_len": args.seq_len,
+                  "vocab": args.vocab},
         "batch": args.batch, "tokens_per_step": args.batch * args.seq_len,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
         "peak_flops": peak[0], "peak_flops_source": peak[1], "flops_per_token": flops,
@@ -383,13 +392,14 @@ def _cell(value: float | None, fmt: str, unit: float = 1.0) -> str:
 def table(result: dict) -> str:
     m = result["model"]
     lines = [
-        f"keel bench: {result['device_name']}, {result['dtype']}, {m['depth']} blocks x width {m['width']}, {m['heads']} heads, "
-        f"seq {m['seq_len']}, batch {result['batch']}, vocab {m['vocab']}",
+        f"keel bench: {result['device_name']}, {result['dtype']}, {m['depth']} blocks x width {m['width']}, "
+        f"{m['heads']} heads, seq {m['seq_len']}, batch {result['batch']}, vocab {m['vocab']}",
         f"model FLOPs/token {result['flops_per_token'] / 1e6:.2f}M; peak {result['peak_flops'] / 1e9:,.1f} GFLOP/s "
-        f"({result['peak_flops_source']}); medians of {result['repeats']} interleaved repeats of {result['steps']} steps "
-        f"after {result['warmup']} warm-up steps",
+        f"({result['peak_flops_source']}); medians of {result['repeats']} interleaved repeats of "
+        f"{result['steps']} steps after {result['warmup']} warm-up steps",
         "",
-        f"{'variant':<26} {'tokens/s':>10} {'spread':>7} {'ratio':>6}  {'vs':<26} {'ms/step':>8} {'GFLOP/s':>8} {'MFU':>6} {'peak MB':>8}",
+        f"{'variant':<26} {'tokens/s':>10} {'spread':>7} {'ratio':>6}  {'vs':<26} {'ms/step':>8} {'GFLOP/s':>8} "
+        f"{'MFU':>6} {'peak MB':>8}",
     ]
     for row in result["rows"]:
         lines.append(
@@ -423,20 +433,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
     parser = argparse.ArgumentParser(prog="keel bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--schemes", type=_list(_scheme), default="keel,preln", help="comma-separated; ratios are to preln")
-    parser.add_argument("--peer", choices=("litgpt",), help="add litgpt's GPT at the same dims (needs litgpt importable)")
+    parser.add_argument("--schemes", type=_list(_scheme), default="keel,preln",
+                        help="comma-separated; step ratios are to preln")
+    parser.add_argument("--peer", choices=("litgpt",), help="add litgpt's GPT at the same dims (litgpt importable)")
     parser.add_argument("--depth", type=int, default=16, help="blocks")
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--width", type=int, default=128, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here); >= 1")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all variants")
     parser.add_argument("--threads", type=_list(int), default=str(cores), help="intra-op threads, comma-separated")
     parser.add_argument("--compile", type=_list(_on_off), default="off", help="off, on or off,on")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
     parser.add_argument("--peak-flops", type=float, help="FLOP/s for MFU (default: GPU spec sheet, else measured)")
     parser.add_argument("--app", action="store_true", help="also time short `keel pretrain` runs and the loader")

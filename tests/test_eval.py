@@ -238,10 +238,9 @@ def test_in_loop_evaluation_leaves_training_unchanged(eval_data, baseline, manag
     assert png.stat().st_size > 10_000
 
 
-@pytest.mark.slow
 def test_a_generated_task_rises_above_chance_after_a_short_training_run(eval_data, manager, tmp_path):
-    """~300 steps of a 2-block model (about a minute on 2 CPU cores): keel_next_line's acc_mutual_info goes
-    from chance (25%) to ~40% on 500 documents, where 32% is already 3.5 standard errors above chance."""
+    """300 steps of a 2-block model (~25 s on an idle 2-core CPU): keel_next_line's acc_mutual_info goes from
+    chance (25%) to ~45% on 500 documents, where 32% is already 3.5 standard errors above chance."""
     run = tmp_path / "learn"
     train(config(eval_data, run, "model.width=64", "model.seq_len=128", "trainer.micro_batch_size=8",
                  "trainer.max_steps=300", "trainer.val_every_n_steps=300", "trainer.val_batches=2",

@@ -212,7 +212,7 @@ class EvalConfig:
             _require(getattr(self, key) >= 1, f"eval.{key}", f"must be >= 1, got {getattr(self, key)}")
         _require(self.limit is None or self.limit >= 1, "eval.limit", "must be >= 1 or null (all documents)")
         _require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
-        _require(not self.enabled or bool(self.tasks), "eval.tasks", "name at least one task, or set eval.enabled=false")
+        _require(not self.enabled or bool(self.tasks), "eval.tasks", "name a task, or set eval.enabled=false")
 
 
 @dataclass

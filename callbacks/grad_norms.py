@@ -31,18 +31,13 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
 from keel.callbacks._norms import full_norms
-from keel.gradflow import measure_model
+from keel.gradflow import bottom_middle_top, measure_model
 
 KINDS = ("attn", "ffn")
 
 
 def block_tag(prefix: str, kind: str, block: int) -> str:
     return f"{prefix}/{kind}/block_{block:03d}"
-
-
-def bottom_middle_top(scheme: str, depth: int) -> tuple[int, int, int]:
-    """The blocks that summary ratios compare; Keel's alpha = 1 block 0 is not "bottom" (see module doc)."""
-    return (1 if scheme == "keel" and depth > 1 else 0), depth // 2, depth - 1
 
 
 def parameter_groups(model) -> list[tuple[str, list[torch.nn.Parameter]]]:

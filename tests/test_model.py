@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from keel.gradflow import measure
-from keel.model import SCHEMES, ConfigError, KeelLM, KVCache, ModelConfig, needs_final_norm, sublayer_specs
+from keel.model import (
+    SCHEMES, ConfigError, KeelLM, KVCache, ModelConfig, RMSNorm, _RMSNormFunction, needs_final_norm, sublayer_specs,
+)
 from keel.parallel import apply_activation_checkpointing, compile_blocks
 
 TINY = dict(width=32, n_heads=2, seq_len=16, vocab_size=64)
@@ -110,14 +112,10 @@ def test_keel_weight_gradient_ratios(depth):
 # ---------------------------------------------------------------- forward invariants
 
 
-def capture(modules, pre: bool = False):
-    """Record each module's first input (pre) or its output, in call order."""
-    seen, handles = [], []
-    for module in modules:
-        if pre:
-            handles.append(module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach())))
-        else:
-            handles.append(module.register_forward_hook(lambda m, args, out: seen.append(out.detach())))
+def capture(modules):
+    """Record each module's output, in call order."""
+    seen = []
+    handles = [module.register_forward_hook(lambda m, args, out: seen.append(out.detach())) for module in modules]
     return seen, handles
 
 
@@ -146,7 +144,9 @@ def test_keel_sum_over_alpha_has_unit_rms(init, first_block):
     model = KeelLM(cfg)
     # from block 1's FFN on, every Keel sublayer's input is a normalized stream, so rms(alpha x + F) / alpha
     # = 1 + cos(x, F) * r / alpha + O(r^2 / alpha^2) with r = rms(F) ~ 1: within 1 / L of 1
-    sums, _ = capture([sub.norm_out for sub in sublayers(model)[3:]], pre=True)
+    sums = []
+    for sub in sublayers(model)[3:]:  # Norm_out receives (F, skip, alpha) and normalizes F + alpha * skip
+        sub.norm_out.register_forward_pre_hook(lambda m, args: sums.append((args[0] + args[2] * args[1]).detach()))
     model(torch.randint(64, (2, 16)))
     assert len(sums) == cfg.L - 3
     for s in sums:
@@ -342,6 +342,30 @@ def test_stream_stays_fp32_under_autocast_and_bf16_weights():
     logits = model(torch.randint(64, (2, 16)))
     assert logits.dtype == torch.bfloat16 and logits.isfinite().all()
     assert {out.dtype for out in outputs} == {torch.float32} and len(outputs) == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("alpha", [None, 1.0, 32.0])
+def test_cpu_rmsnorm_matches_torch_rms_norm(alpha):
+    """The CPU norm's hand-written backward (RMSNorm(x + alpha * skip) as one autograd step) against
+    F.rms_norm differentiated by autograd in fp64, and its fp64 form against finite differences."""
+    torch.manual_seed(0)
+    norm = RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x, skip = torch.randn(2, 3, 5, 16).unbind(0)
+    inputs = [x.requires_grad_(), norm.weight]
+    if alpha is not None:
+        inputs.insert(1, skip.requires_grad_())
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    out = norm(x, skip, alpha) if alpha is not None else norm(x)
+    ref = F.rms_norm(exact[0] + alpha * exact[1] if alpha is not None else exact[0], (16,), exact[-1], 1e-5)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(out, ref.float())
+    for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, exact, grad.double())):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    fn = (lambda x, skip, w: _RMSNormFunction.apply(x, skip, alpha, w, 1e-5)) if alpha is not None else (
+        lambda x, w: _RMSNormFunction.apply(x, None, 1.0, w, 1e-5))
+    assert torch.autograd.gradcheck(fn, exact)
 
 
 # ---------------------------------------------------------------- extreme depth and activation checkpointing

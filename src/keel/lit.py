@@ -42,7 +42,8 @@ def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Ad
         {"name": "matrices", "params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
         {"name": "gains", "params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm gains
     ]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    # fused: one kernel for every tensor (CPU and CUDA); the foreach default cost ~4x more per step here
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
 
 
 class KeelLitModule(L.LightningModule):

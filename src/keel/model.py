@@ -168,14 +168,47 @@ def needs_final_norm(cfg: ModelConfig) -> bool:
     return True
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm(x + alpha * skip) * weight (skip optional) with a hand-written backward. On CPU, eager autograd
+    differentiates F.rms_norm's pieces (~17 passes over the activation per norm); this takes ~9 and allocates
+    less. Keel runs twice Pre-LN's norms, so this is most of the extra norm's eager cost (docs/bench.md).
+    CUDA has a fused kernel and compile fuses either way: both use F.rms_norm."""
+
+    @staticmethod
+    def forward(ctx, x, skip, alpha, weight, eps):
+        # x, skip: (..., C) fp32; mean(s^2) from one pass (no s^2 temporary), then in place on (..., 1) statistics
+        s = x if skip is None else torch.add(x, skip, alpha=alpha)
+        rstd = torch.linalg.vector_norm(s, dim=-1, keepdim=True).square_().div_(s.shape[-1]).add_(eps).rsqrt_()
+        s_hat = s * rstd if skip is None else s.mul_(rstd)  # the sum is our own temporary: normalize it in place
+        ctx.save_for_backward(s_hat, weight, rstd)
+        ctx.alpha = None if skip is None else alpha
+        return s_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d/ds of s_hat * w: (g * w - s_hat * mean(g * w * s_hat)) * rstd, as addcmul + one in-place mul
+        s_hat, weight, rstd = ctx.saved_tensors
+        grad_hat = grad * weight
+        minus_mean = (grad_hat * s_hat).mean(-1, keepdim=True).neg_()  # (..., 1)
+        grad_s = torch.addcmul(grad_hat, s_hat, minus_mean).mul_(rstd)
+        grad_skip = None if ctx.alpha is None else grad_s * ctx.alpha
+        return grad_s, grad_skip, None, (grad * s_hat).flatten(0, -2).sum(0), None
+
+
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm (gain, no bias), always computed in fp32 so it stays exact under autocast."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__(dim, eps=eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps)
+    def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
+        """RMSNorm(x), or RMSNorm(x + alpha * skip): a sublayer's sum and Norm_out in one step."""
+        x, weight = x.float(), self.weight.float()
+        if x.is_cpu and not torch.compiler.is_compiling():
+            return _RMSNormFunction.apply(x, skip, alpha, weight, self.eps)
+        if skip is not None:
+            x = torch.add(x, skip, alpha=alpha)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,8 +311,10 @@ class Sublayer(nn.Module):
         # x: (B, T, C) fp32 stream; the sum and the outer norm stay fp32 whatever dtype the branch uses
         h = self.norm_in(x) if self.norm_in is not None else x
         skip = h if self.skip_from_norm_in else x
-        s = torch.add(self.branch(h, **branch_kwargs).float(), skip, alpha=self.alpha)  # F + alpha * skip
-        return self.norm_out(s) if self.norm_out is not None else s
+        f = self.branch(h, **branch_kwargs).float()
+        if self.norm_out is not None:
+            return self.norm_out(f, skip, self.alpha)  # Norm_out(F + alpha * skip)
+        return torch.add(f, skip, alpha=self.alpha)
 
 
 class Block(nn.Module):

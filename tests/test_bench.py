@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 
 import pytest
 
@@ -30,12 +31,15 @@ def test_schemes_side_by_side(one_thread, tmp_path, capsys):
     assert (keel["label"], preln["label"]) == ("step:keel t1", "step:preln t1")
     assert "variant" in printed and "tokens/s" in printed and all(row["label"] in printed for row in result["rows"])
     assert result["flops_per_token"] == TINY_FLOPS
-    assert result["peak_flops"] > 0 and result["peak_flops_source"].startswith("measured")
+    peaks = result["peak_flops_repeats"]  # measured in each round: MFU pairs a round's step with its peak
+    assert result["peak_flops_source"].startswith("measured each round") and len(peaks) == 2 and min(peaks) > 0
+    assert result["peak_flops"] == pytest.approx(statistics.median(peaks))
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and len(row["tokens_per_s_repeats"]) == 2
         assert row["flops_per_token"] == TINY_FLOPS
         assert row["flops_per_s"] == pytest.approx(row["tokens_per_s"] * TINY_FLOPS)
-        assert row["mfu"] == pytest.approx(row["flops_per_s"] / result["peak_flops"])
+        per_round = [t * TINY_FLOPS / p for t, p in zip(row["tokens_per_s_repeats"], peaks)]
+        assert row["mfu"] == pytest.approx(statistics.median(per_round))
         assert row["peak_memory_bytes"] > 0 and row["compile"] is False and row["threads"] == 1
     assert keel["reference"] == "step:preln t1" and keel["ratio"] > 0 and len(keel["ratio_repeats"]) == 2
     assert preln["reference"] is None and preln["ratio"] is None
@@ -49,6 +53,7 @@ def test_app_and_loader_rows(one_thread, tiny_data, tmp_path, capsys):
     step, app, loader = result["rows"]
     assert (step["label"], app["label"], loader["label"]) == ("step:keel t1", "app:keel t1 w0", "loader w0")
     assert result["peak_flops"] == 1e9 and result["peak_flops_source"] == "--peak-flops"
+    assert result["peak_flops_repeats"] == [1e9, 1e9] and app["mfu"] == pytest.approx(app["flops_per_s"] / 1e9)
     assert app["reference"] == loader["reference"] == "step:keel t1"
     for row in (app, loader):
         assert row["tokens_per_s"] > 0 and row["ratio"] > 0 and row["loader_workers"] == 0

@@ -89,8 +89,9 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
     """The best FLOP/s of MATMUL_REPEATS square matmuls: what this device reaches on the easiest possible work."""
+    torch.set_num_threads(threads)
     a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype) for _ in range(2))
     a @ b  # first call: allocation, kernel selection
     best = float("inf")
@@ -103,8 +104,9 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * MATMUL_SIZE**3 / best
 
 
-def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(FLOP/s, where the figure comes from) that MFU is measured against."""
+def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(FLOP/s, where the figure comes from) that MFU is measured against; None: measured in every round (where no
+    figure is given or known), because a shared or virtual machine's peak drifts by tens of percent in minutes."""
     if args.peak_flops:
         return args.peak_flops, "--peak-flops"
     if device.type == "cuda":
@@ -112,10 +114,9 @@ def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         for key, bf16, fp32 in GPU_PEAK_FLOPS:
             if key in name:
                 return (bf16 if dtype == torch.bfloat16 else fp32), f"spec sheet, {name}"
-    torch.set_num_threads(max(args.threads))  # the peak of every core the variants may use
-    flops = measured_matmul_flops(device, dtype)
     size = f"{MATMUL_SIZE}x{MATMUL_SIZE}"
-    return flops, f"measured: best of {MATMUL_REPEATS} {size} {args.dtype} matmuls, {max(args.threads)} threads"
+    return None, (f"measured each round: best of {MATMUL_REPEATS} {size} {args.dtype} matmuls, "
+                  f"{max(args.threads)} threads; median over rounds")
 
 
 def _proc_status_bytes(key: str) -> int:
@@ -341,24 +342,33 @@ def reference(variant: Variant, variants: list[Variant]) -> Variant | None:
     return next((v for v in same if v is not variant), None)
 
 
-def measure(variants: list[Variant], repeats: int) -> None:
-    """Interleaved rounds: each runs every variant once, starting one further along than the last round."""
+def measure(variants: list[Variant], repeats: int, peak_probe: Callable[[], float] | None) -> list[float]:
+    """Interleaved rounds: each runs every variant once, starting one further along than the last round, then
+    the peak probe (if any); returns the probe's FLOP/s per round."""
+    peaks = []
     for round_ in range(repeats):
         shift = round_ % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             torch.set_num_threads(variant.threads)
             variant.tokens_per_s.append(variant.run())
+        if peak_probe:
+            peaks.append(peak_probe())
         print(f"keel bench: round {round_ + 1}/{repeats} done", file=sys.stderr)
+    return peaks
 
 
 # -------------------------------------------------------------------------------------------------------- report
 
 
-def report(args: argparse.Namespace, variants: list[Variant], device: torch.device, peak: tuple[float, str]) -> dict:
+def report(args: argparse.Namespace, variants: list[Variant], device: torch.device, peaks: list[float],
+           peak_source: str) -> dict:
+    """peaks: the peak FLOP/s of each round (one value repeated where it is given); MFU is the median over rounds
+    of each round's model FLOP/s over that round's peak."""
     flops = flops_per_token(model_config(args, args.schemes[0]))  # same for every scheme (and the peer): norms excluded
     rows = []
     for variant in variants:
         tps = statistics.median(variant.tokens_per_s)
+        mfu = statistics.median(t * flops / p for t, p in zip(variant.tokens_per_s, peaks))
         ref = reference(variant, variants)
         ratios = [a / b for a, b in zip(variant.tokens_per_s, ref.tokens_per_s)] if ref else None
         rows.append({
@@ -369,7 +379,7 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
             "step_s": args.batch * args.seq_len / tps,
             "flops_per_token": flops if variant.kind != "loader" else None,
             "flops_per_s": tps * flops if variant.kind != "loader" else None,
-            "mfu": tps * flops / peak[0] if variant.kind != "loader" else None,
+            "mfu": mfu if variant.kind != "loader" else None,
             "peak_memory_bytes": variant.peak_memory,
             "reference": ref.label if ref else None,
             "ratio": statistics.median(ratios) if ratios else None, "ratio_repeats": ratios,
@@ -380,7 +390,8 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
                   "vocab": args.vocab},
         "batch": args.batch, "tokens_per_step": args.batch * args.seq_len,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-        "peak_flops": peak[0], "peak_flops_source": peak[1], "flops_per_token": flops,
+        "peak_flops": statistics.median(peaks), "peak_flops_repeats": peaks, "peak_flops_source": peak_source,
+        "flops_per_token": flops,
         "torch": torch.__version__, "rows": rows,
     }
 
@@ -470,10 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    peak = peak_flops(args, device, dtype)
+    peak, peak_source = peak_flops(args, device, dtype)
     variants = build_variants(args, device)
-    measure(variants, args.repeats)
-    result = report(args, variants, device, peak)
+    probe = None
+    if peak is None:
+        # at the largest thread count: the peak of every core the variants may use
+        probe = functools.partial(measured_matmul_flops, device, dtype, max(args.threads))
+    peaks = measure(variants, args.repeats, probe) or [peak] * args.repeats
+    result = report(args, variants, device, peaks, peak_source)
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

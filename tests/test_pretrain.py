@@ -92,11 +92,14 @@ def test_resume_after_crash_continues_exactly(tiny_data, tmp_path):
     assert scalars(crashed, "val/loss") == scalars(straight, "val/loss")
 
 
-def test_resume_refuses_other_model_and_corrupt_checkpoint(tiny_data, tmp_path):
+def test_resume_refuses_other_model_batch_layout_and_corrupt_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_config(tiny_data, run, "trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.val_batches=1"))
     with pytest.raises(ConfigError, match=r"model.depth: checkpoint 2 != config 3"):
         train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto", "model.depth=3"))
+    with pytest.raises(ConfigError, match=r"1 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 4 sequences per "
+                       r"step; this config has 1 process\(es\) x 4 sequences x 2 micro-batch\(es\) = 8"):
+        train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto", "trainer.grad_accum=2"))
     (run / "checkpoints" / LAST).write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="cannot be read"):
         train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto"))

@@ -106,8 +106,24 @@ def resolve_resume(cfg: Config) -> str | None:
     return cfg.resume
 
 
+def batch_layout(trainer) -> str:
+    """Processes x sequences per process per micro-batch x micro-batches per step = the global batch."""
+    processes, micro, accum = trainer.devices * trainer.num_nodes, trainer.micro_batch_size, trainer.grad_accum
+    return f"{processes} process(es) x {micro} sequences x {accum} micro-batch(es) = {processes * micro * accum}"
+
+
 def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
-    """Only the FSDP strategy reads sharded checkpoints, and nothing resumes from weights alone."""
+    """Only the FSDP strategy reads sharded checkpoints, nothing resumes from weights alone, and only on the
+    batch layout it was written with: the data loader's position is saved per process, and another global batch
+    would silently change the recipe (the learning-rate schedule is in steps)."""
+    saved = from_dict(checkpoint["keel"]["config"]).trainer
+    if batch_layout(saved) != batch_layout(trainer):
+        raise ConfigError(
+            f"resume: {path} was trained with {batch_layout(saved)} sequences per step; this config has "
+            f"{batch_layout(trainer)}. An exact resume needs the same trainer.devices x trainer.num_nodes, "
+            "trainer.micro_batch_size and trainer.grad_accum; set them as in the checkpoint, or start a new run "
+            "(resume=null, or another run.dir)"
+        )
     if Path(path).is_dir() and trainer.strategy != "fsdp":
         raise ConfigError(f"resume: {path} is a sharded (FSDP) checkpoint; resume it with trainer=fsdp, "
                           f"or `keel consolidate {path} OUT.ckpt` for evaluation")

@@ -181,7 +181,7 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd = torch.linalg.vector_norm(s, dim=-1, keepdim=True).square_().div_(s.shape[-1]).add_(eps).rsqrt_()
         s_hat = s * rstd if skip is None else s.mul_(rstd)  # the sum is our own temporary: normalize it in place
         ctx.save_for_backward(s_hat, weight, rstd)
-        ctx.alpha = None if skip is None else alpha
+        ctx.alpha = alpha
         return s_hat * weight
 
     @staticmethod
@@ -191,7 +191,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_hat = grad * weight
         minus_mean = (grad_hat * s_hat).mean(-1, keepdim=True).neg_()  # (..., 1)
         grad_s = torch.addcmul(grad_hat, s_hat, minus_mean).mul_(rstd)
-        grad_skip = None if ctx.alpha is None else grad_s * ctx.alpha
+        grad_skip = grad_s * ctx.alpha if ctx.needs_input_grad[1] else None  # False when skip is None
         return grad_s, grad_skip, None, (grad * s_hat).flatten(0, -2).sum(0), None
 
 

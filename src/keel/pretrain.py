@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from keel.callbacks import GradNormMonitor, LayerImportance, SpeedMonitor, StabilityMonitor
 from keel.checkpoint import LAST, AtomicCheckpointIO, check_resumable, checkpoint_dir, read_checkpoint, resolve_resume
 from keel.config import Config, load_config, to_yaml
-from keel.data import KeelDataModule, open_dataset
+from keel.data import KeelDataModule, check_resumable_data, open_dataset
 from keel.lit import KeelLitModule, check_same_model
 from keel.model import ConfigError, flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
@@ -103,6 +103,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
         checkpoint = read_checkpoint(ckpt_path, weights=False)
         check_same_model(cfg, checkpoint)
         check_resumable(cfg.trainer, ckpt_path, checkpoint)
+        check_resumable_data(cfg, dataset, ckpt_path, checkpoint)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json)
     trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])

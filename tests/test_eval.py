@@ -5,6 +5,7 @@ in-loop callback leaving training untouched."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 from pathlib import Path
@@ -215,7 +216,7 @@ def test_keel_eval_runs_a_local_task_and_writes_lm_evals_results(checkpoint, tmp
 # ----------------------------------------------------------------------------------------- in-loop evaluation
 
 
-def test_in_loop_evaluation_leaves_training_unchanged(eval_data, baseline, manager, tmp_path):
+def test_in_loop_evaluation_leaves_training_unchanged(eval_data, baseline, manager, tmp_path, capsys):
     run = tmp_path / "with_eval"
     train(config(eval_data, run, *SHORT_RUN))
     assert scalars(run, "train/loss") == scalars(baseline, "train/loss")  # every step, bit for bit
@@ -236,6 +237,18 @@ def test_in_loop_evaluation_leaves_training_unchanged(eval_data, baseline, manag
     png = tmp_path / "compare.png"
     assert cli_main(["compare", str(baseline), str(run), "--out", str(png)]) == 0
     assert png.stat().st_size > 10_000
+    assert cli_main(["compare", str(run), "--out", str(png), "--train-loss", "--window", "5"]) == 0
+    assert "detrended train/loss (window 5), lag-1 autocorrelation" in capsys.readouterr().out
+
+
+def test_detrended_autocorrelation_tells_independent_from_correlated_steps():
+    from keel.evaluation.compare import detrended, lag1_autocorrelation
+
+    rng = random.Random(0)
+    independent = [(step, 5 - step / 100 + rng.gauss(0, 0.3)) for step in range(400)]  # a trend plus noise
+    regimes = [(step, 5 - step / 100 + (2.0 if (step // 32) % 2 else 0.0) + rng.gauss(0, 0.3)) for step in range(400)]
+    assert abs(lag1_autocorrelation([v for _, v in detrended(independent, 25)])) < 0.15
+    assert lag1_autocorrelation([v for _, v in detrended(regimes, 25)]) > 0.5
 
 
 def test_a_generated_task_rises_above_chance_after_a_short_training_run(eval_data, manager, tmp_path):

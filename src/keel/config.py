@@ -100,6 +100,8 @@ class DataConfig:
     shuffle_documents: bool = True  # write documents in a seeded random order, so each chunk samples the corpus
     shuffle_window: int = 0  # training reads: 0 = a full permutation of each chunk's sequences; N = litdata's
     # windowed shuffle (aligned blocks of N consecutive sequences), only for object stores where locality pays
+    verify_checksums: bool = True  # at start-up, local shards against the manifest's sha256 (~6 s per GB, 2 cores)
+    cache_dir: str | None = None  # object-store data.dir: local chunk cache; null = litdata's (~/.lightning/chunks)
     prepare_workers: int = 2  # processes for `keel data`
     loader_workers: int = 0  # DataLoader workers while training (0: in the main process; see README)
     chunk_bytes: str = "16MB"

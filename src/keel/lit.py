@@ -10,13 +10,14 @@ import math
 
 import lightning as L
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import SumMetric
 
 from keel.config import Config, OptimConfig, from_dict, to_dict
 from keel.model import ConfigError, KeelLM
 from keel.parallel import parallelize
 
-HOW_NOT_WHAT = ("loss_chunk",)  # model.* keys that change how the model is computed, not its function: may differ on resume
+# model.* keys a resumed run may change: they set how the loss is computed, not what the model is
+FREE_ON_RESUME = ("loss_chunk",)
 
 
 def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
@@ -52,7 +53,9 @@ class KeelLitModule(L.LightningModule):
         self.cfg = cfg
         self.tokenizer_json = tokenizer_json  # stored in every checkpoint: evaluation needs nothing else
         self.model = KeelLM(cfg.model)
-        self.val_loss = MeanMetric()  # token-weighted over validation batches (and processes)
+        # validation loss summed over tokens, and the tokens, over batches and processes; a NaN loss stays NaN
+        # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
+        self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
 
     def configure_model(self) -> None:
         parallelize(self.model, self.cfg.trainer, getattr(self, "device_mesh", None))
@@ -71,11 +74,14 @@ class KeelLitModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(next_token_loss(self.model, batch), weight=batch[:, 1:].numel())
+        tokens = batch[:, 1:].numel()
+        self.val_loss_sum.update(next_token_loss(self.model, batch) * tokens)
+        self.val_tokens.update(tokens)
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
+        loss = self.val_loss_sum.compute() / self.val_tokens.compute()
+        self.val_loss_sum.reset()
+        self.val_tokens.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", loss.exp(), sync_dist=False)
 
@@ -101,7 +107,7 @@ def check_same_model(cfg: Config, checkpoint: dict) -> None:
     diffs = [
         f"model.{key}: checkpoint {getattr(saved, key)!r} != config {getattr(cfg.model, key)!r}"
         for key in vars(cfg.model)
-        if key not in HOW_NOT_WHAT and getattr(saved, key) != getattr(cfg.model, key)
+        if key not in FREE_ON_RESUME and getattr(saved, key) != getattr(cfg.model, key)
     ]
     if diffs:
         raise ConfigError("resume: the checkpoint holds a different model; " + "; ".join(diffs))

@@ -495,9 +495,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all variants")
     parser.add_argument("--threads", type=_list(int), default=str(cores), help="intra-op threads, comma-separated")
     parser.add_argument("--compile", type=_list(_on_off), default="off", help="off, on or off,on")
-    parser.add_argument("--loss-chunk", type=_list(int), default=[None],
+    parser.add_argument("--loss-chunk", type=_list(int),
                         help="model.loss_chunk values, comma-separated: tokens per chunk of the loss head, 0 = plain "
-                             "head (full logits); default: the device's default")
+                             "head (full logits); None: the device's default")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
@@ -512,7 +512,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--warmup, --steps and --repeats must be >= 1")
     if not args.schemes or not args.compile or not args.threads or min(args.threads) < 1:
         parser.error("--schemes, --compile and --threads need at least one value; threads >= 1")
-    if not args.loss_chunk or any(chunk is not None and chunk < 0 for chunk in args.loss_chunk):
+    if args.loss_chunk is None:
+        args.loss_chunk = [None]  # model.loss_chunk: null
+    elif not args.loss_chunk or min(args.loss_chunk) < 0:
         parser.error("--loss-chunk needs at least one value, each >= 0 (0 = plain head)")
     if args.peer == "litgpt" and importlib.util.find_spec("litgpt") is None:
         raise ConfigError(f"--peer litgpt: {PEER_RECIPE}")

@@ -45,7 +45,7 @@ def events(run_dir: Path) -> EventAccumulator:
 
 
 class NaNLossAt(Callback):
-    """Makes the logits (hence the loss and every gradient) NaN during the given steps."""
+    """Makes the last block's output (hence the loss and every gradient) NaN during the given steps."""
 
     def __init__(self, *steps: int) -> None:
         self.steps = set(steps)
@@ -53,7 +53,7 @@ class NaNLossAt(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step in self.steps:
-            self.handle = pl_module.model.head.register_forward_hook(lambda module, args, out: out * math.nan)
+            self.handle = pl_module.model.blocks[-1].register_forward_hook(lambda module, args, out: out * math.nan)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.handle is not None:

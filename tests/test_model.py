@@ -283,6 +283,7 @@ def test_parameter_counts(overrides, norm_params, ffn):
         ({"mixln_post_fraction": 1.5}, "model.mixln_post_fraction", "[0, 1]"),
         ({"keel_alpha": 0.0}, "model.keel_alpha", "> 0"),
         ({"deepnorm_beta": -1.0}, "model.deepnorm_beta", "> 0"),
+        ({"loss_chunk": -1}, "model.loss_chunk", ">= 0 (tokens per chunk; 0 = plain head) or null"),
     ],
 )
 def test_bad_config_names_the_field(overrides, key, allowed):

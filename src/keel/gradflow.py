@@ -26,7 +26,6 @@ import math
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm
 
@@ -71,8 +70,7 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
         if detach_branches:  # the branch sees a constant: only the skip path carries gradient to x_l
             handles.append(sub.branch.register_forward_pre_hook(lambda m, args: tuple(a.detach() for a in args)))
     try:
-        logits = model(idx)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = model(idx, targets=targets)
         params = [p for p in model.parameters() if p.requires_grad]
         grads = torch.autograd.grad(loss, params, allow_unused=True)
     finally:

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
+
 SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "hybridnorm_star", "mixln")
 FFN_KINDS = ("gelu", "swiglu")
 KEEL_FIRST_BLOCK = ("v1", "v2")
@@ -68,6 +70,9 @@ class ModelConfig:
     deepnorm_beta: float | None = None  # None = (8N)^(-1/4)
     mixln_post_fraction: float = 0.25
     postln_final_norm: bool = False
+    # tokens per chunk of the loss head (LM head + cross-entropy fused, keel.ops.chunked_ce): 0 = plain head over
+    # full logits; null = the device's default. How the loss is computed, not what: checkpoints resume across it
+    loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.scheme in SCHEMES, "model.scheme", f"unknown scheme {self.scheme!r}; allowed: {', '.join(SCHEMES)}")
@@ -95,6 +100,11 @@ class ModelConfig:
         _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
         _require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
+        _require(
+            self.loss_chunk is None or self.loss_chunk >= 0,
+            "model.loss_chunk",
+            f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}",
+        )
         _require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
@@ -365,8 +375,12 @@ class KeelLM(nn.Module):
                 for linear in (attn.out, block.ffn.branch.up, block.ffn.branch.down):
                     linear.weight.mul_(beta)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, vocab), fp32 stream throughout."""
+    def forward(
+        self, idx: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab), fp32 stream throughout. With targets (B, T): the mean
+        cross-entropy of the logits against them instead (fp32 scalar), from the loss head (model.loss_chunk),
+        which by default never materializes the full logits; the head module itself is then not called."""
         start = 0 if cache is None else cache.length
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -376,7 +390,10 @@ class KeelLM(nn.Module):
             x = block(x, rope, cache, start)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.head(x.to(self.head.weight.dtype))
+        if targets is None:
+            return self.head(x.to(self.head.weight.dtype))
+        chunk = default_chunk(x.device) if self.cfg.loss_chunk is None else self.cfg.loss_chunk
+        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk)
 
     @torch.no_grad()
     def generate(

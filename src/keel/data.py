@@ -10,8 +10,10 @@ builds, under `data.dir` (a local path or an object-store URL litdata supports):
     manifest.json       what was built from what; written last, so its presence marks a complete build
 
 A document is held out for validation by a hash of its id and `data.seed`, so the split depends neither on the
-reading order nor on how many documents there are. Training opens the shards through `open_dataset`, which
-checks them against the config, and `KeelDataModule`, which saves the train loader's position in checkpoints.
+reading order nor on how many documents there are. Documents are written in a seeded random order, so each chunk
+is a uniform sample of the corpus, and training permutes each chunk's sequences in full: a batch is a random sample
+of the training set, not a stretch of it. Training opens the shards through `open_dataset`, which checks them
+against the config (and every chunk against its size and hash), and `KeelDataModule`.
 """
 
 from __future__ import annotations

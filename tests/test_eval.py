@@ -339,7 +339,7 @@ def test_keel_eval_reads_lm_evals_task_from_its_local_copy(local_copies, checkpo
     assert 0 <= results["results"]["arc_easy"]["acc,none"] <= 1
 
 
-def test_without_local_copy_or_hub_the_error_names_both(checkpoint, tmp_path, monkeypatch, capsys):
+def test_without_local_copy_or_hub_the_error_names_both(checkpoint, eval_data, tmp_path, monkeypatch, capsys):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as HF_DATASETS_OFFLINE=1, or no network
@@ -349,7 +349,10 @@ def test_without_local_copy_or_hub_the_error_names_both(checkpoint, tmp_path, mo
     assert error.startswith("keel eval: config error: Couldn't reach 'allenai/ai2_arc' on the Hub")
     assert "--metadata data_dir=DIR" in error and "keel eval-data fetch DIR" in error and "HF_DATASETS_OFFLINE" in error
 
-    with pytest.raises(ConfigError, match=r"has no copy of it.*eval\.data_dir=DIR"):  # in training
+    with pytest.raises(ConfigError, match=r"eval\.data_dir is not set.*Provide one of the two: eval\.data_dir=DIR"):
+        train(config(eval_data, tmp_path / "run", *SHORT_RUN, "eval.tasks=[arc_easy]"))  # at setup, before step 1
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(ConfigError, match=r"has no copy of it.*eval\.data_dir=DIR"):
         load_tasks(["arc_easy"], data_dir=str(tmp_path))
     assert cli_main(["eval-data", "fetch", str(tmp_path / "copies"), "--tasks", "arc_easy"]) == 2
     assert "downloads from the Hugging Face hub: run it where the hub can be reached" in capsys.readouterr().err

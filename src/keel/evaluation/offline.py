@@ -101,7 +101,8 @@ def write_local_task(config: dict, dataset, out_dir: str | os.PathLike) -> Path:
     path = task_yaml(out_dir, config["task"])
     source = " / ".join(str(config[key]) for key in ("dataset_path", "dataset_name") if config.get(key))
     header = f"# lm-eval's {config['task']} on the local copy of {source} written by `keel eval-data fetch`\n"
-    path.write_text(header + yaml.dump(local, Dumper=_ConfigDumper, sort_keys=False, allow_unicode=True, width=120))
+    path.write_text(header + yaml.dump(local, Dumper=_ConfigDumper, sort_keys=False, allow_unicode=True, width=120),
+                    encoding="utf-8")
     return path
 
 

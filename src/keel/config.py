@@ -211,7 +211,7 @@ class EvalConfig:
     limit: int | None = 100  # first documents of each task per evaluation; null = all
     num_fewshot: int | None = None  # null: each task's own default
     batch_size: int = 16  # sequences per forward pass
-    data_dir: str = "../shared/data"  # the standard-suite files (shared/data/MANIFEST.md layout)
+    data_dir: str | None = None  # local standard-suite files (`keel eval-data fetch DIR`); null: the HF hub/cache
     include_path: str | None = None  # a directory of extra lm-eval task YAMLs
 
     def __post_init__(self) -> None:

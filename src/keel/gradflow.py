@@ -12,7 +12,7 @@ per scheme; forward hooks record, for every sublayer l with input stream x_l (no
     output_rms     rms of the sublayer's output
 
 `--detach-branches` feeds every branch a detached input, so only the skip path carries gradient to x_l.
-Summary ratios compare *blocks* (norm-schemes.md, "Expected gradient flow"): a block's activation gradient
+Summary ratios compare *blocks* (docs/schemes.md, "Gradient flow at initialization"): a block's activation gradient
 is that of its input stream (its attention sublayer's x_l), its weight gradient the norm over both branches.
 bottom = the first measured block (block 1 for Keel, whose alpha = 1 block 0 is excluded; block 0 otherwise),
 middle = block depth // 2, top = the last block.

@@ -1,5 +1,5 @@
 """The Keel language model and its five baselines: a plain decoder-only transformer whose
-normalization / residual scheme is one config value (definitions: shared/docs/norm-schemes.md).
+normalization / residual scheme is one config value (definitions: docs/schemes.md).
 
 Every sublayer (attention or FFN) computes
 
@@ -139,7 +139,7 @@ class SublayerSpec:
 
 
 def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
-    """(attention, FFN) spec for every block, per norm-schemes.md."""
+    """(attention, FFN) spec for every block, per docs/schemes.md."""
     n = cfg.depth
     pre = SublayerSpec(norm_in=True, norm_out=False)
     post = SublayerSpec(norm_in=False, norm_out=True)

@@ -18,6 +18,7 @@ from lm_eval.__main__ import cli_evaluate
 
 import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
 from keel.evaluation.suite import TASKS_DIR
+from keel.model import ConfigError
 
 RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}
 SUBCOMMANDS = ("run", "ls", "validate")
@@ -45,6 +46,13 @@ def main(argv: list[str]) -> int:
     saved, sys.argv = sys.argv, ["keel eval", *with_defaults(list(argv))]
     try:
         cli_evaluate()
+    except FileNotFoundError as err:  # a task's data files (the bundled tasks' loaders name the setting to change)
+        raise ConfigError(f"task data: {err}") from None
+    except ValueError as err:
+        if not str(err).startswith("Tasks not found"):  # lm-eval's words for a --tasks name it does not know
+            raise
+        raise ConfigError(f"--tasks: {err}; `keel eval ls tasks` lists the known ones (the bundled keel_* tasks "
+                          "among them), or add a directory of task YAMLs with --include_path") from None
     finally:
         sys.argv = saved
     return 0

@@ -14,18 +14,15 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 import threading
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from keel.rundir import say
+
 STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
-
-
-def _say(message: str) -> None:
-    print(f"keel pretrain: {message}", file=sys.stderr, flush=True)
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -85,10 +82,10 @@ class RunCheckpoint(ModelCheckpoint):
         self._replace = self._boundary[1]
         try:
             self.save_now(trainer)
-            _say(f"training raised {type(exception).__name__}: saved step {step} to {self.last_model_path}; "
+            say(f"training raised {type(exception).__name__}: saved step {step} to {self.last_model_path}; "
                  "re-run the same command to continue from there")
         except Exception as err:  # the original exception is what the user must see
-            _say(f"training raised {type(exception).__name__}, and its checkpoint could not be written: {err}")
+            say(f"training raised {type(exception).__name__}, and its checkpoint could not be written: {err}")
         finally:
             self._replace = None
 
@@ -144,10 +141,10 @@ class GracefulInterrupt(Callback):
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            _say("second interrupt: exiting now, without a checkpoint")
+            say("second interrupt: exiting now, without a checkpoint")
             os._exit(130)
         self.requested = True
-        _say("interrupt: stopping after this step with a checkpoint (press Ctrl-C again to exit at once)")
+        say("interrupt: stopping after this step with a checkpoint (press Ctrl-C again to exit at once)")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():

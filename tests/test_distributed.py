@@ -297,9 +297,11 @@ def test_fsdp_trains_like_ddp(straight_runs, tmp_path):
     assert len(list((fsdp / "tb").glob("events.*"))) == 1  # rank 0 alone logs
     assert (fsdp / "config.yaml").is_file()
     checkpoints = fsdp / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST]  # no staging or previous copy left
-    assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                      SHARDED_META]
+    # the step-numbered history (keep_last_k=2) beside last.ckpt; no staging or previous copy left
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000004.ckpt", "step000008.ckpt"]
+    for name in (LAST, "step000004.ckpt"):
+        assert sorted(p.name for p in (checkpoints / name).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                          SHARDED_META]
     out = tmp_path / "fsdp.ckpt"
     assert consolidate([str(checkpoints / LAST), str(out)]) == 0
     sharded_model, _, _ = load_model(out)

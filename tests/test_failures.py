@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint
 from keel.cli import main as cli_main
 from keel.model import ConfigError
+from keel import pretrain
 from keel.pretrain import Interrupted, launched_as_rank_zero, train
 from keel.rundir import LOCK, RunDirLock
 
@@ -248,7 +249,8 @@ class InterruptAt(Callback):
                 os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_data, tmp_path):
+def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_data, tmp_path, monkeypatch,
+                                                                          capsys):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     train(tiny_config(tiny_data, straight, *STEPS))
     handler = signal.getsignal(signal.SIGINT)
@@ -258,6 +260,12 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_
     assert signal.getsignal(signal.SIGINT) is handler  # restored
     train(tiny_config(tiny_data, interrupted, *STEPS))  # resume=auto
     assert scalars(interrupted, "train/loss") == scalars(straight, "train/loss")
+
+    configured = pretrain.build_callbacks  # the command line says so and exits 130
+    monkeypatch.setattr(pretrain, "build_callbacks", lambda cfg, dataset: [*configured(cfg, dataset), InterruptAt(1)])
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, *STEPS]
+    assert cli_main([*argv, f"run.dir={tmp_path / 'cli'}"]) == 130
+    assert "keel pretrain: interrupted: stopped after step 2 with a checkpoint" in capsys.readouterr().err
 
 
 def test_an_exception_saves_the_last_completed_step(tiny_data, tmp_path, capsys):

@@ -90,8 +90,8 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
     )
 
 
-class Interrupted(Exception):
-    """Training stopped early on Ctrl-C, after writing a checkpoint."""
+class Interrupted(KeyboardInterrupt):
+    """Training stopped early on Ctrl-C, after writing a checkpoint (`keel` exits 130 with this message)."""
 
 
 def launched_as_rank_zero() -> bool:
@@ -159,9 +159,4 @@ def main(argv: list[str]) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    try:
-        trainer = train(cfg)
-    except Interrupted as stop:
-        say(str(stop))
-        return 130
-    return failure_exit_code(cfg, trainer)
+    return failure_exit_code(cfg, train(cfg))

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import threading
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -52,8 +53,6 @@ class RunCheckpoint(ModelCheckpoint):
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        import warnings
-
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super().setup(trainer, pl_module, stage)
@@ -67,8 +66,8 @@ class RunCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._last_global_step_saved != saved:
             self._prune(trainer)
-        step_done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
-        if step_done and trainer.world_size == 1:
+        step_done = trainer.global_step != (self._boundary[0] if self._boundary else self._start_step)
+        if step_done and trainer.world_size == 1:  # not mid-accumulation
             self._boundary = (trainer.global_step, self._progress(trainer))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -137,6 +136,7 @@ class GracefulInterrupt(Callback):
     def __init__(self) -> None:
         self.requested = False
         self.stopped_at: int | None = None
+        self._step: int | None = None  # the global step at the last check
         self._previous = None
 
     def _handle(self, signum, frame) -> None:
@@ -147,12 +147,14 @@ class GracefulInterrupt(Callback):
         say("interrupt: stopping after this step with a checkpoint (press Ctrl-C again to exit at once)")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if trainer.global_step == self._step:  # mid-accumulation: the optimizer step is not done
             return
+        self._step = trainer.global_step
         requested = self.requested
         if trainer.world_size > 1:
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)

@@ -25,7 +25,7 @@ from keel.rundir import LOCK, RunDirLock
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 from test_distributed import _sharded_checkpoint
-from test_pretrain import CrashAtStep, scalars, tiny_config
+from test_pretrain import scalars, tiny_config
 
 STEPS = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
          "trainer.val_batches=2"]
@@ -268,12 +268,24 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_
     assert "keel pretrain: interrupted: stopped after step 2 with a checkpoint" in capsys.readouterr().err
 
 
+class CrashMidStep(Callback):
+    """Raises in the second micro-batch of a step: the loader is part-way into it."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 5 and batch_idx % 2:
+            raise RuntimeError("simulated crash")
+
+
 def test_an_exception_saves_the_last_completed_step(tiny_data, tmp_path, capsys):
-    run = tmp_path / "run"
+    steps = [*STEPS, "trainer.checkpoint_every_n_steps=100", "trainer.grad_accum=2"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(tiny_config(tiny_data, straight, *steps))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(tiny_config(tiny_data, run, *STEPS, "trainer.checkpoint_every_n_steps=100"), [CrashAtStep(5)])
+        train(tiny_config(tiny_data, run, *steps), [CrashMidStep()])
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 5
     assert "training raised RuntimeError: saved step 5" in capsys.readouterr().err
+    train(tiny_config(tiny_data, run, *steps))  # resume=auto
+    assert scalars(run, "train/loss") == scalars(straight, "train/loss")
 
 
 LAUNCH_INTERRUPTED = """
@@ -357,7 +369,8 @@ def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoin
     assert cli_main([*common, "--tasks", "no_such_task"]) == 2
     err = capsys.readouterr().err
     assert "--tasks: Tasks not found: no_such_task; `keel eval ls tasks` lists the known ones" in err
-    assert cli_main([*common, "--tasks", "keel_arc_easy", "--metadata", json.dumps({"data_dir": str(tmp_path)})]) == 2
+    metadata = json.dumps({"data_dir": str(tmp_path)})
+    assert cli_main([*common, "--tasks", "keel_arc_easy", "--metadata", metadata]) == 2
     err = capsys.readouterr().err
     assert f"task data: {tmp_path}/arc/ARC-Easy-Dev.jsonl not found" in err
 

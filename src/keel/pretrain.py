@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from keel.callbacks import GracefulInterrupt, GradNormMonitor, LayerImportance, RunCheckpoint, SpeedMonitor, StabilityMonitor
+from keel.callbacks import (GracefulInterrupt, GradNormMonitor, LayerImportance, RunCheckpoint, SpeedMonitor,
+                            StabilityMonitor)
 from keel.callbacks.stability import describe
 from keel.checkpoint import AtomicCheckpointIO, check_resumable, checkpoint_dir, read_checkpoint, resolve_resume
 from keel.config import Config, load_config, to_yaml

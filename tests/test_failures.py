@@ -288,32 +288,44 @@ def test_an_exception_saves_the_last_completed_step(tiny_data, tmp_path, capsys)
     assert scalars(run, "train/loss") == scalars(straight, "train/loss")
 
 
-LAUNCH_INTERRUPTED = """
+LAUNCH_SIGNALLED = """
 import os, signal, sys
 from lightning.pytorch.callbacks import Callback
 from keel import cli, pretrain
 
-class InterruptTwice(Callback):
+class Signal(Callback):  # sys.argv[1]: SIGINT twice (Ctrl-C, Ctrl-C) or SIGKILL, as step 6 is about to start
     def on_train_batch_start(self, trainer, *args):
-        if trainer.global_step == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)
+        if trainer.global_step == 6:
+            for _ in range(2):
+                os.kill(os.getpid(), getattr(signal, sys.argv[1]))
 
 configured = pretrain.build_callbacks
-pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), InterruptTwice()]
-sys.exit(cli.main(sys.argv[1:]))
+pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Signal()]
+sys.exit(cli.main(sys.argv[2:]))
 """
+
+
+def signalled_run(tiny_data, run: Path, signal_name: str) -> subprocess.CompletedProcess:
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, f"run.dir={run}", *STEPS]
+    return subprocess.run([sys.executable, "-c", LAUNCH_SIGNALLED, signal_name, *argv], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_kill_9_resumes_from_the_last_checkpoint_exactly(tiny_data, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(tiny_config(tiny_data, straight, *STEPS))
+    assert signalled_run(tiny_data, killed, "SIGKILL").returncode == -signal.SIGKILL
+    assert read_checkpoint(killed / "checkpoints" / LAST, weights=False)["global_step"] == 4  # nothing saved at 6
+    train(tiny_config(tiny_data, killed, *STEPS))  # its lock died with it; resume=auto replays steps 4 and 5
+    assert scalars(killed, "train/loss") == scalars(straight, "train/loss")
 
 
 def test_second_sigint_exits_at_once_without_saving(tiny_data, tmp_path):
     run = tmp_path / "run"
-    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, f"run.dir={run}", *STEPS]
-    done = subprocess.run([sys.executable, "-c", LAUNCH_INTERRUPTED, *argv], capture_output=True, text=True,
-                          timeout=600)
+    done = signalled_run(tiny_data, run, "SIGINT")
     assert done.returncode == 130, done.stderr[-3000:]
     assert "second interrupt: exiting now, without a checkpoint" in done.stderr
-    assert not (run / "checkpoints" / LAST).exists()
-    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))  # its lock died with it
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4  # the periodic one
 
 
 # --------------------------------------------------------------------------------- diverged runs fail

@@ -63,7 +63,8 @@ def read_dcp_metadata(path: Path) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
     except Exception as err:
         raise ConfigError(f"checkpoint: {file} refused: {describe_error(err)}; it may have been made to run code "
-                          "when loaded: do not use this checkpoint") from None
+                          "when loaded: do not use this checkpoint (if it comes from a run you trust, made with "
+                          "another torch version, report the name above)") from None
     if not isinstance(metadata, Metadata):
         raise ConfigError(f"checkpoint: {file} refused: it holds a {type(metadata).__name__}, not a checkpoint index")
     return metadata
@@ -236,8 +237,8 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
         checkpoint = _read_sharded(path, weights)
     elif path.is_file():
         if path.stat().st_size == 0:
-            raise ConfigError(f"checkpoint: {path} is empty (0 bytes): its save never finished; resume from another "
-                              "checkpoint (resume=PATH) or start afresh (resume=null)")
+            raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); resume from "
+                              "another checkpoint (resume=PATH) or start afresh (resume=null)")
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:

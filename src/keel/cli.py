@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"keel {name}: config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first (keel.pretrain.Interrupted)
+        print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class TrainerConfig:
     val_batches: int = 16
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 100
+    keep_last_k: int = 2  # step-numbered checkpoints kept besides last.ckpt (the newest k); 0 = last.ckpt only
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False  # recompute each block in backward
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
@@ -59,6 +60,7 @@ class TrainerConfig:
                     "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):
             _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
+        _require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
 
 
 @dataclass
@@ -156,7 +158,7 @@ class StabilityConfig:
     spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
-    stop_on_failure: bool = False  # end the run (with a final checkpoint) at the first failure
+    stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
 
     def __post_init__(self) -> None:
         _require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
@@ -279,6 +281,22 @@ def _read_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"{path}: cannot parse YAML: {err}") from err
 
 
+def _parse_overrides(dotlist: list[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(dotlist)
+    except OmegaConfBaseException:
+        raise
+    except Exception:  # a YAML error in one value: find which, and say so without yaml's traceback
+        for item in dotlist:
+            try:
+                OmegaConf.from_dotlist([item])
+            except Exception as err:
+                reason = " ".join(str(err).split())
+                raise ConfigError(f"override {item!r}: cannot parse its value as YAML ({reason}); quote it or "
+                                  "fix the brackets, e.g. data.paths='[a.txt,b.txt]'") from None
+        raise
+
+
 def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     base = _read_yaml(conf_dir() / "config.yaml")
     user = _read_yaml(Path(config_file)) if config_file else OmegaConf.create()
@@ -299,7 +317,7 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
             if group not in GROUPS:
                 raise ConfigError(f"defaults.{group}: unknown group; allowed: {', '.join(GROUPS)}")
             merged = OmegaConf.merge(merged, {group: _read_yaml(_group_file(group, str(choice)))})
-        merged = OmegaConf.merge(merged, base, user, OmegaConf.from_dotlist(dotlist))
+        merged = OmegaConf.merge(merged, base, user, _parse_overrides(dotlist))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _explain(err) from None

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
+from contextlib import nullcontext
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from keel.callbacks import GradNormMonitor, LayerImportance, SpeedMonitor, StabilityMonitor
-from keel.checkpoint import LAST, AtomicCheckpointIO, check_resumable, checkpoint_dir, read_checkpoint, resolve_resume
+from keel.callbacks import (GracefulInterrupt, GradNormMonitor, LayerImportance, RunCheckpoint, SpeedMonitor,
+                            StabilityMonitor)
+from keel.callbacks.stability import describe
+from keel.checkpoint import AtomicCheckpointIO, check_resumable, checkpoint_dir, read_checkpoint, resolve_resume
 from keel.config import Config, load_config, to_yaml
 from keel.data import KeelDataModule, check_resumable_data, open_dataset
 from keel.lit import KeelLitModule, check_same_model
 from keel.model import ConfigError, flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
+from keel.rundir import RunDirLock, remove_orphans, say, write_config
 
 
 def set_threads(cfg: Config) -> None:
@@ -33,14 +36,8 @@ def set_threads(cfg: Config) -> None:
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     callbacks: list[Callback] = [
-        ModelCheckpoint(
-            dirpath=checkpoint_dir(cfg),
-            filename="step{step:06d}",
-            auto_insert_metric_name=False,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
-            save_top_k=0,
-            save_last=True,
-        ),
+        RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k),
+        GracefulInterrupt(),
         LearningRateMonitor(logging_interval="step"),
     ]
     cb = cfg.callbacks
@@ -94,11 +91,33 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
     )
 
 
+class Interrupted(KeyboardInterrupt):
+    """Training stopped early on Ctrl-C, after writing a checkpoint (`keel` exits 130 with this message)."""
+
+
+def launched_as_rank_zero() -> bool:
+    """Whether the launcher made this process global rank 0 (before Lightning knows): torchrun, SLURM and
+    Lightning's own launcher set a non-zero rank, local rank or node rank in every other process."""
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+    return all(int(os.environ.get(key) or 0) == 0 for key in keys)
+
+
 def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
-    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones."""
+    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. Rank 0 holds
+    the run directory's lock throughout, taken before anything is written (the others write nothing before
+    rank 0 has joined them)."""
     set_threads(cfg)
+    owner = launched_as_rank_zero()
+    with RunDirLock(cfg.run.dir) if owner else nullcontext():
+        return _train(cfg, extra_callbacks, owner)
+
+
+def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Trainer:
     dataset = open_dataset(cfg)
+    if owner:  # no save runs now: temporary files in checkpoints/ were left by killed ones
+        remove_orphans(checkpoint_dir(cfg))
     ckpt_path = resolve_resume(cfg)
+    checkpoint = None
     if ckpt_path is not None:  # fail before any work if the checkpoint is unreadable, of another model or layout
         checkpoint = read_checkpoint(ckpt_path, weights=False)
         check_same_model(cfg, checkpoint)
@@ -107,13 +126,29 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json)
     trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])
-    if trainer.is_global_zero:
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run.dir) / "config.yaml").write_text(to_yaml(cfg))
+    if owner:
+        write_config(cfg, checkpoint)
     trainer.fit(module, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
-    if trainer.global_step % cfg.trainer.checkpoint_every_n_steps:  # the final state, whatever the cadence
-        trainer.save_checkpoint(checkpoint_dir(cfg) / LAST, weights_only=False)
+    interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
+    if interrupt.stopped_at is not None:
+        raise Interrupted(f"interrupted: stopped after step {interrupt.stopped_at} with a checkpoint in "
+                          f"{checkpoint_dir(cfg)}; re-run the same command to continue (resume=auto)")
     return trainer
+
+
+def failure_exit_code(cfg: Config, trainer: L.Trainer) -> int:
+    """1 when the stability monitor recorded a failure, said with its step, kind and max tolerable LR -
+    unless callbacks.stability.stop_on_failure=false asked training to go on (said when it happened)."""
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
+    if monitor is None or monitor.failure is None:
+        return 0
+    if not cfg.callbacks.stability.stop_on_failure and trainer.global_step >= cfg.trainer.max_steps:
+        return 0
+    if trainer.is_global_zero:
+        say(f"{describe(monitor.failure)}. Details: {cfg.run.dir}/stability.json; a lower optim.lr (or "
+            "callbacks.stability.* settings) in a new run.dir, or callbacks.stability.stop_on_failure=false to "
+            "train on regardless")
+    return 1
 
 
 def main(argv: list[str]) -> int:
@@ -126,5 +161,4 @@ def main(argv: list[str]) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    train(cfg)
-    return 0
+    return failure_exit_code(cfg, train(cfg))

@@ -22,6 +22,7 @@ from lm_eval.utils import setup_logging
 import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
 from keel.evaluation.offline import hub_or_local, resolve_tasks
 from keel.evaluation.suite import TASKS_DIR
+from keel.model import ConfigError
 
 RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}
 SUBCOMMANDS = ("run", "ls", "validate")
@@ -57,6 +58,13 @@ def main(argv: list[str]) -> int:
             args.tasks = resolve_tasks(args.tasks, data_dir)
         with hub_or_local("--metadata data_dir", data_dir):
             parser.execute(args)
+    except FileNotFoundError as err:  # a task's data files (the bundled tasks' loaders name the setting to change)
+        raise ConfigError(f"task data: {err}") from None
+    except ValueError as err:
+        if not str(err).startswith("Tasks not found"):  # lm-eval's words for a --tasks name it does not know
+            raise
+        raise ConfigError(f"--tasks: {err}; `keel eval ls tasks` lists the known ones (the bundled keel_* tasks "
+                          "among them), or add a directory of task YAMLs with --include_path") from None
     finally:
         sys.argv = saved
     return 0

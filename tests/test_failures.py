@@ -384,7 +384,7 @@ def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoin
     metadata = json.dumps({"data_dir": str(tmp_path)})
     assert cli_main([*common, "--tasks", "keel_arc_easy", "--metadata", metadata]) == 2
     err = capsys.readouterr().err
-    assert f"task data: {tmp_path}/arc/ARC-Easy-Dev.jsonl not found" in err
+    assert f"config error: data_dir: {tmp_path}/arc/ARC-Easy-Dev.jsonl not found" in err
 
 
 def test_gradflow_refuses_sizes_that_will_not_fit_unless_forced(monkeypatch, capsys):

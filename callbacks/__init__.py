@@ -2,7 +2,8 @@
 
 from keel.callbacks.grad_norms import GradNormMonitor
 from keel.callbacks.layer_importance import LayerImportance
+from keel.callbacks.progress import StepProgressBar
 from keel.callbacks.stability import Failure, StabilityMonitor
 from keel.callbacks.throughput import SpeedMonitor
 
-__all__ = ["Failure", "GradNormMonitor", "LayerImportance", "SpeedMonitor", "StabilityMonitor"]
+__all__ = ["Failure", "GradNormMonitor", "LayerImportance", "SpeedMonitor", "StepProgressBar", "StabilityMonitor"]

@@ -25,6 +25,7 @@ the branches' matmuls run in bf16 (autocast, or the weights' own dtype under bf1
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -392,6 +393,21 @@ class KeelLM(nn.Module):
         """Extend idx (B, T) by up to max_new_tokens. temperature 0 = greedy. A row that emits a stop
         token keeps emitting it; decoding ends when every row has stopped. The prompt is cut on the
         left so that prompt + new tokens fit model.seq_len."""
+        new = self.stream(idx, max_new_tokens, temperature, top_k, stop_tokens, use_cache, generator)
+        return torch.cat((idx, *(nxt[:, None] for nxt in new)), dim=1)
+
+    @torch.no_grad()
+    def stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        stop_tokens: tuple[int, ...] = (),
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """generate's new tokens one step at a time, (B,) each, as they are decoded."""
         keep = self.cfg.seq_len - max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in seq_len={self.cfg.seq_len}")
@@ -413,11 +429,11 @@ class KeelLM(nn.Module):
             if len(stop_tokens):
                 nxt = torch.where(done, stops[0], nxt)
                 done |= torch.isin(nxt, stops)
+            yield nxt
             out = torch.cat((out, nxt[:, None]), dim=1)
             step_input = nxt[:, None] if use_cache else out
             if done.all():
                 break
-        return torch.cat((idx[:, :-keep], out), dim=1) if idx.shape[1] > keep else out
 
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

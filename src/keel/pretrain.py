@@ -93,8 +93,7 @@ def build_loggers(cfg: Config) -> list[Logger]:
         # a version directory per start: CSVLogger would overwrite the metrics.csv of the run it resumes
         "csv": lambda: CSVLogger(save_dir=run_dir, name="csv"),
         "wandb": lambda: WandbLogger(save_dir=run_dir, name=name, project=os.environ.get("WANDB_PROJECT", "keel")),
-        "mlflow": lambda: MLFlowLogger(experiment_name=os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel"), run_name=name,
-                                       save_dir=str(Path(run_dir) / "mlruns")),
+        "mlflow": lambda: mlflow_logger(run_dir, name),
     }
     loggers = []
     for kind in cfg.trainer.loggers:
@@ -104,6 +103,18 @@ def build_loggers(cfg: Config) -> list[Logger]:
             raise ConfigError(f"trainer.loggers: {kind} needs its package: pip install 'keel[{kind}]' (or pip install "
                               f"{kind}), or remove {kind} from trainer.loggers") from None
     return loggers
+
+
+def mlflow_logger(run_dir: str, name: str) -> MLFlowLogger:
+    """To MLFLOW_TRACKING_URI if set, else to a SQLite database and artifact folder in the run dir (MLflow 3
+    refuses its file store, Lightning's default)."""
+    experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel")
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    local = Path(run_dir).resolve()
+    local.mkdir(parents=True, exist_ok=True)
+    return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
+                        artifact_location=str(local / "mlartifacts"))
 
 
 def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:

@@ -14,9 +14,9 @@ from keel.parallel import resolve_accelerator, resolve_precision
 
 
 def alphas(cfg) -> str:
-    """The residual scales of the scheme and how many sublayers use each, e.g. `32 x 30, 1 x 2 sublayers`."""
+    """The residual scales of the scheme and how many sublayers use each, e.g. `1 (2 sublayers), 32 (30 sublayers)`."""
     counts = Counter(spec.alpha for block in sublayer_specs(cfg) for spec in block)
-    return ", ".join(f"{alpha:.4g} x {n}" for alpha, n in counts.items()) + " sublayers"
+    return ", ".join(f"{alpha:.4g} ({n} sublayers)" for alpha, n in counts.items())
 
 
 def model_summary(model: KeelLM) -> list[str]:

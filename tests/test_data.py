@@ -16,10 +16,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+import keel.data
 from keel import cli
 from keel.config import Config, DataConfig, load_config
 from keel.data import (
     EOS_TOKEN,
+    KeelDataModule,
     STDLIB_EXCLUDED_DIRS,
     cut_text,
     is_validation,
@@ -327,24 +329,23 @@ def lightning_style(loader, batches: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_datamodule_resume_is_exact(built, tmp_path, workers):
-    """Stop after k batches, checkpoint the module's state, resume a fresh module: the batches continue exactly,
-    mid-epoch, at an epoch's end and in the second epoch, and later epochs do not replay the resumed one."""
-    from keel.data import KeelDataModule
-
+def test_loader_resume_is_exact(built, tmp_path, workers):
+    """Stop after k batches, save the train loader's state (what Lightning's fit loop checkpoints), resume a fresh
+    loader: the batches continue exactly, mid-epoch, at an epoch's end and in the second epoch, and later epochs
+    do not replay the resumed one."""
     cfg = config(built.dir, f"data.loader_workers={workers}", "trainer.micro_batch_size=16")
     epoch = len(token_loader(cfg, "train", shuffle=True))
     total = 2 * epoch + 5
     reference = lightning_style(KeelDataModule(cfg).train_dataloader(), total)
     assert not torch.equal(reference[0], reference[epoch])  # each epoch is reshuffled
     for k in (7, epoch, epoch + 3):
-        interrupted = KeelDataModule(cfg)
-        lightning_style(interrupted.train_dataloader(), k)
+        interrupted = KeelDataModule(cfg).train_dataloader()
+        lightning_style(interrupted, k)
         torch.save(interrupted.state_dict(), tmp_path / "state.pt")
 
-        resumed = KeelDataModule(cfg)
+        resumed = KeelDataModule(cfg).train_dataloader()
         resumed.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
-        rest = lightning_style(resumed.train_dataloader(), total - k)
+        rest = lightning_style(resumed, total - k)
         assert all(torch.equal(a, b) for a, b in zip(rest, reference[k:], strict=True)), f"resume after {k} batches"
 
 
@@ -352,8 +353,6 @@ def test_trainer_resume_is_exact_and_cycles_epochs(built, tmp_path):
     """The same through Lightning: checkpoints from ModelCheckpoint, `fit(ckpt_path=...)`, max_steps > one epoch."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from keel.data import KeelDataModule
 
     cfg = config(built.dir, "trainer.micro_batch_size=16")
     epoch = len(token_loader(cfg, "train", shuffle=True))
@@ -439,3 +438,108 @@ def test_default_stdlib_corpus(tmp_path):
     print(f"stdlib corpus: {manifest['documents']}, {manifest['tokens']} tokens in {time.perf_counter() - start:.1f} s")
     assert manifest["tokens"]["train"] > 1_000_000 and manifest["vocab_size"] == cfg.data.vocab_size
     assert open_dataset(cfg).eos_id == 0
+
+
+# ------------------------------------------------------------------------------ are training batches a random sample?
+
+ALPHABETS = ("abcdef", "ghijkl", "mnopqr", "stuvwx")  # one per source: a token's characters name its source
+BATCH = 8
+BATCHES_DRAWN = 300
+
+
+@pytest.fixture(scope="module")
+def sourced_corpus(tmp_path_factory) -> Path:
+    """200 short documents (~300 characters) from each of len(ALPHABETS) sources, in source order on disk."""
+    folder = tmp_path_factory.mktemp("sources")
+    rng = random.Random(0)
+    for source, alphabet in enumerate(ALPHABETS):
+        for doc in range(200):
+            words = ("".join(rng.choices(alphabet, k=rng.randint(2, 7))) for _ in range(60))
+            (folder / f"s{source}_{doc:03d}.txt").write_text(" ".join(words) + "\n")
+    return folder
+
+
+def sequence_sources(batch: torch.Tensor, token_source: torch.Tensor) -> torch.Tensor:
+    """The source of each sequence in a (B, T + 1) batch: the one most of its tokens come from."""
+    counts = torch.stack([(token_source[batch] == s).sum(1) for s in range(len(ALPHABETS))], 1)  # (B, sources)
+    return counts.argmax(1)
+
+
+def dispersion_p_value(cfg: Config, batches: int) -> float:
+    """Pearson's chi-square of the sources' counts in `batches` consecutive training batches against the counts
+    uniform sampling from the whole training split gives: a small p-value = batches are not a random sample."""
+    from scipy import stats
+
+    tokenizer = Tokenizer.from_file(str(Path(cfg.data.dir) / "tokenizer.json"))
+    token_source = torch.full((tokenizer.get_vocab_size(),), -1)
+    for token in range(tokenizer.get_vocab_size()):
+        chars = set(tokenizer.decode([token]).strip())
+        owners = [s for s, alphabet in enumerate(ALPHABETS) if chars and chars <= set(alphabet)]
+        if len(owners) == 1:
+            token_source[token] = owners[0]
+    share = torch.bincount(torch.cat([sequence_sources(b, token_source) for b in token_loader(cfg, "train", False)]),
+                           minlength=len(ALPHABETS)).double()
+    expected = BATCH * share / share.sum()
+    loader = KeelDataModule(cfg).train_dataloader()
+    observed = torch.stack([torch.bincount(sequence_sources(b, token_source), minlength=len(ALPHABETS))
+                            for b in itertools.islice(loader, batches)]).double()  # (batches, sources)
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    return stats.chi2.sf(chi2, batches * (len(ALPHABETS) - 1))
+
+
+@pytest.mark.parametrize("shuffle_documents, shuffle_window, random_sample", [
+    (True, 0, True),  # the defaults
+    (False, 256, False),  # before: corpus order on disk and litdata's default window
+    (True, 256, False),  # shuffled documents alone: a window still holds a few documents' consecutive sequences
+    (False, 0, False),  # full permutation alone: each chunk still holds one stretch of the corpus
+])
+def test_training_batches_are_a_uniform_sample(sourced_corpus, tmp_path, monkeypatch, shuffle_documents,
+                                               shuffle_window, random_sample):
+    # ~200 documents a chunk (as with litdata's default chunk size on a real corpus, not one chunk in all)
+    monkeypatch.setattr(keel.data, "SPAN_CHARS", 60_000)
+    cfg = config(tmp_path / "shards", f"data.shuffle_documents={shuffle_documents}",
+                 f"data.shuffle_window={shuffle_window}", "data.doc_chars=0", "data.chunk_bytes=16KB",
+                 "data.val_fraction=0.05", f"trainer.micro_batch_size={BATCH}", corpus=sourced_corpus)
+    prepare(cfg)
+    chunks = json.loads((tmp_path / "shards" / "train" / "index.json").read_text())["chunks"]
+    assert len(chunks) >= 4
+    p_value = dispersion_p_value(cfg, BATCHES_DRAWN)
+    assert (p_value > 0.01) if random_sample else (p_value < 1e-4), p_value
+
+
+def test_each_epoch_is_a_new_permutation(built):
+    cfg = built.cfg
+    loader = KeelDataModule(cfg).train_dataloader()
+    epochs = [[tuple(sequence.tolist()) for batch in loader for sequence in batch] for _ in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
+
+
+def test_resume_refuses_other_shards_or_read_shuffle(tiny_data, tmp_path):
+    """A checkpoint's loader position refers to the shards and the read-time shuffle it was saved with."""
+    from conftest import QUIET_TRAINER, TINY_MODEL
+
+    from keel.pretrain import train
+
+    shards = tmp_path / "shards"
+    shutil.copytree(next(o.split("=", 1)[1] for o in tiny_data if o.startswith("data.dir=")), shards)
+
+    def run(*overrides: str) -> None:
+        train(load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"data.dir={shards}", "eval.enabled=false",
+                                     f"run.dir={tmp_path / 'run'}", "trainer.max_steps=2", *overrides]))
+
+    run()
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(ConfigError, match=r"with data.shuffle_window=0; this config has 256"):
+        run("trainer.max_steps=4", "data.shuffle_window=256")
+
+    checkpoint = torch.load(last, weights_only=True)
+    older = {**checkpoint, "KeelDataModule": {}}  # as written before keel recorded the shards' identity
+    torch.save(older, last)
+    with pytest.raises(ConfigError, match="built before `keel data` shuffled documents"):
+        run("trainer.max_steps=4")
+
+    torch.save(checkpoint, last)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    (shards / "manifest.json").write_text(json.dumps({**manifest, "created": "rebuilt"}))
+    with pytest.raises(ConfigError, match="are not the ones .* was trained on"):
+        run("trainer.max_steps=4")

@@ -102,7 +102,10 @@ class DataConfig:
     tokenizer: str | None = None  # tokenizer.json path or hub name; null = train a byte-level BPE
     vocab_size: int = 4096  # for the trained BPE
     val_fraction: float = 0.02  # held-out documents
-    seed: int = 0
+    seed: int = 0  # which documents are held out, and the order `keel data` writes them in
+    shuffle_documents: bool = True  # write documents in a seeded random order, so each chunk samples the corpus
+    shuffle_window: int = 0  # training reads: 0 = a full permutation of each chunk's sequences; N = litdata's
+    # windowed shuffle (aligned blocks of N consecutive sequences), only for object stores where locality pays
     prepare_workers: int = 2  # processes for `keel data`
     loader_workers: int = 0  # DataLoader workers while training (0: in the main process; see README)
     chunk_bytes: str = "16MB"
@@ -110,6 +113,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(self.source in DATA_SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(DATA_SOURCES)}")
         _require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+        _require(self.shuffle_window >= 0, "data.shuffle_window",
+                 "must be >= 0 (0 = full permutation of each chunk; N = windows of N consecutive sequences)")
         _require(self.doc_chars >= 0, "data.doc_chars", "must be >= 0 (0 = one document per plain-text file)")
         _require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
         _require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",

@@ -29,7 +29,8 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -234,7 +235,7 @@ def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:
 
 def build_settings(data: DataConfig) -> dict[str, Any]:
     """The data.* values that determine what `keel data` builds: recorded in the manifest, compared on re-runs."""
-    keys = ["source", "max_chars", "val_fraction", "seed", "tokenizer"]
+    keys = ["source", "max_chars", "val_fraction", "seed", "shuffle_documents", "tokenizer"]
     keys += {"stdlib": [], "text_files": ["paths", "text_field", "doc_chars"],
              "hf": ["hf_dataset", "hf_name", "hf_split", "text_field"]}[data.source]
     if data.tokenizer is None:
@@ -245,37 +246,53 @@ def build_settings(data: DataConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- spooling: one pass over the source
 
 
-@dataclass
 class _Spool:
-    """One split's documents as JSON lines on local disk, cut into byte spans for the shard writers."""
+    """One split's documents as JSON lines on local disk, and where each one lies, for the shard writers."""
 
-    path: str
-    documents: int = 0
-    chars: int = 0
-    spans: list[tuple[str, int, int]] = field(default_factory=list)
-    _offset: int = 0
-    _span_start: int = 0
-    _span_chars: int = 0
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.chars = 0
+        self._offset = 0
+        self._starts, self._lengths, self._doc_chars = array("q"), array("q"), array("q")  # per document
+
+    @property
+    def documents(self) -> int:
+        return len(self._starts)
 
     def add(self, out: BinaryIO, doc_id: str, text: str) -> None:
         line = (json.dumps({"id": doc_id, "text": text}) + "\n").encode()
         out.write(line)
+        self._starts.append(self._offset)
+        self._lengths.append(len(line))
+        self._doc_chars.append(len(text))
         self._offset += len(line)
-        self.documents += 1
         self.chars += len(text)
-        self._span_chars += len(text)
-        if self._span_chars >= SPAN_CHARS:
-            self.close_span()
 
-    def close_span(self) -> None:
-        if self._offset > self._span_start:
-            self.spans.append((self.path, self._span_start, self._offset))
-        self._span_start, self._span_chars = self._offset, 0
+    def spans(self, order: np.ndarray) -> list[list[tuple[int, int]]]:
+        """The documents in `order`, grouped into spans of about SPAN_CHARS characters (one optimize() input each):
+        each span a list of (byte offset, byte length) of its documents' lines."""
+        spans: list[list[tuple[int, int]]] = [[]]
+        span_chars = 0
+        for doc in order.tolist():
+            if span_chars >= SPAN_CHARS:
+                spans.append([])
+                span_chars = 0
+            spans[-1].append((self._starts[doc], self._lengths[doc]))
+            span_chars += self._doc_chars[doc]
+        return spans
 
     def texts(self) -> Iterator[str]:
         with open(self.path, encoding="utf-8") as lines:
             for line in lines:
                 yield json.loads(line)["text"]
+
+
+def document_order(count: int, data: DataConfig, split: str) -> np.ndarray:
+    """The order documents are written to shards: a seeded permutation (data.seed, per split), so every chunk is a
+    uniform sample of the corpus; corpus order with data.shuffle_documents=false."""
+    if not data.shuffle_documents:
+        return np.arange(count)
+    return np.random.default_rng([data.seed, SPLITS.index(split)]).permutation(count)
 
 
 def _spool(data: DataConfig, workdir: str) -> dict[str, _Spool]:
@@ -284,8 +301,6 @@ def _spool(data: DataConfig, workdir: str) -> dict[str, _Spool]:
         for doc_id, text in read_documents(data):
             held_out = is_validation(doc_id, data.val_fraction, data.seed)
             spools["val" if held_out else "train"].add(val if held_out else train, doc_id, text)
-    for spool in spools.values():
-        spool.close_span()
     total = sum(spool.documents for spool in spools.values())
     if total == 0:
         raise ConfigError(
@@ -386,11 +401,13 @@ class _SpanEncoder:
     def __init__(self, tokenizer: Tokenizer, eos_id: int, dtype: np.dtype) -> None:
         self.tokenizer, self.eos_id, self.dtype = tokenizer, eos_id, dtype
 
-    def __call__(self, span: tuple[str, int, int]) -> np.ndarray:
-        path, start, end = span
+    def __call__(self, span: tuple[str, list[tuple[int, int]]]) -> np.ndarray:
+        path, documents = span
+        texts = []
         with open(path, "rb") as spool:
-            spool.seek(start)
-            texts = [json.loads(line)["text"] for line in spool.read(end - start).splitlines()]
+            for start, length in documents:
+                spool.seek(start)
+                texts.append(json.loads(spool.read(length))["text"])
         ids: list[int] = []
         for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False):
             ids += encoding.ids
@@ -418,13 +435,14 @@ def _worker_environment() -> Iterator[None]:
 
 
 def _write_shards(data: DataConfig, spool: _Spool, split: str, encoder: _SpanEncoder) -> None:
+    spans = [(spool.path, documents) for documents in spool.spans(document_order(spool.documents, data, split))]
     with _worker_environment():
         optimize(
             fn=encoder,
-            inputs=spool.spans,
+            inputs=spans,
             output_dir=data_path(data.dir, split),
             chunk_bytes=data.chunk_bytes,
-            num_workers=min(data.prepare_workers, len(spool.spans)),
+            num_workers=min(data.prepare_workers, len(spans)),
             item_loader=TokensLoader(),
             mode="overwrite",
             keep_data_ordered=True,  # the same inputs and workers give byte-identical shards
@@ -531,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if data.dir already holds shards")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="e.g. data=text_files 'data.paths=[docs/*.md]'")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may follow overrides: `keel data $ARGS --force`
     prepare(load_config(args.config, args.overrides), force=args.force)
     return 0
 
@@ -547,6 +565,7 @@ class DatasetInfo:
     vocab_size: int
     eos_id: int
     manifest: dict
+    manifest_sha256: str  # identifies the build: a checkpoint's loader position refers to these shards only
 
 
 def open_dataset(cfg: Config) -> DatasetInfo:
@@ -560,7 +579,8 @@ def open_dataset(cfg: Config) -> DatasetInfo:
             f"no shards at {data.dir}{why}: run `keel data` (or `make data`) with the same data.* settings"
         )
     try:
-        manifest = json.loads(fs.cat_file(manifest_path))
+        manifest_bytes = fs.cat_file(manifest_path)
+        manifest = json.loads(manifest_bytes)
         if missing := [key for key in MANIFEST_KEYS if key not in manifest]:
             raise ValueError(f"no {', '.join(missing)}")
     except ValueError as err:
@@ -598,6 +618,7 @@ def open_dataset(cfg: Config) -> DatasetInfo:
         vocab_size=manifest["vocab_size"],
         eos_id=manifest["eos_id"],
         manifest=manifest,
+        manifest_sha256=_sha256(manifest_bytes),
     )
 
 
@@ -631,6 +652,9 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         shuffle=shuffle,
         seed=cfg.run.seed,
         drop_last=True,  # the same number of batches on every rank
+        # Explicit: litdata's default (None) reads LITDATA_ITEM_SHUFFLE_WINDOW or else 256, which makes ~32 steps
+        # of micro-batch 8 in a row come from one stretch of a chunk.
+        item_shuffle_window=cfg.data.shuffle_window,
     )
     loader = _ResumableLoader(
         dataset, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long
@@ -644,6 +668,35 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     return loader
 
 
+def check_resumable_data(cfg: Config, dataset: DatasetInfo, path: str, checkpoint: dict) -> None:
+    """A checkpoint's train-loader position is only meaningful on the shards it was saved on and with the same
+    read-time shuffle (litdata would otherwise fail mid-start, or continue on other data)."""
+    saved_build = checkpoint.get("KeelDataModule", {}).get("manifest_sha256")
+    if saved_build is None and "shuffle_documents" in dataset.manifest["settings"]:
+        raise ConfigError(
+            f"resume: {path} was written on shards built before `keel data` shuffled documents, and the shards at "
+            f"{cfg.data.dir} were built since (with data.shuffle_documents): the saved loader position would point "
+            "into other data. Start a new run (resume=null, or another run.dir)"
+        )
+    if saved_build is not None and saved_build != dataset.manifest_sha256:
+        raise ConfigError(
+            f"resume: the shards at {cfg.data.dir} are not the ones {path} was trained on (its manifest differs: "
+            "rebuilt or replaced since): the saved loader position would point into other data. Resume with the "
+            "original shards, or start a new run (resume=null, or another run.dir)"
+        )
+    loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    for state in loops.get("combined_loader", []):  # litdata's StreamingDataLoader state, one per loader
+        dataset_state = state.get("dataset", {}) if isinstance(state, dict) else {}
+        saved_window = dataset_state.get("item_shuffle_window") if dataset_state.get("shuffle") else None
+        if saved_window is not None and saved_window != cfg.data.shuffle_window:
+            older = " (litdata's default before keel set data.shuffle_window)" if saved_window == 256 else ""
+            raise ConfigError(
+                f"resume: {path} read its training sequences with data.shuffle_window={saved_window}{older}; this "
+                f"config has {cfg.data.shuffle_window}. Resume with data.shuffle_window={saved_window} to continue "
+                "that run exactly, or start a new run (resume=null, or another run.dir)"
+            )
+
+
 def _define_datamodule() -> type:
     import lightning as L
 
@@ -652,34 +705,24 @@ def _define_datamodule() -> type:
         LightningModule takes inputs [:, :-1] and targets [:, 1:].
 
         Lightning re-iterates the train loader every epoch (reshuffled), so runs longer than an epoch cycle
-        through the data. It does not save a StreamingDataLoader's position (Lightning-AI/litData#775), so the
-        position travels through this module's state_dict, which Lightning stores in each checkpoint and hands
-        back to load_state_dict on resume, before asking for the loaders.
+        through the data. The loader's position needs nothing here: a StreamingDataLoader is stateful, so
+        Lightning's fit loop saves it in every checkpoint (`loops.fit_loop.state_dict.combined_loader`) and
+        restores it on resume. This module's own state is the identity of the shards that position refers to.
         """
 
         def __init__(self, cfg: Config) -> None:
             super().__init__()
             self.cfg = cfg
             self.info = open_dataset(cfg)  # fail before the Trainer starts when the shards don't fit
-            self._train_loader: StreamingDataLoader | None = None
-            self._resume_state: dict | None = None
 
         def train_dataloader(self) -> StreamingDataLoader:
-            loader = token_loader(self.cfg, "train", shuffle=True)
-            if self._resume_state:
-                loader.load_state_dict(self._resume_state)  # litdata applies it when iteration starts
-                self._resume_state = None
-            self._train_loader = loader
-            return loader
+            return token_loader(self.cfg, "train", shuffle=True)
 
         def val_dataloader(self) -> StreamingDataLoader:
             return token_loader(self.cfg, "val", shuffle=False)
 
         def state_dict(self) -> dict:
-            return self._train_loader.state_dict() if self._train_loader is not None else {}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            self._resume_state = state_dict or None
+            return {"manifest_sha256": self.info.manifest_sha256}
 
     KeelDataModule.__module__, KeelDataModule.__qualname__ = __name__, "KeelDataModule"
     return KeelDataModule

@@ -23,7 +23,7 @@ from keel.checkpoint import (
     resolve_resume,
 )
 from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dict, to_yaml
-from keel.data import KeelDataModule, open_dataset
+from keel.data import KeelDataModule, check_resumable_data, open_dataset
 from keel.lit import KeelLitModule, check_same_model
 from keel.model import ConfigError, flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
@@ -178,6 +178,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
         checkpoint = read_checkpoint(ckpt_path, weights=False)
         check_same_model(cfg, checkpoint)
         check_resumable(cfg.trainer, ckpt_path, checkpoint)
+        check_resumable_data(cfg, dataset, ckpt_path, checkpoint)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json)
     start = start_from(cfg, module, ckpt_path)

@@ -14,12 +14,15 @@ class StepProgressBar(TQDMProgressBar):
     """`step n/max_steps` across epochs; a resumed run starts at its step, and its ETA counts only the steps
     it has run itself."""
 
+    @property
+    def train_description(self) -> str:
+        return "step"
+
     def on_train_start(self, trainer: L.Trainer, *_) -> None:
         super().on_train_start(trainer)
         bar = self.train_progress_bar
         bar.reset(total=trainer.max_steps)
         bar.initial = bar.n = trainer.global_step
-        bar.set_description("step")
 
     def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
         pass  # one bar for the whole run, not one per epoch

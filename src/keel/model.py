@@ -379,21 +379,9 @@ class KeelLM(nn.Module):
             x = self.final_norm(x)
         return self.head(x.to(self.head.weight.dtype))
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        stop_tokens: tuple[int, ...] = (),
-        use_cache: bool = True,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Extend idx (B, T) by up to max_new_tokens. temperature 0 = greedy. A row that emits a stop
-        token keeps emitting it; decoding ends when every row has stopped. The prompt is cut on the
-        left so that prompt + new tokens fit model.seq_len."""
-        new = self.stream(idx, max_new_tokens, temperature, top_k, stop_tokens, use_cache, generator)
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+        """idx (B, T) extended by up to max_new_tokens, decoded by `stream` (same options)."""
+        new = self.stream(idx, max_new_tokens, **sampling)
         return torch.cat((idx, *(nxt[:, None] for nxt in new)), dim=1)
 
     @torch.no_grad()
@@ -407,7 +395,9 @@ class KeelLM(nn.Module):
         use_cache: bool = True,
         generator: torch.Generator | None = None,
     ) -> Iterator[torch.Tensor]:
-        """generate's new tokens one step at a time, (B,) each, as they are decoded."""
+        """New tokens for idx (B, T), one step at a time, (B,) each, as they are decoded: up to max_new_tokens.
+        temperature 0 = greedy. A row that emits a stop token keeps emitting it; decoding ends when every row has
+        stopped. The prompt is cut on the left so that prompt + new tokens fit model.seq_len."""
         keep = self.cfg.seq_len - max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in seq_len={self.cfg.seq_len}")

@@ -63,6 +63,12 @@ def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):
     assert "step: 100%" in out and "3/3" in out and "/6" not in out
     assert out.count("parameters  57,536 (41,152 non-embedding)") == 1 and "start       fresh initialization" in out
 
+    trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=5", "trainer.grad_accum=2", "trainer.val_every_n_steps=3",
+                                "trainer.val_batches=1", "trainer.progress_bar=true", "resume=auto"))
+    bar = trainer.progress_bar_callback.train_progress_bar
+    assert (bar.initial, bar.n, bar.total) == (3, 5, 5)  # a resumed run's rate and ETA count its own steps only
+    assert f"start       resuming {run / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().out
+
 
 LAUNCHER = '''
 import json, os, sys, torch

@@ -164,9 +164,10 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
 
 def finish_wandb(trainer: L.Trainer) -> None:
     """Close the W&B run: Lightning leaves it open, and the next run in this process would log into it."""
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger.experiment.finish()
+    if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+        import wandb
+
+        wandb.finish()
 
 
 def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:

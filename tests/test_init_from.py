@@ -8,6 +8,8 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.checkpoint import LAST, load_model, read_checkpoint
 from keel.config import load_config
+from keel.data import main as data_main
+from keel.data import open_dataset
 from keel.lit import KeelLitModule, next_token_loss
 from keel.model import ConfigError, KeelLM
 from keel.pretrain import start_from, train
@@ -55,7 +57,7 @@ def test_resume_of_a_continued_run_keeps_its_own_progress(tiny_data, tiny_run, t
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_init_from_reads_sharded_and_refuses_another_model_or_tokenizer(tiny_data, tiny_run, tmp_path):
+def test_init_from_reads_sharded_and_refuses_another_model(tiny_data, tiny_run, tmp_path):
     source = tiny_run / "checkpoints" / LAST
     expected, _, _ = load_model(source)
     sharded = write_sharded(source, tmp_path / "sharded.ckpt")
@@ -69,14 +71,26 @@ def test_init_from_reads_sharded_and_refuses_another_model_or_tokenizer(tiny_dat
                                           r"checkpoint 2 != config 3; model.width: checkpoint 32 != config 64"):
         start_from(cfg, KeelLitModule(cfg), ckpt_path=None)
 
-    other = torch.load(source, weights_only=True)
-    other["keel"]["tokenizer_json"] = other["keel"]["tokenizer_json"].replace('"model"', '"model" ', 1)
-    torch.save(other, tmp_path / "other.ckpt")
-    cfg = tiny_config(tiny_data, tmp_path / "run", f"init_from={tmp_path / 'other.ckpt'}")
-    with pytest.raises(ConfigError, match="was trained with another tokenizer"):
-        start_from(cfg, KeelLitModule(cfg, tokenizer_json=expected_tokenizer(source)), ckpt_path=None)
     with pytest.raises(ConfigError, match="checkpoint: no file or directory at"):
         start_from(load_config(overrides=["init_from=/nonexistent.ckpt"]), module, ckpt_path=None)
+
+
+def test_new_data_must_use_the_sources_tokenizer(tiny_data, tiny_run, tmp_path):
+    """Phase two on new shards: built with the source's tokenizer.json they are accepted, with a BPE of their own
+    (another vocabulary) refused, naming the data.tokenizer to use."""
+    source = tiny_run / "checkpoints" / LAST
+    source_data = load_config(overrides=tiny_data).data.dir
+    for name, tokenizer in (("same", f"data.tokenizer={source_data}/tokenizer.json"), ("other", "data.vocab_size=400")):
+        data = [*tiny_data, f"data.dir={tmp_path / name}", tokenizer]
+        assert data_main(data) == 0
+        cfg = tiny_config(data, tmp_path / f"run-{name}", f"init_from={source}")
+        module = KeelLitModule(cfg, tokenizer_json=open_dataset(cfg).tokenizer_json)
+        if name == "same":
+            assert "model weights of" in start_from(cfg, module, ckpt_path=None)
+        else:
+            with pytest.raises(ConfigError, match=rf"was trained with another tokenizer than {tmp_path / name}'s; build "
+                                                  rf"the new data with that tokenizer \(data.tokenizer={source_data}/"):
+                start_from(cfg, module, ckpt_path=None)
 
 
 def expected_tokenizer(checkpoint) -> str:

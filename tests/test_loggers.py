@@ -13,15 +13,14 @@ from keel.callbacks._logging import Heatmap, log_text
 from keel.model import ConfigError
 from keel.pretrain import build_loggers, train
 
-from test_pretrain import scalars, tiny_config
+from test_pretrain import CrashAtStep, scalars, tiny_config
 
-STEPS = ["trainer.max_steps=4", "trainer.val_every_n_steps=4", "trainer.val_batches=1",
+STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4", "trainer.val_batches=1",
          "callbacks.grad_norms.every_n_steps=1", "callbacks.grad_norms.heatmap_every_n_steps=2"]
 
 
 def csv_rows(run: Path) -> list[dict]:
-    (metrics,) = (run / "csv").glob("version_*/metrics.csv")
-    with open(metrics) as f:
+    with open(run / "csv" / "version_0" / "metrics.csv") as f:
         return list(csv.DictReader(f))
 
 
@@ -47,17 +46,21 @@ def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_pa
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[wandb,mlflow,csv]")
-    train(cfg)  # the grad-norm heatmap is drawn at steps 1 and 3: for W&B and MLflow, not CSV
+    # the grad-norm heatmap is drawn at steps 1 and 3: for W&B and MLflow, not CSV
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(cfg, extra_callbacks=[CrashAtStep(3)])
+    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[wandb,mlflow,csv]", "resume=auto"))  # from step 2
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
-    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("keel").experiment_id])
-    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [0, 1, 2, 3]
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("keel").experiment_id])  # continued, not a new one
+    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [0, 1, 2, 2, 3]
     assert mlflow_run.data.params["trainer/micro_batch_size"] == "4"
     heatmaps = [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "grad/heatmap/branch_weights")]
     assert [Path(p).name for p in heatmaps] == ["step_000001.png", "step_000003.png"]
-    (wandb_run,) = (run / "wandb").glob("offline-run-*")
-    assert len(list(wandb_run.glob("files/media/images/grad/heatmap/*.png"))) == 2
-    assert len(csv_rows(run)) >= 4
+    first, resumed = sorted((run / "wandb").glob("offline-run-*"))
+    assert first.name.split("-")[-1] == resumed.name.split("-")[-1]  # one W&B run id (`wandb sync` joins them)
+    assert [len(list(part.glob("files/media/images/grad/heatmap/*.png"))) for part in (first, resumed)] == [1, 1]
+    assert [row["step"] for row in csv_rows(run) if row["train/loss"]] == ["0", "1", "2"]
 
     # text: to TensorBoard, W&B and MLflow; CSV has no place for it and is skipped
     cfg = tiny_config(tiny_data, tmp_path / "text", "trainer.loggers=[tensorboard,csv,wandb,mlflow]")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import uuid
 from pathlib import Path
 
 import lightning as L
@@ -84,16 +86,23 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     return callbacks
 
 
+LOGGER_RUNS = "logger_runs.json"
+
+
 def build_loggers(cfg: Config) -> list[Logger]:
     """trainer.loggers, each Lightning's own, writing under run.dir. W&B and MLflow are optional extras and read
-    their usual environment (WANDB_MODE=offline, WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME)."""
+    their usual environment (WANDB_MODE=offline, WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); a
+    resumed run continues their runs (ids in <run.dir>/logger_runs.json)."""
     run_dir, name = cfg.run.dir, Path(cfg.run.dir).name
+    runs_file = Path(run_dir) / LOGGER_RUNS
+    runs = json.loads(runs_file.read_text()) if resolve_resume(cfg) and runs_file.is_file() else {}
     make = {
         "tensorboard": lambda: TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False),
         # a version directory per start: CSVLogger would overwrite the metrics.csv of the run it resumes
         "csv": lambda: CSVLogger(save_dir=run_dir, name="csv"),
-        "wandb": lambda: WandbLogger(save_dir=run_dir, name=name, project=os.environ.get("WANDB_PROJECT", "keel")),
-        "mlflow": lambda: mlflow_logger(run_dir, name),
+        "wandb": lambda: WandbLogger(save_dir=run_dir, name=name, project=os.environ.get("WANDB_PROJECT", "keel"),
+                                     id=runs.get("wandb", uuid.uuid4().hex[:12]), resume="allow"),
+        "mlflow": lambda: mlflow_logger(run_dir, name, runs.get("mlflow")),
     }
     loggers = []
     for kind in cfg.trainer.loggers:
@@ -105,16 +114,30 @@ def build_loggers(cfg: Config) -> list[Logger]:
     return loggers
 
 
-def mlflow_logger(run_dir: str, name: str) -> MLFlowLogger:
+def mlflow_logger(run_dir: str, name: str, run_id: str | None) -> MLFlowLogger:
     """To MLFLOW_TRACKING_URI if set, else to a SQLite database and artifact folder in the run dir (MLflow 3
     refuses its file store, Lightning's default)."""
     experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel")
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+        return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=os.environ["MLFLOW_TRACKING_URI"],
+                            run_id=run_id)
     local = Path(run_dir).resolve()
     local.mkdir(parents=True, exist_ok=True)
     return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
-                        artifact_location=str(local / "mlartifacts"))
+                        artifact_location=str(local / "mlartifacts"), run_id=run_id)
+
+
+def log_config(cfg: Config, loggers: list[Logger]) -> None:
+    """On rank 0: the config as every logger's hyperparameters, and the W&B and MLflow run ids, for build_loggers
+    to continue those runs on resume."""
+    for logger in loggers:
+        if isinstance(logger, MLFlowLogger) and logger.experiment.get_run(logger.run_id).data.params:
+            continue  # a continued MLflow run: its params cannot change; it keeps those it started with
+        logger.log_hyperparams(to_dict(cfg))
+    runs = {"wandb": logger.version for logger in loggers if isinstance(logger, WandbLogger)}
+    runs |= {"mlflow": logger.run_id for logger in loggers if isinstance(logger, MLFlowLogger)}
+    if runs:
+        (Path(cfg.run.dir) / LOGGER_RUNS).write_text(json.dumps(runs))
 
 
 def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
@@ -188,8 +211,8 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.run.dir) / "config.yaml").write_text(to_yaml(cfg))
         print(f"{run_summary(cfg, module.model)}\nstart       {start}", flush=True)
-    for logger in trainer.loggers:
-        logger.log_hyperparams(to_dict(cfg))
+    if trainer.is_global_zero:
+        log_config(cfg, trainer.loggers)
     try:
         trainer.fit(module, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
     finally:

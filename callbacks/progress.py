@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import _update_n
 
 from keel.callbacks._logging import finished_step
 
@@ -30,6 +29,7 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if finished_step(trainer) is None:  # still accumulating gradients
             return
-        if self._should_update(trainer.global_step, self.train_progress_bar.total):
-            _update_n(self.train_progress_bar, trainer.global_step)
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+        bar = self.train_progress_bar
+        if self._should_update(trainer.global_step, bar.total):
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar

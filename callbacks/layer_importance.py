@@ -20,11 +20,11 @@ import time
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
+from keel.lit import next_token_loss
 
 
 class SkippedBlock(nn.Module):
@@ -37,17 +37,12 @@ class SkippedBlock(nn.Module):
 @torch.no_grad()
 def skip_losses(model, batch: torch.Tensor, blocks: list[int]) -> torch.Tensor:
     """[loss of the full model, loss with blocks[0] skipped, ...] on a (B, T + 1) token batch."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-
-    def loss() -> torch.Tensor:
-        return F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten())
-
-    losses = [loss()]
+    losses = [next_token_loss(model, batch)]
     for b in blocks:
         block = model.blocks[b]
         model.blocks[b] = SkippedBlock()
         try:
-            losses.append(loss())
+            losses.append(next_token_loss(model, batch))
         finally:
             model.blocks[b] = block
     return torch.stack(losses)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# The full benchmark files and corpora beside the repository, where the project's CI has them (or elsewhere)
+SHARED_DATA = Path(os.environ.get("KEEL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 # A model small enough that a CPU step takes milliseconds, deep enough to have a first block and others.
 TINY_MODEL = [
@@ -28,9 +30,10 @@ QUIET_TRAINER = [
 
 
 def shared_data() -> Path:
-    """../shared/data, or skip: users' clones do not have it; CI does."""
+    """../shared/data (or $KEEL_SHARED_DATA), or skip: users' clones do not have it; CI does."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (only the project's CI machine has it)")
+        pytest.skip(f"shared data not found at {SHARED_DATA} (only the project's CI machine has it; "
+                    "KEEL_SHARED_DATA=DIR points elsewhere)")
     return SHARED_DATA
 
 

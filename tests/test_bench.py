@@ -11,6 +11,7 @@ import pytest
 
 from keel.cli import main as cli_main
 from keel.model import ModelConfig, flops_per_token
+from keel.ops.chunked_ce import DEFAULT_CHUNK
 
 TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--seq-len", "32", "--vocab", "512", "--batch", "4",
         "--steps", "2", "--warmup", "1", "--repeats", "2", "--threads", "1"]
@@ -41,8 +42,24 @@ def test_schemes_side_by_side(one_thread, tmp_path, capsys):
         per_round = [t * TINY_FLOPS / p for t, p in zip(row["tokens_per_s_repeats"], peaks)]
         assert row["mfu"] == pytest.approx(statistics.median(per_round))
         assert row["peak_memory_bytes"] > 0 and row["compile"] is False and row["threads"] == 1
+        assert row["loss_chunk"] == DEFAULT_CHUNK["cpu"]  # no --loss-chunk: the device default
     assert keel["reference"] == "step:preln t1" and keel["ratio"] > 0 and len(keel["ratio_repeats"]) == 2
     assert preln["reference"] is None and preln["ratio"] is None
+
+
+def test_loss_heads_side_by_side(one_thread, tmp_path, capsys):
+    result, printed = run_bench(tmp_path, capsys, "--schemes", "keel,preln", "--loss-chunk", "0,16")
+    rows = {row["label"]: row for row in result["rows"]}
+    # a chunked head against its scheme's plain head; the plain heads Keel against Pre-LN
+    assert {label: row["reference"] for label, row in rows.items()} == {
+        "step:keel t1 lc0": "step:preln t1 lc0", "step:keel t1 lc16": "step:keel t1 lc0",
+        "step:preln t1 lc0": None, "step:preln t1 lc16": "step:preln t1 lc0",
+    }
+    assert [row["loss_chunk"] for row in rows.values()] == [0, 16, 0, 16]
+    assert all(row["peak_memory_bytes"] > 0 and label in printed for label, row in rows.items())
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--loss-chunk", "-1"])
+    assert "--loss-chunk needs at least one value, each >= 0" in capsys.readouterr().err
 
 
 def test_app_and_loader_rows(one_thread, tiny_data, tmp_path, capsys):

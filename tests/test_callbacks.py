@@ -45,7 +45,7 @@ def events(run_dir: Path) -> EventAccumulator:
 
 
 class NaNLossAt(Callback):
-    """Makes the logits (hence the loss and every gradient) NaN during the given steps."""
+    """Makes the last block's output (hence the loss and every gradient) NaN during the given steps."""
 
     def __init__(self, *steps: int) -> None:
         self.steps = set(steps)
@@ -53,7 +53,7 @@ class NaNLossAt(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step in self.steps:
-            self.handle = pl_module.model.head.register_forward_hook(lambda module, args, out: out * math.nan)
+            self.handle = pl_module.model.blocks[-1].register_forward_hook(lambda module, args, out: out * math.nan)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.handle is not None:
@@ -86,7 +86,7 @@ def test_grad_norms_match_manual_computation():
     # the norm clipping sees
     clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert norms["grad/global"] == pytest.approx(clipped_norm.item(), rel=1e-5)
-    # Keel's alpha = 1 block 0 takes far larger weight gradients than the highway blocks (norm-schemes.md)
+    # Keel's alpha = 1 block 0 takes far larger weight gradients than the highway blocks (docs/schemes.md)
     assert norms["grad/attn/block_000"] > 5 * norms["grad/attn/block_002"]
 
 

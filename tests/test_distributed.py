@@ -36,6 +36,7 @@ from keel.checkpoint import (
 from keel.checkpoint import main as consolidate
 from keel.cli import main as cli_main
 from keel.config import load_config, to_dict
+from keel.lit import next_token_loss
 from keel.model import ConfigError, KeelLM
 from keel.parallel import parallelize
 
@@ -61,14 +62,19 @@ def _batches() -> torch.Tensor:
     return torch.randint(0, 512, (STEPS, GLOBAL_BATCH, 33), generator=generator)
 
 
-def _train(model, batches, reduce_loss) -> dict:
+def _plain_head_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    """The loss from the full logits, whatever model.loss_chunk says."""
+    return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _train(model, batches, reduce_loss, loss_fn=_plain_head_loss) -> dict:
     """AdamW steps with global-norm clipping, as in training; the loss and gradient norms seen at each step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     monitor = GradNormMonitor()
     monitor.on_fit_start(None, SimpleNamespace(model=model))  # it only reads pl_module.model
     losses, clip_norms, grad_norms = [], [], []
     for batch in batches:
-        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss = loss_fn(model, batch)
         loss.backward()
         grad_norms.append(monitor.norms())
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -98,6 +104,13 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
         model = KeelLM(cfg.model)
         parallelize(model, cfg.trainer, mesh)
         results[checkpointing] = _train(model, batches, global_mean)
+    # the chunked loss head (3 chunks per rank: 4 x 32 tokens) on the sharded head weight, against the plain head
+    cfg = _tiny_cfg("trainer.precision=32-true", "model.loss_chunk=48")
+    torch.manual_seed(0)
+    model = KeelLM(cfg.model)
+    parallelize(model, cfg.trainer, mesh)
+    assert isinstance(model.head.weight, DTensor)
+    results["chunked"] = _train(model, batches, global_mean, next_token_loss)
     results["local"] = sum(p.to_local().numel() for p in model.parameters())
     results["total"] = sum(p.numel() for p in model.parameters())
 
@@ -124,14 +137,14 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     torch.manual_seed(0)
     reference = _train(KeelLM(_tiny_cfg().model), _batches(), lambda loss: loss.item())
     assert all(norm > CLIP for norm in reference["clip_norm"])  # clipping acted
-    for checkpointing in ("false", "true"):
-        fsdp = ranks[0][checkpointing]
+    for run in ("false", "true", "chunked"):  # activation checkpointing off, on; the chunked loss head
+        fsdp = ranks[0][run]
         assert fsdp["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert fsdp["clip_norm"] == pytest.approx(reference["clip_norm"], rel=1e-5)
         for step in range(STEPS):  # the grad-norm callback's DTensor-aware norms
             assert fsdp["grad_norms"][step].keys() == reference["grad_norms"][step].keys()
             assert fsdp["grad_norms"][step] == pytest.approx(reference["grad_norms"][step], rel=1e-5)
-        assert ranks[1][checkpointing] == fsdp  # every rank saw the same global values
+        assert ranks[1][run] == fsdp  # every rank saw the same global values
     # each rank holds about half of every parameter (dim 0 split; odd sizes round up on rank 0)
     assert sum(r["local"] for r in ranks) == ranks[0]["total"]
     assert all(abs(r["local"] / r["total"] - 1 / WORLD) < 0.02 for r in ranks)

@@ -1,6 +1,7 @@
 """`keel bench`: training throughput, peak memory, FLOP/s and MFU of several schemes side by side (docs/bench.md).
 
-    keel bench [--schemes keel,preln] [--compile off,on] [--threads 1,2] [--app [--loader-workers 0,1]] [--json FILE]
+    keel bench [--schemes keel,preln] [--compile off,on] [--threads 1,2] [--loss-chunk 0,128]
+               [--app [--loader-workers 0,1]] [--json FILE]
 
 Each row is a variant, timed in tokens/s:
 
@@ -13,7 +14,8 @@ Each row is a variant, timed in tokens/s:
 Every variant runs its warm-up steps first (compile happens there, and its peak memory is taken on one more step);
 then the timed repeats are interleaved across variants, in an order rotated each round, so that machine noise
 lands on all of them alike. Figures are medians over repeats; each ratio is the median of per-round ratios to a
-reference row measured in the same round: a step to Pre-LN's step (same compile and threads), an app run to the
+reference row measured in the same round: a step to Pre-LN's step (same compile, threads and loss head), or, with
+several --loss-chunk values, a step with another value to its scheme's step with the first one; an app run to the
 bare step of its model, the loader to the fastest step (the training it must keep up with).
 """
 
@@ -36,12 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from keel.config import OptimConfig, load_config
 from keel.lit import make_optimizer, next_token_loss
 from keel.model import SCHEMES, ConfigError, KeelLM, ModelConfig, flops_per_token
+from keel.ops.chunked_ce import default_chunk
 from keel.parallel import compile_blocks
 
 REFERENCE_SCHEME = "preln"
@@ -141,9 +145,9 @@ def _reset_cpu_peak() -> int | None:
 # ------------------------------------------------------------------------------------------------------ variants
 
 
-def model_config(args: argparse.Namespace, scheme: str) -> ModelConfig:
+def model_config(args: argparse.Namespace, scheme: str, loss_chunk: int | None = None) -> ModelConfig:
     return ModelConfig(scheme=scheme, depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len,
-                       vocab_size=args.vocab)
+                       vocab_size=args.vocab, loss_chunk=loss_chunk)
 
 
 def litgpt_model(args: argparse.Namespace) -> nn.Module:
@@ -159,6 +163,11 @@ def litgpt_model(args: argparse.Namespace) -> nn.Module:
     return GPT(cfg)
 
 
+def logits_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """litgpt's GPT returns logits: the plain head's loss over them, as litgpt's own pretraining computes it."""
+    return F.cross_entropy(model(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten())
+
+
 def compile_litgpt_blocks(model: nn.Module) -> None:
     """Block by block, as keel.parallel.compile_blocks does for KeelLM."""
     for block in model.transformer.h:
@@ -169,8 +178,9 @@ class TrainStep:
     """One bare training step of a model on a fixed random batch, as Lightning runs it in `keel pretrain`:
     forward under autocast (bf16) or not (fp32), backward, global-norm clipping, AdamW step."""
 
-    def __init__(self, model: nn.Module, args: argparse.Namespace, device: torch.device) -> None:
-        self.model = model.to(device)
+    def __init__(self, model: nn.Module, args: argparse.Namespace, device: torch.device,
+                 loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = next_token_loss) -> None:
+        self.model, self.loss_fn = model.to(device), loss_fn
         self.optim = OptimConfig()
         self.optimizer = make_optimizer(self.model, self.optim)
         self.batch = torch.randint(args.vocab, (args.batch, args.seq_len + 1), device=device)
@@ -178,7 +188,7 @@ class TrainStep:
 
     def __call__(self) -> None:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = next_token_loss(self.model, self.batch)
+            loss = self.loss_fn(self.model, self.batch)
         loss.backward()
         if self.optim.grad_clip:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
@@ -245,6 +255,7 @@ class Variant:
     compile: bool
     threads: int
     workers: int | None  # data.loader_workers (app, loader)
+    loss_chunk: int | None  # --loss-chunk value (model.loss_chunk); None: not given (the device default), or litgpt
     run: Callable[[], float]  # one timed segment -> tokens/s
     peak_memory: int | None = None
     tokens_per_s: list[float] = field(default_factory=list)
@@ -255,13 +266,15 @@ class Variant:
         parts[0] += "+compile" if self.compile else ""
         if self.kind != "loader":
             parts.append(f"t{self.threads}")
+        if self.loss_chunk is not None:
+            parts.append(f"lc{self.loss_chunk}")
         if self.workers is not None:
             parts.append(f"w{self.workers}")
         return " ".join(parts)
 
 
 def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int,
-               run_dir: str | None = None):
+               loss_chunk: int | None = None, run_dir: str | None = None):
     """The `keel pretrain` config of an app run: the user's config and overrides, then the bench's model dims,
     device, steps, threads and workers (which must match the step rows); run_dir: a throwaway run directory."""
     return load_config(args.config, [
@@ -272,16 +285,18 @@ def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: in
         f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
         f"trainer.precision={'bf16-mixed' if args.dtype == 'bf16' else '32-true'}", "trainer.devices=1",
         f"trainer.compile={compile}", f"trainer.threads={threads}", f"trainer.max_steps={args.warmup + args.steps}",
-        f"data.loader_workers={workers}", *([f"run.dir={run_dir}"] if run_dir else []),
+        f"data.loader_workers={workers}", *([f"model.loss_chunk={loss_chunk}"] if loss_chunk is not None else []),
+        *([f"run.dir={run_dir}"] if run_dir else []),
     ])
 
 
-def app_run(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int) -> float:
+def app_run(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int,
+            loss_chunk: int | None) -> float:
     from keel.pretrain import train
 
     timer = _AppTimer(skip=args.warmup)
     with tempfile.TemporaryDirectory(prefix="keel-bench-") as run_dir:
-        train(app_config(args, scheme, compile, threads, workers, run_dir), extra_callbacks=[timer])
+        train(app_config(args, scheme, compile, threads, workers, loss_chunk, run_dir), extra_callbacks=[timer])
     return timer.tokens_per_s
 
 
@@ -301,34 +316,39 @@ def loader_run(args: argparse.Namespace, workers: int) -> float:
 def build_variants(args: argparse.Namespace, device: torch.device) -> list[Variant]:
     """Every variant, warmed up (and compiled), its peak memory taken."""
     variants = []
-    models: list[tuple[str, Callable[[], nn.Module], Callable[[nn.Module], None]]] = [
-        (scheme, lambda s=scheme: KeelLM(model_config(args, s)), compile_blocks) for scheme in args.schemes
+    models: list[tuple[str, int | None, Callable[[], nn.Module], Callable[[nn.Module], None], Callable]] = [
+        (scheme, chunk, lambda s=scheme, c=chunk: KeelLM(model_config(args, s, c)), compile_blocks, next_token_loss)
+        for scheme, chunk in itertools.product(args.schemes, args.loss_chunk)
     ]
     if args.peer == "litgpt":
-        models.append(("litgpt", lambda: litgpt_model(args), compile_litgpt_blocks))
-    for (scheme, build, compile_fn), compile, threads in itertools.product(models, args.compile, args.threads):
+        models.append(("litgpt", None, lambda: litgpt_model(args), compile_litgpt_blocks, logits_loss))
+    for (scheme, chunk, build, compile_fn, loss_fn), compile, threads in itertools.product(
+        models, args.compile, args.threads
+    ):
         torch.manual_seed(0)
         torch.set_num_threads(threads)  # before warm-up: torch.compile specializes (recompiles) per thread count
         model = build()
         if compile:
             compile_fn(model)
-        step = TrainStep(model, args, device)
+        step = TrainStep(model, args, device, loss_fn)
         for _ in range(args.warmup):
             step()
         timed = functools.partial(step.timed, args.steps)
-        variant = Variant("step", scheme, compile, threads, None, timed, step.peak_memory())
+        variant = Variant("step", scheme, compile, threads, None, chunk, timed, step.peak_memory())
         variants.append(variant)
         print(f"keel bench: warmed up {variant.label}", file=sys.stderr)
     if args.app:
         from keel.data import prepare
 
         prepare(app_config(args, args.schemes[0], False, max(args.threads), 0))  # no-op when already built
-        for compile, threads, workers in itertools.product(args.compile, args.threads, args.loader_workers):
-            run = functools.partial(app_run, args, args.schemes[0], compile, threads, workers)
-            variants.append(Variant("app", args.schemes[0], compile, threads, workers, run))
+        for compile, threads, workers, chunk in itertools.product(
+            args.compile, args.threads, args.loader_workers, args.loss_chunk
+        ):
+            run = functools.partial(app_run, args, args.schemes[0], compile, threads, workers, chunk)
+            variants.append(Variant("app", args.schemes[0], compile, threads, workers, chunk, run))
         for workers in args.loader_workers:
             run = functools.partial(loader_run, args, workers)
-            variants.append(Variant("loader", None, False, max(args.threads), workers, run))
+            variants.append(Variant("loader", None, False, max(args.threads), workers, None, run))
     return variants
 
 
@@ -337,8 +357,17 @@ def reference(variant: Variant, variants: list[Variant]) -> Variant | None:
     steps = [v for v in variants if v.kind == "step"]
     if variant.kind == "loader":
         return max(steps, key=lambda v: statistics.median(v.tokens_per_s))
-    scheme = REFERENCE_SCHEME if variant.kind == "step" else variant.scheme
-    same = [v for v in steps if (v.scheme, v.compile, v.threads) == (scheme, variant.compile, variant.threads)]
+    first_chunk = steps[0].loss_chunk  # the first --loss-chunk value
+    if variant.kind == "app":
+        scheme, chunk = variant.scheme, variant.loss_chunk
+    elif variant.scheme == "litgpt":  # its own plain head, against Pre-LN's first loss head
+        scheme, chunk = REFERENCE_SCHEME, first_chunk
+    elif variant.loss_chunk != first_chunk:  # loss heads side by side
+        scheme, chunk = variant.scheme, first_chunk
+    else:
+        scheme, chunk = REFERENCE_SCHEME, variant.loss_chunk
+    key = (scheme, chunk, variant.compile, variant.threads)
+    same = [v for v in steps if (v.scheme, v.loss_chunk, v.compile, v.threads) == key]
     return next((v for v in same if v is not variant), None)
 
 
@@ -374,6 +403,7 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
         rows.append({
             "label": variant.label, "kind": variant.kind, "scheme": variant.scheme, "compile": variant.compile,
             "threads": variant.threads, "loader_workers": variant.workers,
+            "loss_chunk": loss_chunk(variant, device),
             "tokens_per_s": tps, "tokens_per_s_repeats": variant.tokens_per_s,
             "spread": (max(variant.tokens_per_s) - min(variant.tokens_per_s)) / tps,
             "step_s": args.batch * args.seq_len / tps,
@@ -394,6 +424,13 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
         "flops_per_token": flops,
         "torch": torch.__version__, "rows": rows,
     }
+
+
+def loss_chunk(variant: Variant, device: torch.device) -> int | None:
+    """Tokens per chunk of the loss head the variant ran (0: plain head); None for the loader and litgpt."""
+    if variant.kind == "loader" or variant.scheme == "litgpt":
+        return None
+    return default_chunk(device) if variant.loss_chunk is None else variant.loss_chunk
 
 
 def _cell(value: float | None, fmt: str, unit: float = 1.0) -> str:
@@ -458,6 +495,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all variants")
     parser.add_argument("--threads", type=_list(int), default=str(cores), help="intra-op threads, comma-separated")
     parser.add_argument("--compile", type=_list(_on_off), default="off", help="off, on or off,on")
+    parser.add_argument("--loss-chunk", type=_list(int),
+                        help="model.loss_chunk values, comma-separated: tokens per chunk of the loss head, 0 = plain "
+                             "head (full logits); None: the device's default")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
@@ -472,6 +512,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--warmup, --steps and --repeats must be >= 1")
     if not args.schemes or not args.compile or not args.threads or min(args.threads) < 1:
         parser.error("--schemes, --compile and --threads need at least one value; threads >= 1")
+    if args.loss_chunk is None:
+        args.loss_chunk = [None]  # model.loss_chunk: null
+    elif not args.loss_chunk or min(args.loss_chunk) < 0:
+        parser.error("--loss-chunk needs at least one value, each >= 0 (0 = plain head)")
     if args.peer == "litgpt" and importlib.util.find_spec("litgpt") is None:
         raise ConfigError(f"--peer litgpt: {PEER_RECIPE}")
     return args

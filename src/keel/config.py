@@ -106,6 +106,8 @@ class DataConfig:
     shuffle_documents: bool = True  # write documents in a seeded random order, so each chunk samples the corpus
     shuffle_window: int = 0  # training reads: 0 = a full permutation of each chunk's sequences; N = litdata's
     # windowed shuffle (aligned blocks of N consecutive sequences), only for object stores where locality pays
+    verify_checksums: bool = True  # at start-up, local shards against the manifest's sha256 (~6 s per GB, 2 cores)
+    cache_dir: str | None = None  # object-store data.dir: local chunk cache; null = litdata's (~/.lightning/chunks)
     prepare_workers: int = 2  # processes for `keel data`
     loader_workers: int = 0  # DataLoader workers while training (0: in the main process; see README)
     chunk_bytes: str = "16MB"
@@ -215,7 +217,7 @@ class EvalConfig:
     limit: int | None = 100  # first documents of each task per evaluation; null = all
     num_fewshot: int | None = None  # null: each task's own default
     batch_size: int = 16  # sequences per forward pass
-    data_dir: str = "../shared/data"  # the standard-suite files (shared/data/MANIFEST.md layout)
+    data_dir: str | None = None  # local standard-suite files (`keel eval-data fetch DIR`); null: the HF hub/cache
     include_path: str | None = None  # a directory of extra lm-eval task YAMLs
 
     def __post_init__(self) -> None:

@@ -10,8 +10,10 @@ builds, under `data.dir` (a local path or an object-store URL litdata supports):
     manifest.json       what was built from what; written last, so its presence marks a complete build
 
 A document is held out for validation by a hash of its id and `data.seed`, so the split depends neither on the
-reading order nor on how many documents there are. Training opens the shards through `open_dataset`, which
-checks them against the config, and `KeelDataModule`, which saves the train loader's position in checkpoints.
+reading order nor on how many documents there are. Documents are written in a seeded random order, so each chunk
+is a uniform sample of the corpus, and training permutes each chunk's sequences in full: a batch is a random sample
+of the training set, not a stretch of it. Training opens the shards through `open_dataset`, which checks them
+against the config (and every chunk against its size and hash), and `KeelDataModule`.
 """
 
 from __future__ import annotations
@@ -65,20 +67,40 @@ PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank
 # Characters of spooled text per optimize() input: small enough to spread over the workers, large enough for
 # each tokenizer call to batch many documents.
 SPAN_CHARS = 1_000_000
+# A plain-text file with a NUL byte, or with more than this share of its characters undecodable as UTF-8, is
+# binary or in another encoding: skipped (counted, first path reported) rather than trained on as U+FFFD soup.
+MAX_UNDECODABLE = 0.01
 REBUILD = "rebuild with `keel data --force` (same data.* settings)"
 
 
 # ---------------------------------------------------------------------------------------------- reading the corpus
 
 
-def _stdlib_documents() -> Iterator[tuple[str, str]]:
+@dataclass
+class SkippedFiles:
+    """Files left out of the corpus as binary or not UTF-8."""
+
+    count: int = 0
+    first: str | None = None
+
+    def read_text(self, path: Path) -> str | None:
+        """The file's text, or None (counted) when it holds a NUL byte or > MAX_UNDECODABLE undecodable bytes."""
+        raw = path.read_bytes()
+        text = raw.decode("utf-8", errors="replace")
+        if b"\0" in raw or text.count("\ufffd") > MAX_UNDECODABLE * len(text):
+            self.count += 1
+            self.first = self.first or str(path)
+            return None
+        return text
+
+
+def _stdlib_documents(skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
     root = sysconfig.get_paths()["stdlib"]
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(name for name in subfolders if name not in STDLIB_EXCLUDED_DIRS)  # prune, in order
         for name in sorted(files):
-            if name.endswith(".py"):
-                path = Path(folder, name)
-                yield path.relative_to(root).as_posix(), path.read_text(encoding="utf-8", errors="replace")
+            if name.endswith(".py") and (text := skipped.read_text(Path(folder, name))) is not None:
+                yield Path(folder, name).relative_to(root).as_posix(), text
 
 
 def _matched_files(patterns: list[str]) -> list[str]:
@@ -105,14 +127,14 @@ def _text_of(record: Any, text_field: str, where: str) -> str:
 
 
 def _jsonl_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
-    with open(path, encoding="utf-8") as lines:
+    with open(path, "rb") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line)  # UTF-8 (or -16/-32) bytes; a decoding error is a ValueError too
             except ValueError as err:
-                raise ConfigError(f"data.paths: {path} line {number} is not JSON ({err})") from None
+                raise ConfigError(f"data.paths: {path} line {number} is not UTF-8 JSON ({err})") from None
             yield f"{path}:{number}", _text_of(record, text_field, f"{path} line {number}")
 
 
@@ -152,8 +174,9 @@ def cut_text(text: str, doc_chars: int) -> list[str]:
     return [*pieces, text[start:]]
 
 
-def _plain_text_documents(path: str, doc_chars: int) -> Iterator[tuple[str, str]]:
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+def _plain_text_documents(path: str, doc_chars: int, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+    if (text := skipped.read_text(Path(path))) is None:
+        return
     pieces = cut_text(text, 0 if Path(path).suffix.lower() in WHOLE_FILE_SUFFIXES else doc_chars)
     if len(pieces) == 1:  # an uncut file keeps its path as id: its split does not depend on data.doc_chars
         yield path, text
@@ -161,7 +184,7 @@ def _plain_text_documents(path: str, doc_chars: int) -> Iterator[tuple[str, str]
         yield from ((f"{path}#{number}", piece) for number, piece in enumerate(pieces))
 
 
-def _text_file_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
+def _text_file_documents(data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
     for path in _matched_files(data.paths):
         suffix = Path(path).suffix.lower()
         if suffix == ".jsonl":
@@ -169,7 +192,7 @@ def _text_file_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
         elif suffix == ".parquet":
             yield from _parquet_documents(path, data.text_field)
         elif suffix in PLAIN_TEXT_SUFFIXES:
-            yield from _plain_text_documents(path, data.doc_chars)
+            yield from _plain_text_documents(path, data.doc_chars, skipped)
         else:
             plain = ", ".join(sorted(s for s in PLAIN_TEXT_SUFFIXES if s))
             raise ConfigError(f"data.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}")
@@ -193,12 +216,14 @@ def _hf_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
         yield f"{data.hf_dataset}/{data.hf_name}/{data.hf_split}:{index}", text
 
 
-def read_documents(data: DataConfig) -> Iterator[tuple[str, str]]:
-    """(id, text) of each non-blank document of data.source, stopping after data.max_chars characters (0 = all)."""
+def read_documents(data: DataConfig, skipped: SkippedFiles | None = None) -> Iterator[tuple[str, str]]:
+    """(id, text) of each non-blank document of data.source, stopping after data.max_chars characters (0 = all);
+    binary and non-UTF-8 files are left out and counted in `skipped`."""
+    skipped = skipped if skipped is not None else SkippedFiles()
     if data.source == "stdlib":
-        documents = _stdlib_documents()
+        documents = _stdlib_documents(skipped)
     elif data.source == "text_files":
-        documents = _text_file_documents(data)
+        documents = _text_file_documents(data, skipped)
     else:
         documents = _hf_documents(data)
     remaining = data.max_chars or None
@@ -295,17 +320,17 @@ def document_order(count: int, data: DataConfig, split: str) -> np.ndarray:
     return np.random.default_rng([data.seed, SPLITS.index(split)]).permutation(count)
 
 
-def _spool(data: DataConfig, workdir: str) -> dict[str, _Spool]:
+def _spool(data: DataConfig, workdir: str, skipped: SkippedFiles) -> dict[str, _Spool]:
     spools = {split: _Spool(os.path.join(workdir, f"{split}.jsonl")) for split in SPLITS}
     with open(spools["train"].path, "wb") as train, open(spools["val"].path, "wb") as val:
-        for doc_id, text in read_documents(data):
+        for doc_id, text in read_documents(data, skipped):
             held_out = is_validation(doc_id, data.val_fraction, data.seed)
             spools["val" if held_out else "train"].add(val if held_out else train, doc_id, text)
     total = sum(spool.documents for spool in spools.values())
     if total == 0:
-        raise ConfigError(
-            f"data.source={data.source}: the corpus is empty: no non-blank text in {describe_source(data)}"
-        )
+        binary = f"; {skipped.count} binary or non-UTF-8 file(s) skipped, e.g. {skipped.first}" if skipped.count else ""
+        raise ConfigError(f"data.source={data.source}: the corpus is empty: no non-blank text in "
+                          f"{describe_source(data)}{binary}")
     for split, spool in spools.items():
         if spool.documents == 0:
             smaller = ", a smaller data.doc_chars" if data.source == "text_files" else ""
@@ -370,14 +395,90 @@ def data_path(data_dir: str, *names: str) -> str:
 
 
 def _storage(data_dir: str) -> fsspec.AbstractFileSystem:
-    return fsspec.core.url_to_fs(data_dir)[0]
+    """The filesystem of data.dir (local, or an object store through its fsspec backend); for s3:// URLs,
+    litdata's own client is first made to accept a plain-http endpoint (see _allow_http_s3_endpoint)."""
+    scheme = data_dir.split("://", 1)[0] if "://" in data_dir else "file"
+    endpoint = _allow_http_s3_endpoint() if scheme == "s3" else None
+    try:
+        fs = fsspec.core.url_to_fs(data_dir)[0]
+    except ImportError as err:
+        extra = " (pip install -e '.[s3]')" if scheme == "s3" else ""
+        raise ConfigError(f"data.dir={data_dir}: no fsspec backend for {scheme}:// ({err}){extra}") from None
+    if scheme != "file":  # fail here, naming the store, rather than in litdata's workers
+        bucket = data_dir.split("://", 1)[1].split("/", 1)[0]
+        try:
+            found = fs.exists(f"{scheme}://{bucket}")
+        except Exception as err:  # noqa: BLE001 - endpoint, network and credential errors of any backend
+            raise ConfigError(
+                f"data.dir={data_dir}: cannot reach the object store ({type(err).__name__}: {err}); check the "
+                "endpoint and credentials (for S3: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE)"
+            ) from None
+        if not found:
+            at = f" at {endpoint}" if endpoint else ""
+            raise ConfigError(f"data.dir={data_dir}: bucket {bucket!r} cannot be found{at}: it does not exist, the "
+                              "endpoint is unreachable, or these credentials cannot see it; create it, or fix "
+                              "data.dir or the endpoint (AWS_ENDPOINT_URL)")
+    return fs
+
+
+def _allow_http_s3_endpoint() -> str | None:
+    """litdata (0.2.7x) moves S3 chunks through obstore, whose client it builds with fixed options that refuse
+    plain http, so an http endpoint (MinIO or another S3-compatible server on a private network) fails with
+    "HTTP error: builder error" while boto3 works. When the endpoint boto3 resolves (AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL or the AWS config file) is http://, those options get obstore's `allow_http`; https
+    endpoints and AWS itself are left exactly as litdata sets them. Returns that endpoint (None: AWS's own)."""
+    import boto3
+    import litdata.streaming.downloader as downloader
+
+    endpoint = boto3.session.Session().client("s3").meta.endpoint_url or ""
+    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if endpoint.startswith("http://") and isinstance(options, dict):
+        options["allow_http"] = "true"
+    return endpoint or None
 
 
 def _tokens_per_chunk(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[int]:
     index = data_path(data_dir, split, "index.json")
     if not fs.exists(index):
         raise ConfigError(f"{data_dir}/{split} has no shards: {REBUILD}")
-    return [chunk["dim"] for chunk in json.loads(fs.cat_file(index))["chunks"]]
+    return [chunk["dim"] for chunk in _chunks(fs, data_dir, split)]
+
+
+def _chunks(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[dict]:
+    return json.loads(fs.cat_file(data_path(data_dir, split, "index.json")))["chunks"]
+
+
+def _file_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _chunk_digests(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> dict[str, str]:
+    """sha256 of each chunk file of a split, by file name."""
+    return {chunk["filename"]: _file_sha256(fs, data_path(data_dir, split, chunk["filename"]))
+            for chunk in _chunks(fs, data_dir, split)}
+
+
+def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict) -> None:
+    """Every chunk the indexes list is there at its full size; local chunks also match the manifest's sha256
+    (data.verify_checksums; hashing ran at 0.18 GB/s on the loaded 2-core dev machine). A shard truncated or
+    damaged after the build is refused here, at start-up, not when litdata's reader reaches it mid-run."""
+    checksums = manifest.get("chunk_sha256") if data.verify_checksums and "://" not in data.dir else None
+    for split in SPLITS:
+        for chunk in _chunks(fs, data.dir, split):
+            path = data_path(data.dir, split, chunk["filename"])
+            size = fs.size(path) if fs.exists(path) else None
+            if size != chunk["chunk_bytes"]:
+                found = "missing" if size is None else f"{size:,} of its {chunk['chunk_bytes']:,} bytes"
+                raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is truncated or missing ({found}): "
+                                  f"{REBUILD}")
+            if checksums and _file_sha256(fs, path) != checksums.get(split, {}).get(chunk["filename"]):
+                raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is corrupt (its sha256 is not the one in "
+                                  f"{MANIFEST}): {REBUILD}")
 
 
 def _require_sequences(fs: fsspec.AbstractFileSystem, data_dir: str, seq_len: int) -> None:
@@ -416,27 +517,32 @@ class _SpanEncoder:
 
 
 @contextlib.contextmanager
-def _worker_environment() -> Iterator[None]:
+def _worker_environment(workdir: str) -> Iterator[None]:
     # Workers are forked where the platform allows it: spawn re-imports torch in each one (10-20 s on a busy
     # 2-core box). Forked workers cannot use the tokenizers thread pool the BPE training started (tokenizers
     # would say so and fall back), so they encode single-threaded: the workers are the parallelism.
+    # optimize() stages chunks bound for an object store in $TMPDIR/chunks, one folder for every process on the
+    # machine (two builds delete each other's chunks): each build gets its own under workdir.
     # optimize() sets the start method process-wide; it is put back for DataLoaders started later.
     previous_method = multiprocessing.get_start_method(allow_none=True)
-    previous_parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    settings = {"TOKENIZERS_PARALLELISM": "false", "DATA_OPTIMIZER_CACHE_FOLDER": os.path.join(workdir, "chunks"),
+                "DATA_OPTIMIZER_DATA_CACHE_FOLDER": os.path.join(workdir, "inputs")}
+    previous = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
         multiprocessing.set_start_method(previous_method, force=True)
-        if previous_parallelism is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous_parallelism
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
-def _write_shards(data: DataConfig, spool: _Spool, split: str, encoder: _SpanEncoder) -> None:
+def _write_shards(data: DataConfig, spool: _Spool, split: str, encoder: _SpanEncoder, workdir: str) -> None:
     spans = [(spool.path, documents) for documents in spool.spans(document_order(spool.documents, data, split))]
-    with _worker_environment():
+    with _worker_environment(os.path.join(workdir, split)):
         optimize(
             fn=encoder,
             inputs=spans,
@@ -495,8 +601,12 @@ def prepare(cfg: Config, force: bool = False) -> dict:
     timings = {}
     with tempfile.TemporaryDirectory(prefix="keel-data-") as workdir:
         print(f"keel data: reading {describe_source(data)}")
-        spools = _spool(data, workdir)
+        skipped = SkippedFiles()
+        spools = _spool(data, workdir, skipped)
         timings["read_s"] = time.perf_counter() - start
+        if skipped.count:
+            print(f"keel data: skipped {skipped.count} binary or non-UTF-8 file(s) (a NUL byte, or more than "
+                  f"{MAX_UNDECODABLE:.0%} undecodable bytes), the first: {skipped.first}")
 
         mark = time.perf_counter()
         if given is None:
@@ -514,7 +624,7 @@ def prepare(cfg: Config, force: bool = False) -> dict:
         encoder = _SpanEncoder(tokenizer, eos_id, dtype)
         for split in SPLITS:
             mark = time.perf_counter()
-            _write_shards(data, spools[split], split, encoder)
+            _write_shards(data, spools[split], split, encoder, workdir)
             timings[f"{split}_shards_s"] = time.perf_counter() - mark
         fs.put_file(spools["val"].path, data_path(data.dir, VAL_DOCS))
 
@@ -526,6 +636,8 @@ def prepare(cfg: Config, force: bool = False) -> dict:
         "documents": {split: spools[split].documents for split in SPLITS},
         "chars": {split: spools[split].chars for split in SPLITS},
         "tokens": {split: sum(_tokens_per_chunk(fs, data.dir, split)) for split in SPLITS},
+        "skipped_files": {"binary_or_not_utf8": skipped.count, "first": skipped.first},
+        "chunk_sha256": {split: _chunk_digests(fs, data.dir, split) for split in SPLITS},
         "vocab_size": vocab_size,
         "eos_id": eos_id,
         "eos_token": tokenizer.id_to_token(eos_id),
@@ -593,6 +705,7 @@ def open_dataset(cfg: Config) -> DatasetInfo:
         )
     for split in SPLITS:
         _tokens_per_chunk(fs, data.dir, split)  # raises when the split's index is missing
+    verify_shards(fs, data, manifest)
 
     built_with = manifest["settings"].get("tokenizer")
     if data.tokenizer is not None:
@@ -655,6 +768,7 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         # Explicit: litdata's default (None) reads LITDATA_ITEM_SHUFFLE_WINDOW or else 256, which makes ~32 steps
         # of micro-batch 8 in a row come from one stretch of a chunk.
         item_shuffle_window=cfg.data.shuffle_window,
+        cache_dir=cfg.data.cache_dir,  # where chunks of an object-store data.dir are downloaded to
     )
     loader = _ResumableLoader(
         dataset, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long

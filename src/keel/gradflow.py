@@ -12,7 +12,7 @@ per scheme; forward hooks record, for every sublayer l with input stream x_l (no
     output_rms     rms of the sublayer's output
 
 `--detach-branches` feeds every branch a detached input, so only the skip path carries gradient to x_l.
-Summary ratios compare *blocks* (norm-schemes.md, "Expected gradient flow"): a block's activation gradient
+Summary ratios compare *blocks* (docs/schemes.md, "Gradient flow at initialization"): a block's activation gradient
 is that of its input stream (its attention sublayer's x_l), its weight gradient the norm over both branches.
 bottom = the first measured block (block 1 for Keel, whose alpha = 1 block 0 is excluded; block 0 otherwise),
 middle = block depth // 2, top = the last block.
@@ -26,7 +26,6 @@ import math
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 
 from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm
 
@@ -71,8 +70,7 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
         if detach_branches:  # the branch sees a constant: only the skip path carries gradient to x_l
             handles.append(sub.branch.register_forward_pre_hook(lambda m, args: tuple(a.detach() for a in args)))
     try:
-        logits = model(idx)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = model(idx, targets=targets)
         params = [p for p in model.parameters() if p.requires_grad]
         grads = torch.autograd.grad(loss, params, allow_unused=True)
     finally:

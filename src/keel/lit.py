@@ -10,12 +10,14 @@ import math
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from torchmetrics.text import Perplexity
+from torchmetrics import SumMetric
 
 from keel.config import Config, OptimConfig, from_dict, to_dict
 from keel.model import ConfigError, KeelLM
 from keel.parallel import parallelize
+
+# model.* keys a resumed run may change: they set how the loss is computed, not what the model is
+FREE_ON_RESUME = ("loss_chunk",)
 
 
 def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
@@ -29,10 +31,9 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; batch: (B, T + 1) token ids."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-    logits = model(inputs)  # (B, T, V)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; batch: (B, T + 1) token ids. Computed by
+    the model's loss head (model.loss_chunk): by default without the full (B, T, vocab) logits."""
+    return model(batch[:, :-1], targets=batch[:, 1:])
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
@@ -52,7 +53,9 @@ class KeelLitModule(L.LightningModule):
         self.cfg = cfg
         self.tokenizer_json = tokenizer_json  # stored in every checkpoint: evaluation needs nothing else
         self.model = KeelLM(cfg.model)
-        self.val_perplexity = Perplexity()
+        # validation loss summed over tokens, and the tokens, over batches and processes; a NaN loss stays NaN
+        # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
+        self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
 
     def configure_model(self) -> None:
         parallelize(self.model, self.cfg.trainer, getattr(self, "device_mesh", None))
@@ -71,14 +74,16 @@ class KeelLitModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        self.val_perplexity.update(self.model(inputs).float(), targets)
+        tokens = batch[:, 1:].numel()
+        self.val_loss_sum.update(next_token_loss(self.model, batch) * tokens)
+        self.val_tokens.update(tokens)
 
     def on_validation_epoch_end(self) -> None:
-        perplexity = self.val_perplexity.compute()
-        self.val_perplexity.reset()
-        self.log("val/loss", perplexity.log(), prog_bar=True, sync_dist=False)
-        self.log("val/ppl", perplexity, sync_dist=False)
+        loss = self.val_loss_sum.compute() / self.val_tokens.compute()
+        self.val_loss_sum.reset()
+        self.val_tokens.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", loss.exp(), sync_dist=False)
 
     def configure_optimizers(self):
         optim = self.cfg.optim
@@ -103,7 +108,7 @@ def check_same_model(cfg: Config, checkpoint: dict, key: str = "resume") -> None
     diffs = [
         f"model.{key}: checkpoint {getattr(saved, key)!r} != config {getattr(cfg.model, key)!r}"
         for key in vars(cfg.model)
-        if getattr(saved, key) != getattr(cfg.model, key)
+        if key not in FREE_ON_RESUME and getattr(saved, key) != getattr(cfg.model, key)
     ]
     if diffs:
         raise ConfigError(f"{key}: the checkpoint holds a different model; " + "; ".join(diffs))

@@ -1,5 +1,5 @@
 """The Keel language model and its five baselines: a plain decoder-only transformer whose
-normalization / residual scheme is one config value (definitions: shared/docs/norm-schemes.md).
+normalization / residual scheme is one config value (definitions: docs/schemes.md).
 
 Every sublayer (attention or FFN) computes
 
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
 
 SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "hybridnorm_star", "mixln")
 FFN_KINDS = ("gelu", "swiglu")
@@ -69,6 +71,9 @@ class ModelConfig:
     deepnorm_beta: float | None = None  # None = (8N)^(-1/4)
     mixln_post_fraction: float = 0.25
     postln_final_norm: bool = False
+    # tokens per chunk of the loss head (LM head + cross-entropy fused, keel.ops.chunked_ce): 0 = plain head over
+    # full logits; null = the device's default. How the loss is computed, not what: checkpoints resume across it
+    loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.scheme in SCHEMES, "model.scheme", f"unknown scheme {self.scheme!r}; allowed: {', '.join(SCHEMES)}")
@@ -96,6 +101,11 @@ class ModelConfig:
         _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
         _require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
+        _require(
+            self.loss_chunk is None or self.loss_chunk >= 0,
+            "model.loss_chunk",
+            f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}",
+        )
         _require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
@@ -130,7 +140,7 @@ class SublayerSpec:
 
 
 def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
-    """(attention, FFN) spec for every block, per norm-schemes.md."""
+    """(attention, FFN) spec for every block, per docs/schemes.md."""
     n = cfg.depth
     pre = SublayerSpec(norm_in=True, norm_out=False)
     post = SublayerSpec(norm_in=False, norm_out=True)
@@ -366,8 +376,12 @@ class KeelLM(nn.Module):
                 for linear in (attn.out, block.ffn.branch.up, block.ffn.branch.down):
                     linear.weight.mul_(beta)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, vocab), fp32 stream throughout."""
+    def forward(
+        self, idx: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab), fp32 stream throughout. With targets (B, T): the mean
+        cross-entropy of the logits against them instead (fp32 scalar), from the loss head (model.loss_chunk),
+        which by default never materializes the full logits; the head module itself is then not called."""
         start = 0 if cache is None else cache.length
         if start + idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {start + idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}")
@@ -377,7 +391,10 @@ class KeelLM(nn.Module):
             x = block(x, rope, cache, start)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.head(x.to(self.head.weight.dtype))
+        if targets is None:
+            return self.head(x.to(self.head.weight.dtype))
+        chunk = default_chunk(x.device) if self.cfg.loss_chunk is None else self.cfg.loss_chunk
+        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
         """idx (B, T) extended by up to max_new_tokens, decoded by `stream` (same options)."""

@@ -74,3 +74,34 @@ def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
     ]
     assert data_main(overrides) == 0
     return overrides
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_data, tmp_path_factory) -> Path:
+    """A run dir whose checkpoints/last.ckpt holds a tiny model trained for 30 steps."""
+    from keel.config import load_config
+    from keel.pretrain import train
+
+    run = tmp_path_factory.mktemp("trained") / "run"
+    overrides = [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false", "trainer.max_steps=30",
+                 "trainer.val_every_n_steps=30", "trainer.val_batches=1", "optim.warmup_steps=5", f"run.dir={run}"]
+    train(load_config(overrides=overrides))
+    return run
+
+
+def write_sharded(checkpoint_file: Path, out: Path) -> Path:
+    """checkpoint_file's weights and metadata laid out as the FSDP strategy writes them (a directory of
+    torch.distributed.checkpoint shards plus meta.pt), by one process standing in for the ranks."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint import save
+
+    from keel.checkpoint import SHARDED_META
+
+    checkpoint = torch.load(checkpoint_file, weights_only=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=out, no_dist=True)
+    torch.save(checkpoint, out / SHARDED_META)
+    return out

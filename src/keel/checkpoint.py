@@ -250,14 +250,18 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
     return checkpoint
 
 
+def model_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
+    """The KeelLM state_dict inside a checkpoint read by read_checkpoint (the LightningModule's `model.` entries)."""
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[KeelLM, Config, str | None]:
     """A trained KeelLM in eval mode, its Config and its tokenizer.json text, from a checkpoint file or directory."""
     checkpoint = read_checkpoint(path)
     cfg = from_dict(checkpoint["keel"]["config"])
     model = KeelLM(cfg.model)
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(model_state_dict(checkpoint), strict=False)
     if missing or unexpected:
         raise ConfigError(f"checkpoint: {path} does not match its own config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.to(device).eval(), cfg, checkpoint["keel"]["tokenizer_json"]

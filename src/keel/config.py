@@ -28,6 +28,7 @@ ACCELERATORS = ("auto", "cpu", "gpu")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 DATA_SOURCES = ("stdlib", "text_files", "hf")
 ON_NONFINITE = ("skip", "stop")
+LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
 
 
 @dataclass
@@ -48,7 +49,8 @@ class TrainerConfig:
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False  # recompute each block in backward
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
-    progress_bar: bool = True
+    progress_bar: bool = True  # counts optimizer steps (its ETA holds with grad_accum > 1)
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, wandb, mlflow
 
     def __post_init__(self) -> None:
         _require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
@@ -61,6 +63,10 @@ class TrainerConfig:
             _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
         _require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        _require(not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}")
+        _require(bool(self.loggers) and len(set(self.loggers)) == len(self.loggers), "trainer.loggers",
+                 f"name each logger once, at least one of {', '.join(LOGGERS)}; got {self.loggers}")
 
 
 @dataclass
@@ -234,6 +240,7 @@ class Config:
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resume: str | None = None  # null = fresh run; auto = the run dir's last checkpoint if any; or a path
+    init_from: str | None = None  # a checkpoint whose model weights start a fresh run (continued pretraining)
 
 
 def conf_dir() -> Path:

@@ -61,19 +61,25 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
     """Shards + tokenizer built by `keel data`; returns the data.* overrides that select them."""
+    data_dir = tmp_path_factory.mktemp("shards") / "tiny"
+    return build_shards(corpus_dir, data_dir, "data.vocab_size=512", "data.val_fraction=0.1")
+
+
+def build_shards(corpus_dir: Path, data_dir: Path, *overrides: str) -> list[str]:
+    """`keel data` over corpus_dir's .py files, read from inside it: the document ids (so the split, held out by
+    their hash) are the bare file names, the same on every run, not the per-run temporary path. Returns the data.*
+    overrides that select the shards (data.paths is then relative to corpus_dir)."""
     from keel.data import main as data_main
 
-    data_dir = tmp_path_factory.mktemp("shards") / "tiny"
-    overrides = [
-        "data.source=text_files",
-        f"data.paths=[{corpus_dir}/*.py]",
-        f"data.dir={data_dir}",
-        "data.vocab_size=512",
-        "data.prepare_workers=1",
-        "data.val_fraction=0.1",
-    ]
-    assert data_main(overrides) == 0
-    return overrides
+    built = ["data.source=text_files", "data.paths=['*.py']", f"data.dir={data_dir}", "data.prepare_workers=1",
+             *overrides]
+    cwd = os.getcwd()
+    os.chdir(corpus_dir)
+    try:
+        assert data_main(built) == 0
+    finally:
+        os.chdir(cwd)
+    return built
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,13 @@ class RunCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._start_step = trainer.global_step
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        # On restart Lightning adds one to the loggers' step counter, on the premise that the checkpoint was
+        # written inside a step; the final checkpoint is written after it, so a run extended from it (a larger
+        # max_steps) logged every step one too late. With one optimizer the counter is the global step.
+        if trainer.global_step == self._start_step:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         saved = self._last_global_step_saved
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

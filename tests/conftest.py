@@ -68,18 +68,17 @@ def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
 def build_shards(corpus_dir: Path, data_dir: Path, *overrides: str) -> list[str]:
     """`keel data` over corpus_dir's .py files, read from inside it: the document ids (so the split, held out by
     their hash) are the bare file names, the same on every run, not the per-run temporary path. Returns the data.*
-    overrides that select the shards (data.paths is then relative to corpus_dir)."""
+    overrides that select the shards, with corpus_dir's absolute glob (for tests that build other shards from it)."""
     from keel.data import main as data_main
 
-    built = ["data.source=text_files", "data.paths=['*.py']", f"data.dir={data_dir}", "data.prepare_workers=1",
-             *overrides]
+    common = ["data.source=text_files", f"data.dir={data_dir}", "data.prepare_workers=1", *overrides]
     cwd = os.getcwd()
     os.chdir(corpus_dir)
     try:
-        assert data_main(built) == 0
+        assert data_main([*common, "data.paths=['*.py']"]) == 0
     finally:
         os.chdir(cwd)
-    return built
+    return [*common, f"data.paths=[{corpus_dir}/*.py]"]
 
 
 @pytest.fixture(scope="session")

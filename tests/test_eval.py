@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from keel.checkpoint import LAST, load_model
 from keel.cli import main as cli_main
 from keel.config import load_config
+from keel.data import main as data_main
 from keel.evaluation import KeelEvalLM, generate_tasks, load_tasks, run_tasks, task_manager
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD
 from keel.evaluation.offline import lm_eval_configs, write_local_task
@@ -26,7 +27,7 @@ from keel.evaluation.suite import primary_metric
 from keel.model import ConfigError
 from keel.pretrain import train
 
-from conftest import QUIET_TRAINER, SHARED_DATA, build_shards, shared_data
+from conftest import QUIET_TRAINER, SHARED_DATA, shared_data
 
 EVAL_MODEL = ["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=64", "model.vocab_size=512"]
 STANDARD_TASKS = ["keel_arc_easy", "keel_arc_challenge", "keel_boolq", "keel_gsm8k", "keel_hellaswag",
@@ -38,7 +39,9 @@ def eval_data(corpus_dir, tmp_path_factory) -> str:
     """`keel data` over conftest's 40 standard-library files with a quarter held out: ~12 files, ~8k lines in
     val_docs.jsonl for the generated tasks."""
     data_dir = tmp_path_factory.mktemp("eval_shards") / "data"
-    build_shards(corpus_dir, data_dir, "data.vocab_size=512", "data.val_fraction=0.25")
+    overrides = ["data.source=text_files", f"data.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}",
+                 "data.vocab_size=512", "data.prepare_workers=1", "data.val_fraction=0.25"]
+    assert data_main(overrides) == 0
     return str(data_dir)
 
 

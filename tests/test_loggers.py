@@ -49,11 +49,12 @@ def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_pa
     # the grad-norm heatmap is drawn at steps 1 and 3: for W&B and MLflow, not CSV
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(cfg, extra_callbacks=[CrashAtStep(3)])
-    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[wandb,mlflow,csv]", "resume=auto"))  # from step 2
+    # from step 3: the crash saved the last completed step
+    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[wandb,mlflow,csv]", "resume=auto"))
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
     (mlflow_run,) = client.search_runs([client.get_experiment_by_name("keel").experiment_id])  # continued, not a new one
-    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [0, 1, 2, 2, 3]
+    assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [0, 1, 2, 3]
     assert mlflow_run.data.params["trainer/micro_batch_size"] == "4"
     heatmaps = [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "grad/heatmap/branch_weights")]
     assert [Path(p).name for p in heatmaps] == ["step_000001.png", "step_000003.png"]

@@ -155,11 +155,11 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
 # ------------------------------------------------------------------------------ sharded checkpoint files
 
 
-def _sharded_checkpoint(path: Path):
+def _sharded_checkpoint(path: Path, *overrides: str):
     """A sharded checkpoint laid out as the FSDP strategy writes it (one process standing in for the ranks)."""
     from torch.distributed.checkpoint import save
 
-    cfg = _tiny_cfg()
+    cfg = _tiny_cfg(*overrides)
     model = KeelLM(cfg.model)
     save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, checkpoint_id=path, no_dist=True)
     torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": None}, "global_step": 3}, path / SHARDED_META)
@@ -419,3 +419,58 @@ def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_runs, tm
     assert [resumed[s] for s in range(4, 8)] == pytest.approx([uninterrupted[s] for s in range(4, 8)], rel=1e-5)
     # validation at the configured steps, though a step is now another number of Lightning batches
     assert scalars(run, "val/loss").keys() == scalars(straight_runs[strategy], "val/loss").keys() == {3, 7}
+
+
+# ------------------------------------------------------------------------------------------------------ SLURM
+
+
+def _sbatch_example() -> tuple[dict[str, str], list[str]]:
+    """docs/distributed.md's sbatch script: its #SBATCH options and the overrides of its srun line."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    script = doc[doc.index("    #!/bin/bash"):].split("\n\n")[0]
+    options = dict(line.split()[1].lstrip("-").partition("=")[::2] for line in script.splitlines() if "#SBATCH" in line)
+    srun = next(line.split() for line in script.splitlines() if line.strip().startswith("srun"))
+    return options, srun[srun.index("pretrain") + 1 :]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_slurm_example_task_finds_its_place(monkeypatch, tmp_path, strategy):
+    from keel.pretrain import build_trainer
+
+    options, overrides = _sbatch_example()
+    nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    node, local = nodes - 1, 3  # the 4th task on the last node, as srun starts it
+    for variable in ("TORCHELASTIC_RUN_ID", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("SLURM_JOB_NAME", options["job-name"])  # not "bash": a batch job, not an interactive shell
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_NTASKS", str(nodes * per_node))
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(per_node))
+    monkeypatch.setenv("SLURM_NODEID", str(node))
+    monkeypatch.setenv("SLURM_LOCALID", str(local))
+    monkeypatch.setenv("SLURM_PROCID", str(node * per_node + local))
+    # the example's trainer on CPU (no GPUs here), same devices and nodes
+    overrides = [o.replace("trainer=fsdp", f"trainer={strategy}") for o in overrides if not o.startswith("run.dir=")]
+    cfg = load_config(overrides=[*overrides, "trainer.accelerator=cpu", f"run.dir={tmp_path}"])
+    assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (per_node, nodes)
+    trainer = build_trainer(cfg, callbacks=[])
+    environment = trainer.strategy.cluster_environment
+    assert type(environment).__name__ == "SLURMEnvironment"
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank) == (node * per_node + local, local, node)
+    assert trainer.world_size == nodes * per_node
+    assert environment.main_address == "gpu07"  # the first host of the allocation, for every task
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # _sharded_checkpoint saves in one process
+def test_resume_allows_another_split_of_the_global_batch_only(tmp_path):
+    sharded = tmp_path / "last.ckpt"
+    _sharded_checkpoint(sharded, "trainer=fsdp", "trainer.devices=2", "trainer.micro_batch_size=4")
+    meta = read_checkpoint(sharded, weights=False)
+    for split in (["trainer.devices=4", "trainer.micro_batch_size=2"],
+                  ["trainer.devices=1", "trainer.micro_batch_size=4", "trainer.grad_accum=2"],
+                  ["trainer.devices=2", "trainer.num_nodes=2", "trainer.micro_batch_size=2"]):
+        check_resumable(_tiny_cfg("trainer=fsdp", *split).trainer, sharded, meta)  # 8 sequences per step
+    with pytest.raises(ConfigError, match=r"trained with 2 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 8 "
+                       r"sequences per step; this config has 4 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 16"):
+        check_resumable(_tiny_cfg("trainer=fsdp", "trainer.devices=4", "trainer.micro_batch_size=4").trainer, sharded, meta)

@@ -29,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,9 @@ SIZES = {
         depth_start=2,
         depth_max=8,  # no out-of-memory to find on a CPU: the doubling stops here
         head=(256, 32, 512),
+        # 40-odd standard-library files, as tests/conftest.py's corpus: seconds to tokenize
+        data=["data=text_files", "data.paths=[" + ",".join(f"{sysconfig.get_paths()['stdlib']}/{c}*.py" for c in "abc") + "]", "data.vocab_size=512",
+              "data.val_fraction=0.1", "data.prepare_workers=1"],
     ),
 }
 PRETRAIN_STEPS, RESUME_STEPS = 50, 5
@@ -403,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="out/gpu-check", help="where gpu_check.json and the runs go")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("data", nargs="*", help="data.* overrides for the pretrain runs (default: data=stdlib on "
-                        "cuda, built under --out)")
+                        "cuda, a few standard-library files on cpu; built under --out)")
     args = parser.parse_args(argv)
     from keel.model import ConfigError
 

@@ -454,6 +454,12 @@ def test_slurm_example_task_finds_its_place(monkeypatch, tmp_path, strategy):
     overrides = [o.replace("trainer=fsdp", f"trainer={strategy}") for o in overrides if not o.startswith("run.dir=")]
     cfg = load_config(overrides=[*overrides, "trainer.accelerator=cpu", f"run.dir={tmp_path}"])
     assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (per_node, nodes)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as pytorch_rank_zero
+    from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero
+
+    for rank_zero in (fabric_rank_zero, pytorch_rank_zero, utilities_rank_zero):  # the strategy sets them to rank 11
+        monkeypatch.setattr(rank_zero, "rank", rank_zero.rank)
     trainer = build_trainer(cfg, callbacks=[])
     environment = trainer.strategy.cluster_environment
     assert type(environment).__name__ == "SLURMEnvironment"

@@ -5,7 +5,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data pretrain test test-fast tensorboard eval bench gpu-check maxlr sweep redundancy clean
+.PHONY: install data pretrain test test-fast tensorboard eval generate bench gpu-check maxlr sweep redundancy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ CKPT ?= runs/default/checkpoints/last.ckpt
 TASKS ?= keel_generated
 eval: install
 	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval $(ARGS)
+
+# Sample from a checkpoint: make generate PROMPT="def main(" ARGS="--temperature 0"
+PROMPT ?= def
+generate: install
+	$(KEEL) generate checkpoint=$(CKPT) --prompt "$(PROMPT)" $(ARGS)
 
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir runs

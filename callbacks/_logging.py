@@ -1,5 +1,6 @@
 """What the callbacks share: when to act, which blocks get their own tags, and writing scalars, text and
-heatmaps to TensorBoard from rank 0.
+heatmaps from rank 0 to every logger of the run. Scalars go to all of them; text and figures to those that can
+show them (TensorBoard, W&B, MLflow), and are skipped on the others (CSV).
 
 Steps are 0-based optimizer-step indices, the x-axis Lightning uses for `train/loss`; an action "every n
 steps" runs at steps n-1, 2n-1, ... so that it lands on the same steps as Lightning's own logging.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 
 def due(step: int, every: int) -> bool:
@@ -40,20 +41,40 @@ def log_scalars(trainer: L.Trainer, metrics: dict[str, float], step: int) -> Non
             logger.log_metrics(metrics, step=step)
 
 
-def tensorboard(trainer: L.Trainer):
-    """Rank 0's TensorBoard SummaryWriter, or None (other ranks, or no TensorBoard logger)."""
+def rich_loggers(trainer: L.Trainer) -> list[Logger]:
+    """Rank 0's loggers that show text and figures (none on other ranks)."""
     if not trainer.is_global_zero:
-        return None
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            return logger.experiment
-    return None
+        return []
+    return [logger for logger in trainer.loggers if isinstance(logger, (TensorBoardLogger, WandbLogger, MLFlowLogger))]
+
+
+def artifact_name(tag: str, step: int, suffix: str) -> str:
+    """MLflow keeps text and figures as files: one per tag and step."""
+    return f"{tag}/step_{step:06d}{suffix}"
 
 
 def log_text(trainer: L.Trainer, tag: str, text: str, step: int) -> None:
-    writer = tensorboard(trainer)
-    if writer is not None:
-        writer.add_text(tag, text, global_step=step)
+    for logger in rich_loggers(trainer):
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_text(tag, text, global_step=step)
+        elif isinstance(logger, WandbLogger):
+            logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)
+        else:
+            logger.experiment.log_text(logger.run_id, text, artifact_name(tag, step, ".txt"))
+
+
+def log_figure(loggers: list[Logger], tag: str, fig, step: int) -> None:
+    """A matplotlib figure to each of `loggers` (from rich_loggers), then closed."""
+    import matplotlib.pyplot as plt
+
+    for logger in loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_figure(tag, fig, global_step=step, close=False)
+        elif isinstance(logger, WandbLogger):
+            logger.log_image(key=tag, images=[fig], step=step)
+        else:
+            logger.experiment.log_figure(logger.run_id, fig, artifact_name(tag, step, ".png"))
+    plt.close(fig)
 
 
 class Heatmap:
@@ -74,8 +95,8 @@ class Heatmap:
             self.steps, self.columns = self.steps[::2], self.columns[::2]
 
     def log(self, trainer: L.Trainer, step: int) -> None:
-        writer = tensorboard(trainer)
-        if writer is None or not self.steps:
+        loggers = rich_loggers(trainer)
+        if not loggers or not self.steps:
             return
         import matplotlib
 
@@ -96,4 +117,4 @@ class Heatmap:
         ax.set_xlabel("step")
         fig.colorbar(mesh, ax=ax, label=f"log10 {self.label}" if self.log10 else self.label)
         ax.set_title(self.tag, fontsize=9)
-        writer.add_figure(self.tag, fig, global_step=step, close=True)
+        log_figure(loggers, self.tag, fig, step)

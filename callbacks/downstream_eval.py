@@ -31,7 +31,7 @@ from scipy.stats import spearmanr
 from keel.callbacks._logging import log_scalars
 from keel.config import Config
 from keel.evaluation.lm import KeelEvalLM
-from keel.evaluation.suite import primary_metric, run_tasks, task_manager
+from keel.evaluation.suite import load_tasks, primary_metric, run_tasks
 from keel.model import ConfigError
 
 HISTORY = "eval_history.json"
@@ -83,8 +83,7 @@ class DownstreamEval(Callback):
             return
         ev = self.cfg.eval
         with preserved_rng():  # the generated tasks are written here on first use
-            manager = task_manager(ev.tasks, ev.include_path, ev.data_dir, self.cfg.data.dir)
-            self.tasks = manager.load(ev.tasks)["tasks"]
+            self.tasks = load_tasks(ev.tasks, ev.include_path, ev.data_dir, self.cfg.data.dir)
         self.primary = {name: primary_metric(task) for name, task in self.tasks.items()}
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

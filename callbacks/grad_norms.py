@@ -11,7 +11,7 @@ Every `every_n_steps`, in on_before_optimizer_step (after backward and AMP unsca
 
 Block ratios use a block's two branches together; bottom = block 1 for Keel, block 0 otherwise, middle =
 depth // 2, top = the last block (the definitions of keel.gradflow). Keel's block 0 (alpha = 1) gets ~L times
-the weight gradient of the others by design (norm-schemes.md, "Keel and gradient scale"): block0_top shows it.
+the weight gradient of the others by design (docs/schemes.md, "Gradient scale"): block0_top shows it.
 
 Optionally, every `activation_every_n_steps`, the activation-gradient profile ||dL/dx_l|| * rms(x_l) of the
 step's batch (grad/act/..., measured by keel.gradflow.measure_model: one extra forward and backward).

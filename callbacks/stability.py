@@ -10,8 +10,9 @@
 
 The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the step before the
 failure's onset, and written to <run.dir>/stability.json (rewritten at the end of training, failed or not).
-The run then ends cleanly (trainer.should_stop; pretrain.train writes the final checkpoint) if
-stop_on_failure, and always for a non-finite step under on_nonfinite=stop. Typical use (the max-LR experiment):
+The run then ends cleanly (trainer.should_stop; the final checkpoint is written and `keel pretrain` exits 1) if
+stop_on_failure (the default), and always for a non-finite step under on_nonfinite=stop; with
+stop_on_failure=false training goes on, which is said once. Typical use (the max-LR experiment):
 
     monitor = StabilityMonitor(run_dir, stop_on_failure=True, stagnation_window=100)
     trainer.fit(...)
@@ -54,6 +55,13 @@ class Failure:
     message: str
 
 
+def describe(failure: Failure) -> str:
+    """One line for the console: kind, onset step and the max tolerable LR."""
+    lr = "none (it failed from the first step)" if failure.max_tolerable_lr is None else f"{failure.max_tolerable_lr:.4g}"
+    return (f"the run failed at step {failure.step} ({failure.kind}: {failure.message}; detected at step "
+            f"{failure.detected_step}); max tolerable LR {lr}")
+
+
 class StabilityMonitor(Callback):
     def __init__(
         self,
@@ -64,7 +72,7 @@ class StabilityMonitor(Callback):
         spike_patience: int = 20,
         stagnation_window: int = 0,
         stagnation_min_delta: float = 0.01,
-        stop_on_failure: bool = False,
+        stop_on_failure: bool = True,
     ) -> None:
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
@@ -203,14 +211,17 @@ class StabilityMonitor(Callback):
 
     def _fail(self, trainer: L.Trainer, kind: str, onset: int, step: int, loss: float, message: str,
               stop: bool = False) -> None:
-        if self.failure is None:
+        first = self.failure is None
+        if first:
             self.failure = Failure(kind, onset, step, self._lr_at(onset), self._lr_at(onset - 1), loss, message)
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
         if stop or self.stop_on_failure:
             trainer.should_stop = True
-            rank_zero_warn(f"stability: stopping the run after step {step}: {kind}: {message}; "
-                           f"max tolerable LR {self.max_tolerable_lr}")
+            rank_zero_warn(f"stability: stopping the run after step {step}: {describe(self.failure)}")
+        elif first:  # the user asked to go on: say it once, not at every later failure
+            rank_zero_warn(f"stability: {describe(self.failure)}; training goes on (callbacks.stability."
+                           "stop_on_failure=false)")
 
     def _event(self, trainer: L.Trainer, step: int, text: str) -> None:
         log_text(trainer, "stability/events", f"step {step}: {text}", step)

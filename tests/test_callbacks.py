@@ -86,7 +86,7 @@ def test_grad_norms_match_manual_computation():
     # the norm clipping sees
     clipped_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     assert norms["grad/global"] == pytest.approx(clipped_norm.item(), rel=1e-5)
-    # Keel's alpha = 1 block 0 takes far larger weight gradients than the highway blocks (norm-schemes.md)
+    # Keel's alpha = 1 block 0 takes far larger weight gradients than the highway blocks (docs/schemes.md)
     assert norms["grad/attn/block_000"] > 5 * norms["grad/attn/block_002"]
 
 

@@ -256,7 +256,7 @@ def test_bad_combinations_say_what_to_do(tiny_data, tmp_path, monkeypatch, capsy
 # ---------------------------------------------------- `keel pretrain` with 2 processes: FSDP, DDP, resume
 
 LAUNCHER = '''
-import os, sys
+import os, signal, sys
 from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -276,9 +276,17 @@ class Crash(Callback):  # a killed run: every rank stops before the step given
         if trainer.global_step == int(os.environ["KEEL_TEST_CRASH_AT"]):
             raise RuntimeError("simulated crash")
 
-extra = [Record()] + ([Crash()] if "KEEL_TEST_CRASH_AT" in os.environ else [])
-configured = pretrain.build_callbacks
-pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
+class Interrupt(Callback):  # Ctrl-C reaching rank 0 alone: the others must stop after the same step
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == int(os.environ["KEEL_TEST_INTERRUPT_AT"]) and trainer.is_global_zero:
+            os.kill(os.getpid(), signal.SIGINT)
+
+extra = [Record()] if "KEEL_TEST_RECORD" in os.environ else []
+extra += [Crash()] if "KEEL_TEST_CRASH_AT" in os.environ else []
+extra += [Interrupt()] if "KEEL_TEST_INTERRUPT_AT" in os.environ else []
+if extra:
+    configured = pretrain.build_callbacks
+    pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
 sys.exit(cli.main(sys.argv[1:]))
 '''
 RUN = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "trainer.accelerator=cpu", "trainer.devices=2",
@@ -340,9 +348,11 @@ def test_fsdp_trains_like_ddp(straight_runs, tmp_path):
     assert len(list((fsdp / "tb").glob("events.*"))) == 1  # rank 0 alone logs
     assert (fsdp / "config.yaml").is_file()
     checkpoints = fsdp / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST]  # no staging or previous copy left
-    assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                      SHARDED_META]
+    # the step-numbered history (keep_last_k=2) beside last.ckpt; no staging or previous copy left
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000004.ckpt", "step000008.ckpt"]
+    for name in (LAST, "step000004.ckpt"):
+        assert sorted(p.name for p in (checkpoints / name).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                          SHARDED_META]
     out = tmp_path / "fsdp.ckpt"
     assert consolidate([str(checkpoints / LAST), str(out)]) == 0
     sharded_model, _, _ = load_model(out)
@@ -363,6 +373,21 @@ def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_runs, tmp_
     assert sorted(resumed) == list(range(8))
     assert resumed == straight  # bit for bit, every step
     assert scalars(run, "grad/global") == scalars(straight_runs[strategy], "grad/global")
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_exactly(tiny_data, straight_runs,
+                                                                                    tmp_path):
+    run = tmp_path / "run"
+    launcher = run.parent / "launch.py"
+    launcher.write_text(LAUNCHER)
+    cmd = [sys.executable, str(launcher), "pretrain", "trainer=ddp", *RUN, *tiny_data, f"run.dir={run}"]
+    done = subprocess.run(cmd, env={**os.environ, "KEEL_TEST_INTERRUPT_AT": "5"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 130 and "stopped after step 6 with a checkpoint" in done.stderr, done.stderr[-3000:]
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 6
+    pretrain(tiny_data, run, "ddp")  # resume=auto
+    assert scalars(run, "train/loss") == scalars(straight_runs["ddp"], "train/loss")
 
 
 # ------------------------------------------------------------- two nodes: two torchrun launchers on loopback

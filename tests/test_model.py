@@ -1,4 +1,4 @@
-"""The model against shared/docs/norm-schemes.md: gradient flow, forward invariants, structure, precision,
+"""The model against docs/schemes.md: gradient flow, forward invariants, structure, precision,
 extreme depth, incremental decoding and config errors. Small widths, CPU, one thread (2 shared cores)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_preln_skip_path_is_exactly_one(depth):
 
 def test_postln_skip_path_decays_exponentially_with_depth():
     shallow, deep = (flow("postln", depth, True)["rel_act_grad_bottom_top"] for depth in DEPTHS)
-    assert shallow < 1e-2  # ~1e-3 in norm-schemes.md
+    assert shallow < 1e-2  # ~1e-3 in docs/schemes.md
     assert deep < 1e-10  # ~4e-14
     assert deep < shallow**3  # 4x the sublayers: the exponent grows ~4x
 

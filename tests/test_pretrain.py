@@ -92,6 +92,14 @@ def test_resume_after_crash_continues_exactly(tiny_data, tmp_path):
     assert scalars(crashed, "val/loss") == scalars(straight, "val/loss")
 
 
+def test_extending_a_finished_run_logs_the_steps_an_uninterrupted_one_does(tiny_data, tmp_path):
+    steps = ["trainer.val_every_n_steps=4", "trainer.val_batches=1", "trainer.checkpoint_every_n_steps=100"]
+    train(tiny_config(tiny_data, tmp_path / "straight", "trainer.max_steps=6", *steps))
+    train(tiny_config(tiny_data, tmp_path / "extended", "trainer.max_steps=4", *steps))  # ends in validation
+    train(tiny_config(tiny_data, tmp_path / "extended", "trainer.max_steps=6", *steps))
+    assert scalars(tmp_path / "extended", "train/loss") == scalars(tmp_path / "straight", "train/loss")
+
+
 def test_resume_refuses_other_model_batch_layout_and_corrupt_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_config(tiny_data, run, "trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.val_batches=1"))

@@ -11,7 +11,9 @@ optimizer state, `.metadata` (the global shapes and where each shard lies) and L
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from keel.config import Config, from_dict
 from keel.model import ConfigError, KeelLM
@@ -26,6 +30,59 @@ from keel.model import ConfigError, KeelLM
 LAST = "last.ckpt"
 SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written once all are
+
+
+# Everything a torch.distributed.checkpoint `.metadata` pickle refers to; anything else (os.system, builtins.eval,
+# ...) is how a hostile file runs code when unpickled, so it is refused before torch reads the file.
+DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata",
+                                              "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # and the dtypes, checked by type below
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in DCP_METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a checkpoint index never holds")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """A sharded checkpoint's `.metadata` (torch.distributed.checkpoint's Metadata), unpickled with only the
+    classes such a file holds: a payload (a pickle that calls anything else) is refused and never runs."""
+    file = Path(path) / DCP_METADATA
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+    except Exception as err:
+        raise ConfigError(f"checkpoint: {file} refused: {describe_error(err)}; it may have been made to run code "
+                          "when loaded: do not use this checkpoint (if it comes from a run you trust, made with "
+                          "another torch version, report the name above)") from None
+    if not isinstance(metadata, Metadata):
+        raise ConfigError(f"checkpoint: {file} refused: it holds a {type(metadata).__name__}, not a checkpoint index")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch.distributed.checkpoint's FileSystemReader, its `.metadata` read through read_dcp_metadata."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_dcp_metadata(self.path)
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        return metadata
+
+
+def describe_error(err: BaseException) -> str:
+    """An exception as a reason a user can read: some (EOFError of an empty file) have no message."""
+    return str(err) or type(err).__name__
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -64,7 +121,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
     else:
@@ -79,11 +136,11 @@ def commit_dir(staging: Path, path: Path) -> None:
         _fsync(written)
     previous = previous_path(path)
     if path.exists():
-        _remove(previous)  # stale: `path` is newer
+        remove_path(previous)  # stale: `path` is newer
         os.replace(path, previous)
     os.replace(staging, path)
     _fsync(path.parent)
-    _remove(previous)
+    remove_path(previous)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -158,14 +215,12 @@ def _sharded_weights(reader) -> dict[str, torch.Tensor]:
 
 
 def _read_sharded(path: Path, weights: bool) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
-
     missing = [name for name in (DCP_METADATA, SHARDED_META) if not (path / name).is_file()]
     if missing:
         raise ConfigError(f"checkpoint: {path} is an incomplete sharded checkpoint (no {', '.join(missing)}): "
                           "its save was interrupted; resume from another checkpoint")
     try:
-        reader = FileSystemReader(path)
+        reader = SafeFileSystemReader(path)
         for info in reader.read_metadata().storage_data.values():  # every shard file there, none truncated
             shard = path / info.relative_path
             if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
@@ -176,7 +231,7 @@ def _read_sharded(path: Path, weights: bool) -> dict:
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {err}") from None
+        raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {describe_error(err)}") from None
     return checkpoint
 
 
@@ -188,10 +243,13 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
     if path.is_dir():
         checkpoint = _read_sharded(path, weights)
     elif path.is_file():
+        if path.stat().st_size == 0:
+            raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); resume from "
+                              "another checkpoint (resume=PATH) or start afresh (resume=null)")
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:
-            raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {err}") from None
+            raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {describe_error(err)}") from None
     else:
         raise ConfigError(f"checkpoint: no file or directory at {path}")
     if not isinstance(checkpoint, dict) or "keel" not in checkpoint or (weights and "state_dict" not in checkpoint):
@@ -199,14 +257,18 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
     return checkpoint
 
 
+def model_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
+    """The KeelLM state_dict inside a checkpoint read by read_checkpoint (the LightningModule's `model.` entries)."""
+    prefix = "model."
+    return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[KeelLM, Config, str | None]:
     """A trained KeelLM in eval mode, its Config and its tokenizer.json text, from a checkpoint file or directory."""
     checkpoint = read_checkpoint(path)
     cfg = from_dict(checkpoint["keel"]["config"])
     model = KeelLM(cfg.model)
-    prefix = "model."
-    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(model_state_dict(checkpoint), strict=False)
     if missing or unexpected:
         raise ConfigError(f"checkpoint: {path} does not match its own config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.to(device).eval(), cfg, checkpoint["keel"]["tokenizer_json"]

@@ -11,7 +11,9 @@ COMMANDS = {
     "pretrain": ("keel.pretrain", "train a model from the composed config"),
     "data": ("keel.data", "build tokenized litdata shards (and a tokenizer) from a corpus"),
     "gradflow": ("keel.gradflow", "per-sublayer gradient flow at initialization, as JSON (and a plot)"),
+    "generate": ("keel.generate", "sample text from a checkpoint (KV cache, printed as it is decoded)"),
     "eval": ("keel.evaluation.cli", "lm-eval's command line with the `keel` model registered"),
+    "eval-data": ("keel.evaluation.offline", "local copies of lm-eval's task datasets: `keel eval-data fetch DIR`"),
     "compare": ("keel.evaluation.compare", "plot runs' loss and task curves side by side"),
     "maxlr": ("keel.experiments.maxlr", "max tolerable learning rate per scheme (paper Table 1)"),
     "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"keel {name}: config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first (keel.pretrain.Interrupted)
+        print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ ACCELERATORS = ("auto", "cpu", "gpu")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 DATA_SOURCES = ("stdlib", "text_files", "hf")
 ON_NONFINITE = ("skip", "stop")
+LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
 
 
 @dataclass
@@ -44,10 +45,12 @@ class TrainerConfig:
     val_batches: int = 16
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 100
+    keep_last_k: int = 2  # step-numbered checkpoints kept besides last.ckpt (the newest k); 0 = last.ckpt only
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False  # recompute each block in backward
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
-    progress_bar: bool = True
+    progress_bar: bool = True  # counts optimizer steps (its ETA holds with grad_accum > 1)
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, wandb, mlflow
 
     def __post_init__(self) -> None:
         _require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
@@ -59,6 +62,11 @@ class TrainerConfig:
                     "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):
             _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
         _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
+        _require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        _require(not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}")
+        _require(bool(self.loggers) and len(set(self.loggers)) == len(self.loggers), "trainer.loggers",
+                 f"name each logger once, at least one of {', '.join(LOGGERS)}; got {self.loggers}")
 
 
 @dataclass
@@ -156,7 +164,7 @@ class StabilityConfig:
     spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
-    stop_on_failure: bool = False  # end the run (with a final checkpoint) at the first failure
+    stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
 
     def __post_init__(self) -> None:
         _require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
@@ -211,7 +219,7 @@ class EvalConfig:
     limit: int | None = 100  # first documents of each task per evaluation; null = all
     num_fewshot: int | None = None  # null: each task's own default
     batch_size: int = 16  # sequences per forward pass
-    data_dir: str = "../shared/data"  # the standard-suite files (shared/data/MANIFEST.md layout)
+    data_dir: str | None = None  # local standard-suite files (`keel eval-data fetch DIR`); null: the HF hub/cache
     include_path: str | None = None  # a directory of extra lm-eval task YAMLs
 
     def __post_init__(self) -> None:
@@ -232,6 +240,7 @@ class Config:
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     resume: str | None = None  # null = fresh run; auto = the run dir's last checkpoint if any; or a path
+    init_from: str | None = None  # a checkpoint whose model weights start a fresh run (continued pretraining)
 
 
 def conf_dir() -> Path:
@@ -279,6 +288,22 @@ def _read_yaml(path: Path) -> DictConfig:
         raise ConfigError(f"{path}: cannot parse YAML: {err}") from err
 
 
+def _parse_overrides(dotlist: list[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(dotlist)
+    except OmegaConfBaseException:
+        raise
+    except Exception:  # a YAML error in one value: find which, and say so without yaml's traceback
+        for item in dotlist:
+            try:
+                OmegaConf.from_dotlist([item])
+            except Exception as err:
+                reason = " ".join(str(err).split())
+                raise ConfigError(f"override {item!r}: cannot parse its value as YAML ({reason}); quote it or "
+                                  "fix the brackets, e.g. data.paths='[a.txt,b.txt]'") from None
+        raise
+
+
 def load_config(config_file: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     base = _read_yaml(conf_dir() / "config.yaml")
     user = _read_yaml(Path(config_file)) if config_file else OmegaConf.create()
@@ -299,7 +324,7 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
             if group not in GROUPS:
                 raise ConfigError(f"defaults.{group}: unknown group; allowed: {', '.join(GROUPS)}")
             merged = OmegaConf.merge(merged, {group: _read_yaml(_group_file(group, str(choice)))})
-        merged = OmegaConf.merge(merged, base, user, OmegaConf.from_dotlist(dotlist))
+        merged = OmegaConf.merge(merged, base, user, _parse_overrides(dotlist))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _explain(err) from None

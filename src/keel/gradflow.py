@@ -12,7 +12,7 @@ per scheme; forward hooks record, for every sublayer l with input stream x_l (no
     output_rms     rms of the sublayer's output
 
 `--detach-branches` feeds every branch a detached input, so only the skip path carries gradient to x_l.
-Summary ratios compare *blocks* (norm-schemes.md, "Expected gradient flow"): a block's activation gradient
+Summary ratios compare *blocks* (docs/schemes.md, "Gradient flow at initialization"): a block's activation gradient
 is that of its input stream (its attention sublayer's x_l), its weight gradient the norm over both branches.
 bottom = the first measured block (block 1 for Keel, whose alpha = 1 block 0 is excluded; block 0 otherwise),
 middle = block depth // 2, top = the last block.
@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict
+import os
+from dataclasses import asdict, replace
 
 import torch
 
-from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm
+from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, ConfigError, KeelLM, ModelConfig, RMSNorm
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms")
 
@@ -123,6 +124,50 @@ def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, see
     return measure_model(model, idx, targets, detach_branches)
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of KeelLM(cfg), counted on the meta device from two shallow copies (blocks past the first
+    two are alike), so that no depth allocates anything."""
+    def count(depth: int) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in KeelLM(replace(cfg, depth=depth)).parameters())
+
+    if cfg.depth <= 3:
+        return count(cfg.depth)
+    two, three = count(2), count(3)
+    return two + (cfg.depth - 2) * (three - two)
+
+
+def estimate_bytes(cfg: ModelConfig, batch: int) -> int:
+    """Peak memory of measure(cfg, batch=batch), roughly: the weights and their gradients (8 bytes per parameter)
+    and what autograd and the hooks keep per token and block, (16 * width + 4 * ffn_hidden) floats - fitted to
+    the peak RSS of CPU runs (docs/model.md)."""
+    activations = 4 * (16 * cfg.width + 4 * cfg.ffn_hidden) * batch * cfg.seq_len * cfg.depth
+    return 8 * parameter_count(cfg) + activations
+
+
+def available_bytes() -> int:
+    """Memory this machine can give without swapping (MemAvailable), else all of it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(cfg: ModelConfig, batch: int) -> None:
+    need, have = estimate_bytes(cfg, batch), available_bytes()
+    if need > have:
+        raise ConfigError(
+            f"--depth {cfg.depth} --width {cfg.width} --seq-len {cfg.seq_len} --batch {batch} needs about "
+            f"{need / 2**30:.1f} GiB ({parameter_count(cfg):,} parameters and their gradients, plus activations), "
+            f"more than the {have / 2**30:.1f} GiB available here; lower --depth, --width, --seq-len or --batch, "
+            "or pass --force to try anyway"
+        )
+
+
 def plot(results: dict, path: str, title: str) -> None:
     import matplotlib
 
@@ -156,6 +201,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=None, help="Keel's alpha (default L = 2 * depth)")
     parser.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, default="v1")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-sublayer profiles of every scheme")
+    parser.add_argument("--force", action="store_true", help="run even where the memory estimate exceeds what is available")
     return parser.parse_args(argv)
 
 
@@ -167,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len,
             vocab_size=args.vocab, init=args.init, keel_alpha=args.alpha, keel_first_block=args.keel_first_block,
         )
+        if not args.force:
+            check_fits(cfg, args.batch)
         results[cfg.scheme] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed)}
     print(json.dumps({"options": vars(args), "schemes": results}, indent=1))
     if args.plot:

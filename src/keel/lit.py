@@ -115,10 +115,11 @@ def rescale_batch_progress(checkpoint: dict, saved_accum: int, accum: int) -> No
             counts[key] += shift
 
 
-def check_same_model(cfg: Config, checkpoint: dict) -> None:
-    """Refuse to resume a checkpoint of another model: name every differing model.* key."""
+def check_same_model(cfg: Config, checkpoint: dict, key: str = "resume") -> None:
+    """Refuse to resume (or, key="init_from", start from) a checkpoint of another model: name every differing
+    model.* key."""
     if "keel" not in checkpoint:
-        raise ConfigError("resume: not a keel checkpoint (no 'keel' entry)")
+        raise ConfigError(f"{key}: not a keel checkpoint (no 'keel' entry)")
     saved = from_dict(checkpoint["keel"]["config"]).model
     diffs = [
         f"model.{key}: checkpoint {getattr(saved, key)!r} != config {getattr(cfg.model, key)!r}"
@@ -126,4 +127,4 @@ def check_same_model(cfg: Config, checkpoint: dict) -> None:
         if key not in FREE_ON_RESUME and getattr(saved, key) != getattr(cfg.model, key)
     ]
     if diffs:
-        raise ConfigError("resume: the checkpoint holds a different model; " + "; ".join(diffs))
+        raise ConfigError(f"{key}: the checkpoint holds a different model; " + "; ".join(diffs))

@@ -1,5 +1,5 @@
 """The Keel language model and its five baselines: a plain decoder-only transformer whose
-normalization / residual scheme is one config value (definitions: shared/docs/norm-schemes.md).
+normalization / residual scheme is one config value (definitions: docs/schemes.md).
 
 Every sublayer (attention or FFN) computes
 
@@ -25,6 +25,7 @@ the branches' matmuls run in bf16 (autocast, or the weights' own dtype under bf1
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,7 @@ class SublayerSpec:
 
 
 def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
-    """(attention, FFN) spec for every block, per norm-schemes.md."""
+    """(attention, FFN) spec for every block, per docs/schemes.md."""
     n = cfg.depth
     pre = SublayerSpec(norm_in=True, norm_out=False)
     post = SublayerSpec(norm_in=False, norm_out=True)
@@ -395,8 +396,13 @@ class KeelLM(nn.Module):
         chunk = default_chunk(x.device) if self.cfg.loss_chunk is None else self.cfg.loss_chunk
         return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk)
 
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+        """idx (B, T) extended by up to max_new_tokens, decoded by `stream` (same options)."""
+        new = self.stream(idx, max_new_tokens, **sampling)
+        return torch.cat((idx, *(nxt[:, None] for nxt in new)), dim=1)
+
     @torch.no_grad()
-    def generate(
+    def stream(
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
@@ -405,10 +411,10 @@ class KeelLM(nn.Module):
         stop_tokens: tuple[int, ...] = (),
         use_cache: bool = True,
         generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Extend idx (B, T) by up to max_new_tokens. temperature 0 = greedy. A row that emits a stop
-        token keeps emitting it; decoding ends when every row has stopped. The prompt is cut on the
-        left so that prompt + new tokens fit model.seq_len."""
+    ) -> Iterator[torch.Tensor]:
+        """New tokens for idx (B, T), one step at a time, (B,) each, as they are decoded: up to max_new_tokens.
+        temperature 0 = greedy. A row that emits a stop token keeps emitting it; decoding ends when every row has
+        stopped. The prompt is cut on the left so that prompt + new tokens fit model.seq_len."""
         keep = self.cfg.seq_len - max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in seq_len={self.cfg.seq_len}")
@@ -430,11 +436,11 @@ class KeelLM(nn.Module):
             if len(stop_tokens):
                 nxt = torch.where(done, stops[0], nxt)
                 done |= torch.isin(nxt, stops)
+            yield nxt
             out = torch.cat((out, nxt[:, None]), dim=1)
             step_input = nxt[:, None] if use_cache else out
             if done.all():
                 break
-        return torch.cat((idx[:, :-keep], out), dim=1) if idx.shape[1] > keep else out
 
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -1,23 +1,38 @@
-"""`keel pretrain [--config FILE] [--print-config] [group=choice ...] [key=value ...]`."""
+"""`keel pretrain [--config FILE] [--print-config] [group=choice ...] [key=value ...]`: train (or resume) a run."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import uuid
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from omegaconf import OmegaConf
 
-from keel.callbacks import GradNormMonitor, LayerImportance, SpeedMonitor, StabilityMonitor
-from keel.checkpoint import LAST, AtomicCheckpointIO, check_resumable, checkpoint_dir, read_checkpoint, resolve_resume
-from keel.config import Config, load_config, to_yaml
+from keel.callbacks import (GracefulInterrupt, GradNormMonitor, LayerImportance, RunCheckpoint, SpeedMonitor,
+                            StabilityMonitor, StepProgressBar)
+from keel.callbacks.stability import describe
+from keel.checkpoint import (
+    AtomicCheckpointIO,
+    check_resumable,
+    checkpoint_dir,
+    model_state_dict,
+    read_checkpoint,
+    resolve_resume,
+)
+from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dict, to_yaml
 from keel.data import KeelDataModule, check_resumable_data, open_dataset
 from keel.lit import KeelLitModule, check_same_model
 from keel.model import ConfigError, flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
+from keel.rundir import RunDirLock, remove_orphans, say, write_config
+from keel.summary import run_summary
 
 
 def set_threads(cfg: Config) -> None:
@@ -29,20 +44,19 @@ def set_threads(cfg: Config) -> None:
         per_process = cfg.trainer.devices if resolve_accelerator(cfg.trainer) == "cpu" else 1
         threads = max(1, (cores - cfg.data.loader_workers) // per_process)
     torch.set_num_threads(threads)
+    # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set;
+    # the ranks it starts inherit this
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     callbacks: list[Callback] = [
-        ModelCheckpoint(
-            dirpath=checkpoint_dir(cfg),
-            filename="step{step:06d}",
-            auto_insert_metric_name=False,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
-            save_top_k=0,
-            save_last=True,
-        ),
+        RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k),
+        GracefulInterrupt(),
         LearningRateMonitor(logging_interval="step"),
     ]
+    if cfg.trainer.progress_bar:
+        callbacks.append(StepProgressBar())
     cb = cfg.callbacks
     if cb.grad_norms.enabled:
         if cb.grad_norms.activation_every_n_steps and (cfg.trainer.strategy == "fsdp" or cfg.trainer.compile):
@@ -69,6 +83,60 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     return callbacks
 
 
+LOGGER_RUNS = "logger_runs.json"
+
+
+def build_loggers(cfg: Config) -> list[Logger]:
+    """trainer.loggers, each Lightning's own, writing under run.dir. W&B and MLflow are optional extras and read
+    their usual environment (WANDB_MODE=offline, WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); a
+    resumed run continues their runs (ids in <run.dir>/logger_runs.json)."""
+    run_dir, name = cfg.run.dir, Path(cfg.run.dir).name
+    runs_file = Path(run_dir) / LOGGER_RUNS
+    runs = json.loads(runs_file.read_text()) if resolve_resume(cfg) and runs_file.is_file() else {}
+    make = {
+        "tensorboard": lambda: TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False),
+        # a version directory per start: CSVLogger would overwrite the metrics.csv of the run it resumes
+        "csv": lambda: CSVLogger(save_dir=run_dir, name="csv"),
+        "wandb": lambda: WandbLogger(save_dir=run_dir, name=name, project=os.environ.get("WANDB_PROJECT", "keel"),
+                                     id=runs.get("wandb", uuid.uuid4().hex[:12]), resume="allow"),
+        "mlflow": lambda: mlflow_logger(run_dir, name, runs.get("mlflow")),
+    }
+    loggers = []
+    for kind in cfg.trainer.loggers:
+        try:
+            loggers.append(make[kind]())
+        except ModuleNotFoundError:
+            raise ConfigError(f"trainer.loggers: {kind} needs its package: pip install 'keel[{kind}]' (or pip install "
+                              f"{kind}), or remove {kind} from trainer.loggers") from None
+    return loggers
+
+
+def mlflow_logger(run_dir: str, name: str, run_id: str | None) -> MLFlowLogger:
+    """To MLFLOW_TRACKING_URI if set, else to a SQLite database and artifact folder in the run dir (MLflow 3
+    refuses its file store, Lightning's default)."""
+    experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel")
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=os.environ["MLFLOW_TRACKING_URI"],
+                            run_id=run_id)
+    local = Path(run_dir).resolve()
+    local.mkdir(parents=True, exist_ok=True)
+    return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
+                        artifact_location=str(local / "mlartifacts"), run_id=run_id)
+
+
+def log_config(cfg: Config, loggers: list[Logger]) -> None:
+    """On rank 0: the config as every logger's hyperparameters, and the W&B and MLflow run ids, for build_loggers
+    to continue those runs on resume."""
+    for logger in loggers:
+        if isinstance(logger, MLFlowLogger) and logger.experiment.get_run(logger.run_id).data.params:
+            continue  # a continued MLflow run: its params cannot change; it keeps those it started with
+        logger.log_hyperparams(to_dict(cfg))
+    runs = {"wandb": logger.version for logger in loggers if isinstance(logger, WandbLogger)}
+    runs |= {"mlflow": logger.run_id for logger in loggers if isinstance(logger, MLFlowLogger)}
+    if runs:
+        (Path(cfg.run.dir) / LOGGER_RUNS).write_text(json.dumps(runs))
+
+
 def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
     t = cfg.trainer
     return L.Trainer(
@@ -85,7 +153,7 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
         limit_val_batches=t.val_batches,
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every_n_steps,
-        logger=TensorBoardLogger(save_dir=cfg.run.dir, name="tb", version="", default_hp_metric=False),
+        logger=build_loggers(cfg),
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
         enable_progress_bar=t.progress_bar,
@@ -94,11 +162,61 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
     )
 
 
+class Interrupted(KeyboardInterrupt):
+    """Training stopped early on Ctrl-C, after writing a checkpoint (`keel` exits 130 with this message)."""
+
+
+def launched_as_rank_zero() -> bool:
+    """Whether the launcher made this process global rank 0 (before Lightning knows): torchrun, SLURM and
+    Lightning's own launcher set a non-zero rank, local rank or node rank in every other process."""
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+    return all(int(os.environ.get(key) or 0) == 0 for key in keys)
+
+
+def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str:
+    """Where training starts, said in a line. init_from loads a checkpoint's model weights (not its optimizer,
+    schedule or data position) into a fresh run; once the run has a checkpoint of its own, resuming it wins, and
+    init_from is not loaded again over its progress. The source, as an absolute path, is kept in cfg (so in
+    config.yaml and every checkpoint)."""
+    if ckpt_path is not None:
+        return f"resuming {ckpt_path}" + (" (init_from is not reloaded over this run's progress)" if cfg.init_from else "")
+    if not cfg.init_from:
+        return f"fresh initialization (seed {cfg.run.seed})"
+    cfg.init_from = str(Path(cfg.init_from).resolve())
+    checkpoint = read_checkpoint(cfg.init_from)
+    check_same_model(cfg, checkpoint, key="init_from")
+    if checkpoint["keel"]["tokenizer_json"] != module.tokenizer_json:
+        source_data = from_dict(checkpoint["keel"]["config"]).data.dir
+        raise ConfigError(f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
+                          f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")
+    module.model.load_state_dict(model_state_dict(checkpoint))
+    return f"model weights of {cfg.init_from} (step {checkpoint.get('global_step')}); new optimizer, schedule, data"
+
+
+def finish_wandb(trainer: L.Trainer) -> None:
+    """Close the W&B run: Lightning leaves it open, and the next run in this process would log into it."""
+    if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+        import wandb
+
+        wandb.finish()
+
+
 def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
-    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones."""
+    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. Rank 0 holds
+    the run directory's lock throughout, taken before anything is written (the others write nothing before
+    rank 0 has joined them)."""
     set_threads(cfg)
+    owner = launched_as_rank_zero()
+    with RunDirLock(cfg.run.dir) if owner else nullcontext():
+        return _train(cfg, extra_callbacks, owner)
+
+
+def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Trainer:
     dataset = open_dataset(cfg)
+    if owner:  # no save runs now: temporary files in checkpoints/ were left by killed ones
+        remove_orphans(checkpoint_dir(cfg))
     ckpt_path = resolve_resume(cfg)
+    checkpoint = None
     if ckpt_path is not None:  # fail before any work if the checkpoint is unreadable, of another model or layout
         checkpoint = read_checkpoint(ckpt_path, weights=False)
         check_same_model(cfg, checkpoint)
@@ -106,25 +224,63 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
         check_resumable_data(cfg, dataset, ckpt_path, checkpoint)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json)
+    start = start_from(cfg, module, ckpt_path)
     trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])
+    if owner:
+        write_config(cfg, checkpoint)
     if trainer.is_global_zero:
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.run.dir) / "config.yaml").write_text(to_yaml(cfg))
-    trainer.fit(module, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
-    if trainer.global_step % cfg.trainer.checkpoint_every_n_steps:  # the final state, whatever the cadence
-        trainer.save_checkpoint(checkpoint_dir(cfg) / LAST, weights_only=False)
+        print(f"{run_summary(cfg, module.model)}\nstart       {start}", flush=True)
+        log_config(cfg, trainer.loggers)
+    try:
+        trainer.fit(module, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
+    finally:
+        finish_wandb(trainer)
+    interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
+    if interrupt.stopped_at is not None:
+        raise Interrupted(f"interrupted: stopped after step {interrupt.stopped_at} with a checkpoint in "
+                          f"{checkpoint_dir(cfg)}; re-run the same command to continue (resume=auto)")
     return trainer
 
 
+def failure_exit_code(cfg: Config, trainer: L.Trainer) -> int:
+    """1 when the stability monitor recorded a failure, said with its step, kind and max tolerable LR -
+    unless callbacks.stability.stop_on_failure=false asked training to go on (said when it happened)."""
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
+    if monitor is None or monitor.failure is None:
+        return 0
+    if not cfg.callbacks.stability.stop_on_failure and trainer.global_step >= cfg.trainer.max_steps:
+        return 0
+    if trainer.is_global_zero:
+        say(f"{describe(monitor.failure)}. Details: {cfg.run.dir}/stability.json; a lower optim.lr (or "
+            "callbacks.stability.* settings) in a new run.dir, or callbacks.stability.stop_on_failure=false to "
+            "train on regardless")
+    return 1
+
+
+def config_help() -> str:
+    """The config groups with their choices (conf/<group>/*.yaml) and the sections of keys, for --help."""
+    default_choice = OmegaConf.load(conf_dir() / "config.yaml").defaults
+    lines = ["config groups (group=choice picks conf/<group>/<choice>.yaml, or group=FILE.yaml; * = default):"]
+    for group in GROUPS:
+        choices = sorted(path.stem for path in (conf_dir() / group).glob("*.yaml"))
+        marked = [f"{choice}*" if choice == default_choice[group] else choice for choice in choices]
+        lines.append(f"  {group:<9} {', '.join(marked)}")
+    sections = ", ".join(f"{key}.*" if isinstance(value, dict) else key for key, value in to_dict(Config()).items())
+    lines += ["", f"keys (key.path=value): {sections}",
+              "`keel pretrain --print-config [overrides]` prints every key with its value; e.g.",
+              "  keel pretrain model=paper_d64 trainer=fsdp trainer.devices=8 optim.lr=1e-3 trainer.loggers=[tensorboard,csv]"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel pretrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="keel pretrain", description=__doc__, epilog=config_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
     parser.add_argument("overrides", nargs="*", help="group=choice (model=paper_d64) or key.path=value")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    train(cfg)
-    return 0
+    return failure_exit_code(cfg, train(cfg))

@@ -6,6 +6,6 @@ Importing this package registers the lm-eval model `keel`, so that
 
 from keel.evaluation.generated import generate_tasks
 from keel.evaluation.lm import KeelEvalLM
-from keel.evaluation.suite import TASKS_DIR, run_tasks, task_manager
+from keel.evaluation.suite import TASKS_DIR, load_tasks, run_tasks, task_manager
 
-__all__ = ["KeelEvalLM", "TASKS_DIR", "generate_tasks", "run_tasks", "task_manager"]
+__all__ = ["KeelEvalLM", "TASKS_DIR", "generate_tasks", "load_tasks", "run_tasks", "task_manager"]

@@ -6,18 +6,23 @@ the `keel` model registered and three defaults: --model keel, --include_path <th
         --limit 200 --output_path out/eval
     keel eval ls tasks
 
-The generated tasks read the checkpoint's data.dir (or --metadata corpus_dir=DIR); the standard suite reads
-../shared/data (or --metadata data_dir=DIR). Any lm-eval task name works where the Hugging Face hub is reachable.
+The generated tasks read the checkpoint's data.dir (or --metadata corpus_dir=DIR). lm-eval's own tasks
+(arc_easy, hellaswag, ...) read --metadata data_dir=DIR where `keel eval-data fetch DIR` wrote a copy of
+them, else the Hugging Face hub (or its cache, with HF_DATASETS_OFFLINE=1); the keel_* standard tasks read
+the original benchmark files in --metadata data_dir=DIR.
 """
 
 from __future__ import annotations
 
 import sys
 
-from lm_eval.__main__ import cli_evaluate
+from lm_eval._cli import HarnessCLI
+from lm_eval.utils import setup_logging
 
 import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
+from keel.evaluation.offline import hub_or_local, resolve_tasks
 from keel.evaluation.suite import TASKS_DIR
+from keel.model import ConfigError
 
 RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}
 SUBCOMMANDS = ("run", "ls", "validate")
@@ -42,9 +47,24 @@ def with_defaults(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    """lm-eval's cli_evaluate(), with the task names that data_dir holds a local copy of turned into its YAML."""
     saved, sys.argv = sys.argv, ["keel eval", *with_defaults(list(argv))]
     try:
-        cli_evaluate()
+        setup_logging()
+        parser = HarnessCLI()
+        args = parser.parse_args()
+        data_dir = (getattr(args, "metadata", None) or {}).get("data_dir")
+        if getattr(args, "tasks", None):
+            args.tasks = resolve_tasks(args.tasks, data_dir)
+        with hub_or_local("--metadata data_dir", data_dir):
+            parser.execute(args)
+    except FileNotFoundError as err:  # a task's data files (the bundled tasks' loaders name the setting to change)
+        raise ConfigError(f"task data: {err}") from None
+    except ValueError as err:
+        if not str(err).startswith("Tasks not found"):  # lm-eval's words for a --tasks name it does not know
+            raise
+        raise ConfigError(f"--tasks: {err}; `keel eval ls tasks` lists the known ones (the bundled keel_* tasks "
+                          "among them), or add a directory of task YAMLs with --include_path") from None
     finally:
         sys.argv = saved
     return 0

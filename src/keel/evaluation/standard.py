@@ -1,9 +1,10 @@
-"""Loaders for the standard suite's local files (the layout of shared/data/MANIFEST.md), for the bundled
-`keel_<task>` YAMLs (lm-eval `custom_dataset`). Each returns the documents in the schema of the Hugging
+"""Loaders (lm-eval `custom_dataset`) of local benchmark files: the original releases' files for the bundled
+`keel_<task>` YAMLs (layout in docs/evaluation.md), and `jsonl` also for the copies of lm-eval's own tasks that
+`keel eval-data fetch` writes (keel.evaluation.offline). Each returns the documents in the schema of the Hugging
 Face dataset that lm-eval's own task reads, so the YAMLs keep lm-eval's doc_to_text/choice/target verbatim.
 
-The directory is the task metadata's `data_dir` (TaskManager(metadata=...), or `--metadata data_dir=DIR`
-on lm-eval's command line), else eval.data_dir's default; the YAML's dataset_kwargs name the files in it.
+The directory is the task metadata's `data_dir` (TaskManager(metadata=...): eval.data_dir in training, or
+`--metadata data_dir=DIR` on `keel eval`); the YAML's dataset_kwargs name the files in it.
 """
 
 from __future__ import annotations
@@ -14,19 +15,24 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from keel.config import EvalConfig
+from keel.model import ConfigError
 
 OBQA_CHOICE = re.compile(r"\(([A-D])\) (.*?)(?= \([A-D]\) |$)")
 HELLASWAG_LINES = 6  # context, label, four endings
 
 
+WHERE = "eval.data_dir=DIR in training, --metadata data_dir=DIR on `keel eval`"
+
+
 def _path(data_dir: str | None, name: str) -> Path:
-    path = Path(data_dir or EvalConfig().data_dir) / name
+    if not data_dir:
+        raise ConfigError(f"data_dir: this task reads local files ({name}, ...) and no directory is set: {WHERE} "
+                          "(layouts: docs/evaluation.md). lm-eval's own task names (arc_easy, ...) can read the "
+                          "Hugging Face hub instead")
+    path = Path(data_dir) / name
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: point data_dir at the standard-suite files (shared/data/MANIFEST.md layout) with "
-            "eval.data_dir=DIR in training, or --metadata data_dir=DIR on `keel eval`"
-        )
+        raise ConfigError(f"data_dir: {path} not found; {WHERE} must name a directory in the layout the task "
+                          "reads (docs/evaluation.md)")
     return path
 
 

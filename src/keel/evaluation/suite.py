@@ -16,6 +16,8 @@ from lm_eval.defaults import DEFAULT_OTHER_SEED
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
+from keel.evaluation.offline import hub_or_local, resolve_tasks
+
 TASKS_DIR = Path(__file__).parent / "tasks"  # generated/ and standard/ task YAMLs
 STDERR = "_stderr"
 
@@ -48,16 +50,30 @@ def task_manager(
     corpus_dir: str | None = None,
 ) -> TaskManager:
     """A TaskManager indexing the bundled tasks (and include_path), built once per process and argument set.
-    lm-eval's own ~15k tasks are indexed too (about 15 s) only when `tasks` names one that is not bundled.
-    data_dir (standard-suite files) and corpus_dir (a `keel data` directory, for the generated tasks) reach
-    the task loaders as task metadata."""
+    lm-eval's own ~15k tasks are indexed too (about 15 s) only when `tasks` names one that is neither bundled
+    nor a YAML path. data_dir (local standard-suite files) and corpus_dir (a `keel data` directory, for the
+    generated tasks) reach the task loaders as task metadata."""
     paths = (str(TASKS_DIR),) + ((include_path,) if include_path else ())
     dirs = {"data_dir": data_dir, "corpus_dir": corpus_dir}
     metadata = tuple(sorted((key, os.path.abspath(value)) for key, value in dirs.items() if value))
     local = _task_manager(paths, False, metadata)
-    if all(name in local.all_tasks for name in tasks):
+    if all(name in local.all_tasks or name.endswith(".yaml") for name in tasks):
         return local
     return _task_manager(paths, True, metadata)
+
+
+def load_tasks(
+    tasks: Sequence[str],
+    include_path: str | None = None,
+    data_dir: str | None = None,
+    corpus_dir: str | None = None,
+) -> dict[str, Task]:
+    """{name: Task} for task names, tags or groups: the bundled tasks, lm-eval's own (from data_dir's copy
+    where `keel eval-data fetch` wrote one, else from the hub or the HF cache), or YAML paths."""
+    specs = resolve_tasks(tasks, data_dir)
+    manager = task_manager(specs, include_path, data_dir, corpus_dir)
+    with hub_or_local("eval.data_dir", data_dir):
+        return manager.load(specs)["tasks"]
 
 
 def primary_metric(task: Task) -> tuple[str, bool]:

@@ -1,0 +1,175 @@
+"""Checkpoints of a run: `RunCheckpoint` decides when and where they are written, `GracefulInterrupt` turns
+Ctrl-C into a clean stop that writes one.
+
+    <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end of training, and
+                                             when training raises (one process); always overwritten in place
+    <run.dir>/checkpoints/step000400.ckpt    the same saves, step-numbered: the newest trainer.keep_last_k kept
+
+Each file (or FSDP directory) is written whole before it replaces anything (AtomicCheckpointIO,
+FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only after the new one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import warnings
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from keel.rundir import say
+
+STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, set up so that:
+    - last.ckpt is overwritten, never versioned (`last-v1.ckpt`): Lightning versions it when the checkpoint it
+      resumed from recorded another directory, i.e. in every copied or renamed run dir;
+    - the step-numbered history is pruned by what is in the directory, so a copied dir, another keep_last_k or
+      a resume from an older checkpoint keep exactly the newest k of this run's timeline;
+    - the final state is saved at the end of training, whatever the cadence;
+    - an exception in a single-process run saves the state of the last completed step (several processes
+      would have to agree mid-step, which a failing one cannot).
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last_k: int) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename="step{step:06d}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=every_n_steps,
+            save_top_k=-1 if keep_last_k else 0,  # all, then pruned to keep_last_k by _prune
+            save_last=True,
+            enable_version_counter=False,
+        )
+        self.keep_last_k = keep_last_k
+        self._start_step = 0
+        self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
+        self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._start_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        # On restart Lightning adds one to the loggers' step counter, on the premise that the checkpoint was
+        # written inside a step; the final checkpoint is written after it, so a run extended from it (a larger
+        # max_steps) logged every step one too late. With one optimizer the counter is the global step.
+        if trainer.global_step == self._start_step:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        saved = self._last_global_step_saved
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._last_global_step_saved != saved:
+            self._prune(trainer)
+        step_done = trainer.global_step != (self._boundary[0] if self._boundary else self._start_step)
+        if step_done and trainer.world_size == 1:  # not mid-accumulation
+            self._boundary = (trainer.global_step, self._progress(trainer))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step not in (self._start_step, self._last_global_step_saved):
+            self.save_now(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        step = trainer.global_step
+        if self._boundary is None or self._boundary[0] != step or step == self._last_global_step_saved:
+            return  # nothing completed since the last checkpoint, or several processes (see the class doc)
+        self._replace = self._boundary[1]
+        try:
+            self.save_now(trainer)
+            say(f"training raised {type(exception).__name__}: saved step {step} to {self.last_model_path}; "
+                 "re-run the same command to continue from there")
+        except Exception as err:  # the original exception is what the user must see
+            say(f"training raised {type(exception).__name__}, and its checkpoint could not be written: {err}")
+        finally:
+            self._replace = None
+
+    @staticmethod
+    def _progress(trainer: L.Trainer) -> dict:
+        """The checkpoint entries that move within a step: the loops' progress and the data loader's position."""
+        loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
+                                                                       "predict_loop")}
+        progress = {"loops": loops}
+        if trainer.datamodule is not None:
+            progress[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
+        return progress
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self._replace is not None:  # the live loops and loader are part-way into the step that failed
+            checkpoint.update(self._replace)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # A copied or renamed run dir: the same files, elsewhere. Lightning would reset (and version last.ckpt).
+        super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": str(Path(self.dirpath) / (
+            self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)), "best_k_models": {}})
+
+    def save_now(self, trainer: L.Trainer) -> None:
+        """The current state as the next step-numbered checkpoint and last.ckpt."""
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        self._prune(trainer)
+
+    def _prune(self, trainer: L.Trainer) -> None:
+        """Delete step-numbered checkpoints beyond the newest keep_last_k up to this step. Later-numbered ones
+        (left by the timeline a resume from an older checkpoint abandoned) are overwritten when reached."""
+        if not self.keep_last_k:
+            return
+        if trainer.is_global_zero:
+            steps = {int(m[1]): name for name in os.listdir(self.dirpath) if (m := STEP_NAME.match(name))}
+            history = sorted(step for step in steps if step <= trainer.global_step)
+            for step in history[: -self.keep_last_k]:
+                trainer.strategy.remove_checkpoint(Path(self.dirpath) / steps[step])
+        trainer.strategy.barrier("RunCheckpoint._prune")
+
+
+class GracefulInterrupt(Callback):
+    """Ctrl-C (SIGINT) during training: the run stops after the optimizer step in progress and ends as a run
+    ends (RunCheckpoint saves it; `keel pretrain` exits 130). A second Ctrl-C exits at once, without saving.
+    Under several processes every one gets the signal from the terminal, and they agree at each step (one
+    all-reduce of a flag) so that all stop after the same one."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.stopped_at: int | None = None
+        self._step: int | None = None  # the global step at the last check
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            say("second interrupt: exiting now, without a checkpoint")
+            os._exit(130)
+        self.requested = True
+        say("interrupt: stopping after this step with a checkpoint (press Ctrl-C again to exit at once)")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._step = trainer.global_step
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self._step:  # mid-accumulation: the optimizer step is not done
+            return
+        self._step = trainer.global_step
+        requested = self.requested
+        if trainer.world_size > 1:
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if requested:
+            trainer.should_stop = True
+            self.stopped_at = trainer.global_step
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

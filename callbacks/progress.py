@@ -1,0 +1,35 @@
+"""A progress bar over the run's optimizer steps: Lightning's counts micro-batches per epoch, so with
+trainer.grad_accum > 1 its count and ETA are off by that factor, and it restarts each epoch."""
+
+from __future__ import annotations
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from keel.callbacks._logging import finished_step
+
+
+class StepProgressBar(TQDMProgressBar):
+    """`step n/max_steps` across epochs; a resumed run starts at its step, and its ETA counts only the steps
+    it has run itself."""
+
+    @property
+    def train_description(self) -> str:
+        return "step"
+
+    def on_train_start(self, trainer: L.Trainer, *_) -> None:
+        super().on_train_start(trainer)
+        bar = self.train_progress_bar
+        bar.reset(total=trainer.max_steps)
+        bar.initial = bar.n = trainer.global_step
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
+        pass  # one bar for the whole run, not one per epoch
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if finished_step(trainer) is None:  # still accumulating gradients
+            return
+        bar = self.train_progress_bar
+        if self._should_update(trainer.global_step, bar.total):
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar

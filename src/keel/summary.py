@@ -1,0 +1,50 @@
+"""What `keel pretrain` prints before training: the model (parameters, depth, L, alpha, FLOPs/token) and the run
+plan (steps, tokens, tokens per parameter, precision, strategy, world size, threads)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from keel.checkpoint import batch_layout
+from keel.config import Config
+from keel.model import KeelLM, flops_per_token, sublayer_specs
+from keel.parallel import resolve_accelerator, resolve_precision
+
+
+def alphas(cfg) -> str:
+    """The residual scales of the scheme and how many sublayers use each, e.g. `1 (2 sublayers), 32 (30 sublayers)`."""
+    counts = Counter(spec.alpha for block in sublayer_specs(cfg) for spec in block)
+    return ", ".join(f"{alpha:.4g} ({n} sublayers)" for alpha, n in counts.items())
+
+
+def model_summary(model: KeelLM) -> list[str]:
+    c = model.cfg
+    params = model.num_params()
+    return [
+        f"model       {c.scheme}: depth {c.depth} blocks (L = {c.L} sublayers), width {c.width}, {c.n_heads} heads "
+        f"({c.kv_heads} KV), {c.ffn} FFN {c.ffn_hidden}, seq_len {c.seq_len}, vocab {c.vocab_size}",
+        f"parameters  {params:,} ({model.num_params(embeddings=False):,} non-embedding)",
+        f"alpha       {alphas(c)}",
+        f"FLOPs/token {flops_per_token(c):.3g} (training: forward + backward)",
+    ]
+
+
+def run_plan(cfg: Config, params: int) -> list[str]:
+    t = cfg.trainer
+    world = t.devices * t.num_nodes
+    tokens_per_step = world * t.micro_batch_size * t.grad_accum * cfg.model.seq_len
+    tokens = t.max_steps * tokens_per_step
+    strategy = t.strategy if t.strategy != "auto" else ("ddp" if world > 1 else "single")
+    return [
+        f"steps       {t.max_steps:,} x {tokens_per_step:,} tokens = {tokens:,} tokens "
+        f"({tokens / params:.3g} tokens/parameter, {tokens * flops_per_token(cfg.model):.3g} FLOPs)",
+        f"batch       {batch_layout(t)} sequences of {cfg.model.seq_len} tokens",
+        f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {strategy}, world size "
+        f"{world}, {torch.get_num_threads()} intra-op thread(s) per process",
+    ]
+
+
+def run_summary(cfg: Config, model: KeelLM) -> str:
+    return "\n".join([*model_summary(model), *run_plan(cfg, model.num_params())])

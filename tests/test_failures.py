@@ -1,0 +1,398 @@
+"""Hostile files and careless hands (docs/failures.md): what is refused, what is recovered, what is reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint
+from keel.cli import main as cli_main
+from keel.model import ConfigError
+from keel import pretrain
+from keel.pretrain import Interrupted, launched_as_rank_zero, train
+from keel.rundir import LOCK, RunDirLock
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+from test_distributed import _sharded_checkpoint
+from test_pretrain import scalars, tiny_config
+
+STEPS = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
+         "trainer.val_batches=2"]
+
+
+# ------------------------------------------------------------------- no code from sharded checkpoints
+
+
+class Payload:
+    """Unpickled, it writes a marker file: the stand-in for any code a hostile checkpoint would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+@pytest.fixture
+def hostile_checkpoint(tmp_path) -> tuple[Path, Path]:
+    """A real sharded checkpoint whose .metadata has been replaced by a payload; (the directory, the marker)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, marker = tmp_path / "downloaded.ckpt", tmp_path / "payload-ran"
+    _sharded_checkpoint(path)
+    (path / DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(Exception):  # torch's own reader runs it (then fails on what it returned)
+        FileSystemReader(path).read_metadata()
+    assert marker.read_text() == "ran"  # the payload is live
+    marker.unlink()
+    return path, marker
+
+
+def refused(err: str, path: Path, marker: Path) -> None:
+    assert f"{path / DCP_METADATA} refused" in err and "builtins.exec" in err, err
+    assert not marker.exists(), "the payload ran"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_payload_in_sharded_metadata_is_refused_by_read_consolidate_and_eval(hostile_checkpoint, tmp_path, capsys):
+    path, marker = hostile_checkpoint
+    for weights in (True, False):
+        with pytest.raises(ConfigError) as err:
+            read_checkpoint(path, weights=weights)
+        refused(str(err.value), path, marker)
+    assert cli_main(["consolidate", str(path), str(tmp_path / "out.ckpt")]) == 2
+    refused(capsys.readouterr().err, path, marker)
+    assert not (tmp_path / "out.ckpt").exists()
+    assert cli_main(["eval", "--model_args", f"checkpoint={path}", "--tasks", "keel_next_line", "--device", "cpu"]) == 2
+    refused(capsys.readouterr().err, path, marker)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_payload_in_sharded_metadata_is_refused_on_resume(hostile_checkpoint, tiny_data, tmp_path):
+    path, marker = hostile_checkpoint
+    with pytest.raises(ConfigError) as err:
+        train(tiny_config(tiny_data, tmp_path / "run", f"resume={path}"))
+    refused(str(err.value), path, marker)
+    run = tmp_path / "auto"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(path, run / "checkpoints" / LAST)  # resume=auto finds a directory last.ckpt
+    with pytest.raises(ConfigError) as err:
+        train(tiny_config(tiny_data, run, "resume=auto"))
+    refused(str(err.value), run / "checkpoints" / LAST, marker)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_fsdp_strategy_checks_metadata_before_torch_loads_it(hostile_checkpoint):
+    from keel.parallel import FSDP2Strategy
+
+    path, marker = hostile_checkpoint
+    strategy = FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=1, save_distributed_checkpoint=True)
+    with pytest.raises(ConfigError) as err:
+        strategy.load_checkpoint(path)
+    refused(str(err.value), path, marker)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_metadata_of_another_type_is_refused(tmp_path):
+    path = tmp_path / "odd.ckpt"
+    _sharded_checkpoint(path)
+    (path / DCP_METADATA).write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(ConfigError, match="holds a dict, not a checkpoint index"):
+        read_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------ one writer per run dir
+
+HOLD_LOCK = """
+import sys
+from keel.rundir import RunDirLock
+lock = RunDirLock(sys.argv[1])
+lock.acquire()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_lock(run_dir: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_process_on_a_run_dir_is_refused_naming_the_holder(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = hold_lock(run)
+    try:
+        with pytest.raises(ConfigError) as err:
+            train(tiny_config(tiny_data, run, *STEPS))
+        message = str(err.value)
+        assert f"in use by another keel process: pid {holder.pid} on host {socket.gethostname()}" in message
+        assert sorted(p.name for p in run.iterdir()) == [LOCK]  # nothing written: no config.yaml, tb/, checkpoints/
+    finally:
+        holder.kill()  # kill -9: the kernel releases the lock, the file still names the holder
+        holder.wait()
+    assert json.loads((run / LOCK).read_text())["pid"] == holder.pid
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))  # a stale lock is taken over, and said
+    assert f"(pid {holder.pid} on {socket.gethostname()}) ended without releasing its lock; taken over" in \
+        capsys.readouterr().err
+    assert (run / LOCK).read_text() == ""  # released at exit
+    with RunDirLock(run):  # and free again
+        pass
+
+
+def test_only_the_launchers_rank_zero_takes_the_lock(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert launched_as_rank_zero()
+    for env in ({"LOCAL_RANK": "1"}, {"RANK": "3"}, {"NODE_RANK": "1", "LOCAL_RANK": "0"}, {"SLURM_PROCID": "2"}):
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            assert not launched_as_rank_zero(), env
+
+
+def test_unwritable_run_dir_is_refused_before_training(tiny_data, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ConfigError, match=rf"run.dir={not_a_dir}/run: cannot write there \(Not a directory\)"):
+        train(tiny_config(tiny_data, not_a_dir / "run"))
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "readonly"
+        locked.mkdir(mode=0o555)
+        with pytest.raises(ConfigError, match="cannot write there .Permission denied"):
+            train(tiny_config(tiny_data, locked / "run"))
+
+
+# ---------------------------------------------------- copied run dirs, checkpoint history, temp files
+
+
+class FirstStep(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
+
+
+def test_copied_run_dir_continues_from_its_newest_checkpoint_and_keeps_history(tiny_data, tmp_path):
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    every = ["trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=2", "trainer.val_batches=1"]
+    train(tiny_config(tiny_data, original, "trainer.max_steps=4", *every))
+    shutil.copytree(original, copy)
+    for max_steps in (6, 8):  # restarted twice in the copy: each time from where the last one ended
+        first = FirstStep()
+        trainer = train(tiny_config(tiny_data, copy, f"trainer.max_steps={max_steps}", *every), [first])
+        assert (first.step, trainer.global_step) == (max_steps - 2, max_steps)
+        names = sorted(p.name for p in (copy / "checkpoints").iterdir())
+        assert names == [LAST, f"step{max_steps - 2:06d}.ckpt", f"step{max_steps:06d}.ckpt"]  # keep_last_k=2, no -v1
+        assert read_checkpoint(copy / "checkpoints" / LAST, weights=False)["global_step"] == max_steps
+    assert sorted(scalars(copy, "train/loss")) == list(range(8))
+    assert read_checkpoint(original / "checkpoints" / LAST, weights=False)["global_step"] == 4  # left alone
+    # any step-numbered checkpoint resumes, and the final state of a run is saved whatever the cadence
+    back = tmp_path / "back"
+    trainer = train(tiny_config(tiny_data, back, "trainer.max_steps=7", f"resume={copy}/checkpoints/step000006.ckpt",
+                                "trainer.keep_last_k=1", *every))
+    assert trainer.global_step == 7
+    assert sorted(p.name for p in (back / "checkpoints").iterdir()) == [LAST, "step000007.ckpt"]
+
+
+def test_orphan_temporary_files_are_removed_at_start_up(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    (checkpoints / ".last.ckpt.partial").mkdir(parents=True)  # a killed FSDP save's staging directory
+    (checkpoints / ".last.ckpt.tmp12345").write_bytes(b"half a checkpoint")  # a killed single-file save
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2", "trainer.keep_last_k=0"))
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST]
+    assert "removed 2 temporary file(s) of interrupted checkpoint saves" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------- resume with other settings
+
+
+def test_resume_with_changed_optimizer_settings_is_reported_and_the_old_config_kept(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))
+    old_config = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    train(tiny_config(tiny_data, run, "trainer.max_steps=4", "optim.lr=0.001", "optim.schedule=linear_warmup"))
+    err = capsys.readouterr().err
+    assert "resuming at step 2 with 3 changed setting(s)" in err
+    for change in ("optim.lr: 0.003 -> 0.001", "optim.schedule: 'cosine' -> 'linear_warmup'", "trainer.max_steps: 2 -> 4"):
+        assert change in err
+    assert (run / "config.2.yaml").read_text() == old_config
+    assert "lr: 0.001" in (run / "config.yaml").read_text()
+    train(tiny_config(tiny_data, run, "trainer.max_steps=4", "optim.lr=0.001", "optim.schedule=linear_warmup"))
+    assert "changed setting" not in capsys.readouterr().err  # same settings: nothing to report
+
+
+# ----------------------------------------------------------- interrupts and exceptions save the run
+
+
+class InterruptAt(Callback):
+    """Ctrl-C at a step (count times): the signal, as a terminal sends it."""
+
+    def __init__(self, step: int, count: int = 1) -> None:
+        self.step, self.count = step, count
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            for _ in range(self.count):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_data, tmp_path, monkeypatch,
+                                                                          capsys):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    train(tiny_config(tiny_data, straight, *STEPS))
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(Interrupted, match="stopped after step 6 with a checkpoint"):
+        train(tiny_config(tiny_data, interrupted, *STEPS), [InterruptAt(5)])  # step 5 finishes first
+    assert read_checkpoint(interrupted / "checkpoints" / LAST, weights=False)["global_step"] == 6
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+    train(tiny_config(tiny_data, interrupted, *STEPS))  # resume=auto
+    assert scalars(interrupted, "train/loss") == scalars(straight, "train/loss")
+
+    configured = pretrain.build_callbacks  # the command line says so and exits 130
+    monkeypatch.setattr(pretrain, "build_callbacks", lambda cfg, dataset: [*configured(cfg, dataset), InterruptAt(1)])
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, *STEPS]
+    assert cli_main([*argv, f"run.dir={tmp_path / 'cli'}"]) == 130
+    assert "keel pretrain: interrupted: stopped after step 2 with a checkpoint" in capsys.readouterr().err
+
+
+class CrashMidStep(Callback):
+    """Raises in the second micro-batch of a step: the loader is part-way into it."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 5 and batch_idx % 2:
+            raise RuntimeError("simulated crash")
+
+
+def test_an_exception_saves_the_last_completed_step(tiny_data, tmp_path, capsys):
+    steps = [*STEPS, "trainer.checkpoint_every_n_steps=100", "trainer.grad_accum=2"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    train(tiny_config(tiny_data, straight, *steps))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(tiny_data, run, *steps), [CrashMidStep()])
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 5
+    assert "training raised RuntimeError: saved step 5" in capsys.readouterr().err
+    train(tiny_config(tiny_data, run, *steps))  # resume=auto
+    assert scalars(run, "train/loss") == scalars(straight, "train/loss")
+
+
+LAUNCH_SIGNALLED = """
+import os, signal, sys
+from lightning.pytorch.callbacks import Callback
+from keel import cli, pretrain
+
+class Signal(Callback):  # sys.argv[1]: SIGINT twice (Ctrl-C, Ctrl-C) or SIGKILL, as step 6 is about to start
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == 6:
+            for _ in range(2):
+                os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+
+configured = pretrain.build_callbacks
+pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Signal()]
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def signalled_run(tiny_data, run: Path, signal_name: str) -> subprocess.CompletedProcess:
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, f"run.dir={run}", *STEPS]
+    return subprocess.run([sys.executable, "-c", LAUNCH_SIGNALLED, signal_name, *argv], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_kill_9_resumes_from_the_last_checkpoint_exactly(tiny_data, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(tiny_config(tiny_data, straight, *STEPS))
+    assert signalled_run(tiny_data, killed, "SIGKILL").returncode == -signal.SIGKILL
+    assert read_checkpoint(killed / "checkpoints" / LAST, weights=False)["global_step"] == 4  # nothing saved at 6
+    train(tiny_config(tiny_data, killed, *STEPS))  # its lock died with it; resume=auto replays steps 4 and 5
+    assert scalars(killed, "train/loss") == scalars(straight, "train/loss")
+
+
+def test_second_sigint_exits_at_once_without_saving(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    done = signalled_run(tiny_data, run, "SIGINT")
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "second interrupt: exiting now, without a checkpoint" in done.stderr
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4  # the periodic one
+
+
+# --------------------------------------------------------------------------------- diverged runs fail
+
+
+def test_a_diverged_run_fails_with_step_kind_and_max_lr(tiny_data, tmp_path, capsys):
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, "trainer.max_steps=40",
+            "optim.lr=1e6", "optim.warmup_steps=2", "callbacks.layer_importance.enabled=false"]
+    assert cli_main([*argv, f"run.dir={tmp_path / 'default'}"]) == 1
+    err = capsys.readouterr().err
+    assert "keel pretrain: the run failed at step" in err and "(nonfinite:" in err and "max tolerable LR" in err
+    report = json.loads((tmp_path / "default" / "stability.json").read_text())
+    assert report["failed"] and report["steps"] < 40  # stopped there, with a checkpoint
+    assert read_checkpoint(tmp_path / "default" / "checkpoints" / LAST, weights=False)["global_step"] < 40
+
+    with pytest.warns(UserWarning) as warned:
+        assert cli_main([*argv, f"run.dir={tmp_path / 'on'}", "callbacks.stability.stop_on_failure=false"]) == 0
+    goes_on = [w for w in warned if "training goes on (callbacks.stability.stop_on_failure=false)" in str(w.message)]
+    assert len(goes_on) == 1 and "max tolerable LR" in str(goes_on[0].message)  # said once
+    assert json.loads((tmp_path / "on" / "stability.json").read_text())["steps"] == 40
+
+
+# ------------------------------------------------------------------------------- clear error messages
+
+
+def test_malformed_override_is_a_clear_error(capsys):
+    assert cli_main(["pretrain", "--print-config", "model.depth=[2"]) == 2
+    err = capsys.readouterr().err
+    assert "override 'model.depth=[2': cannot parse its value as YAML" in err and "Traceback" not in err
+
+
+def test_empty_checkpoint_says_why(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / LAST).write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"last.ckpt is empty \(0 bytes: an interrupted copy or save\?\)"):
+        train(tiny_config(tiny_data, run, "resume=auto"))
+    torch.save({"keel": {}}, run / "truncated.ckpt")
+    (run / "truncated.ckpt").write_bytes((run / "truncated.ckpt").read_bytes()[:40])
+    with pytest.raises(ConfigError, match=r"cannot be read \(corrupt or truncated\?\): \S"):
+        read_checkpoint(run / "truncated.ckpt")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("eval") / "run"
+    train(tiny_config(tiny_data, run, "trainer.max_steps=1"))
+    return run / "checkpoints" / LAST
+
+
+def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoint, tmp_path, capsys):
+    common = ["eval", "--model_args", f"checkpoint={tiny_checkpoint}", "--device", "cpu", "--limit", "2"]
+    assert cli_main([*common, "--tasks", "no_such_task"]) == 2
+    err = capsys.readouterr().err
+    assert "--tasks: Tasks not found: no_such_task; `keel eval ls tasks` lists the known ones" in err
+    metadata = json.dumps({"data_dir": str(tmp_path)})
+    assert cli_main([*common, "--tasks", "keel_arc_easy", "--metadata", metadata]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: data_dir: {tmp_path}/arc/ARC-Easy-Dev.jsonl not found" in err
+
+
+def test_gradflow_refuses_sizes_that_will_not_fit_unless_forced(monkeypatch, capsys):
+    assert cli_main(["gradflow", "--depth", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "--depth 100000 --width 64 --seq-len 32 --batch 4 needs about" in err and "--force" in err
+    monkeypatch.setattr("keel.gradflow.available_bytes", lambda: 1)
+    assert cli_main(["gradflow", "--depth", "2"]) == 2
+    assert "more than the 0.0 GiB available" in capsys.readouterr().err
+    assert cli_main(["gradflow", "--depth", "2", "--force"]) == 0
+    assert json.loads(capsys.readouterr().out)["schemes"]["keel"]["summary"]

@@ -1,0 +1,104 @@
+"""What `keel pretrain` tells before and while it trains: --help, the model summary and run plan, a progress
+bar over optimizer steps, and trainer.threads kept in every process of a DDP run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keel.callbacks import StepProgressBar
+from keel.cli import main as cli_main
+from keel.config import load_config
+from keel.model import KeelLM
+from keel.pretrain import train
+from keel.summary import run_summary
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+from test_pretrain import tiny_config
+
+
+def test_help_lists_the_config_groups_and_print_config_shows_the_new_keys(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["pretrain", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "model     paper_d128, paper_d256, paper_d512, paper_d64, tiny*" in out
+    assert "trainer   cpu*, ddp, fsdp, gpu" in out and "eval      generated*, none, standard" in out
+    assert "keel pretrain --print-config [overrides]` prints every key" in out
+    assert cli_main(["pretrain", "--print-config", "init_from=runs/a/checkpoints/last.ckpt",
+                     "trainer.loggers=[csv,tensorboard]"]) == 0
+    printed = capsys.readouterr().out
+    assert "init_from: runs/a/checkpoints/last.ckpt" in printed and "  loggers:\n  - csv\n  - tensorboard\n" in printed
+
+
+@pytest.mark.parametrize(("scheme", "alpha"), [("keel", "1 (2 sublayers), 8 (6 sublayers)"), ("preln", "1 (8 sublayers)"),
+                                              ("deepnorm", "1.682 (8 sublayers)")])
+def test_summary_states_the_model_and_the_plan(scheme, alpha):
+    cfg = load_config(overrides=["model.depth=4", "model.width=64", "model.seq_len=64", "model.vocab_size=1000",
+                                 f"model.scheme={scheme}", "trainer.max_steps=50", "trainer.micro_batch_size=2",
+                                 "trainer.grad_accum=3"])
+    model = KeelLM(cfg.model)
+    lines = run_summary(cfg, model).splitlines()
+    params, embedding = model.num_params(), 1000 * 64
+    tokens = 50 * 2 * 3 * 64
+    assert lines[0].startswith(f"model       {scheme}: depth 4 blocks (L = 8 sublayers), width 64")
+    assert lines[1] == f"parameters  {params:,} ({params - embedding:,} non-embedding)"
+    assert lines[2] == f"alpha       {alpha}"
+    assert lines[4].startswith(f"steps       50 x 384 tokens = {tokens:,} tokens ({tokens / params:.3g} tokens/parameter")
+    assert "precision 32-true, strategy single, world size 1" in lines[6]
+
+
+def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=3", "trainer.grad_accum=2",
+                                "trainer.val_every_n_steps=3", "trainer.val_batches=1", "trainer.progress_bar=true"))
+    bar = trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar)
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)  # 6 micro-batches, 3 steps
+    out = capsys.readouterr().out
+    assert "step: 100%" in out and "3/3" in out and "/6" not in out
+    assert out.count("parameters  57,536 (41,152 non-embedding)") == 1 and "start       fresh initialization" in out
+
+    trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=5", "trainer.grad_accum=2", "trainer.val_every_n_steps=3",
+                                "trainer.val_batches=1", "trainer.progress_bar=true", "resume=auto"))
+    bar = trainer.progress_bar_callback.train_progress_bar
+    assert (bar.initial, bar.n, bar.total) == (3, 5, 5)  # a resumed run's rate and ETA count its own steps only
+    assert f"start       resuming {run / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().out
+
+
+LAUNCHER = '''
+import json, os, sys, torch
+from lightning.pytorch.callbacks import Callback
+from keel import cli, pretrain
+
+class RecordThreads(Callback):  # once the launcher has started every rank
+    def on_train_start(self, trainer, *args):
+        with open(os.path.join(sys.argv[-1].split("=", 1)[1], f"threads{trainer.global_rank}.json"), "w") as f:
+            json.dump(torch.get_num_threads(), f)
+
+configured = pretrain.build_callbacks
+pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), RecordThreads()]
+sys.exit(cli.main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.slow
+def test_threads_hold_in_every_ddp_process_and_rank_zero_alone_prints(tiny_data, tmp_path):
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(LAUNCHER)
+    run = tmp_path / "run"
+    run.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # Lightning resets threads without it
+    args = [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false", "trainer.accelerator=cpu", "trainer=ddp",
+            "trainer.devices=2", "trainer.threads=3", "trainer.max_steps=1", "trainer.val_batches=1", f"run.dir={run}"]
+    args.remove("trainer.threads=1")
+    done = subprocess.run([sys.executable, str(launcher), "pretrain", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads((run / f"threads{rank}.json").read_text()) for rank in (0, 1)] == [3, 3]
+    assert done.stdout.count("parameters  ") == 1
+    assert "strategy ddp, world size 2, 3 intra-op thread(s) per process" in done.stdout

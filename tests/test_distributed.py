@@ -466,7 +466,8 @@ def test_slurm_example_task_finds_its_place(monkeypatch, tmp_path, strategy):
     nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
     node, local = nodes - 1, 3  # the 4th task on the last node, as srun starts it
     for variable in ("TORCHELASTIC_RUN_ID", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        monkeypatch.delenv(variable, raising=False)
+        monkeypatch.setenv(variable, "")  # recorded, so restored afterwards: Lightning's SLURMEnvironment sets
+        monkeypatch.delenv(variable)  # MASTER_ADDR / MASTER_PORT itself, and later runs must not rendezvous at gpu07
     monkeypatch.setenv("SLURM_JOB_NAME", options["job-name"])  # not "bash": a batch job, not an interactive shell
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_NODELIST", "gpu[07-08]")

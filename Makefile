@@ -5,7 +5,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data pretrain test test-fast tensorboard eval generate bench maxlr sweep redundancy clean
+.PHONY: install data pretrain test test-fast tensorboard eval generate bench gpu-check maxlr sweep redundancy clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ redundancy: install
 
 bench: install
 	$(KEEL) bench $(ARGS)
+
+# GPU acceptance in one command, a few minutes on one GPU (docs/bench.md); DEVICE=cpu: the same checks at tiny sizes.
+DEVICE ?= cuda
+gpu-check: install
+	$(KEEL) gpu-check --device $(DEVICE) --out out/gpu-check-$(DEVICE) $(ARGS)
 
 # Downstream tasks on a checkpoint with lm-eval (docs/evaluation.md); ARGS adds lm-eval options (e.g. --limit 200).
 CKPT ?= runs/default/checkpoints/last.ckpt

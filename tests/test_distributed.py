@@ -155,11 +155,11 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
 # ------------------------------------------------------------------------------ sharded checkpoint files
 
 
-def _sharded_checkpoint(path: Path):
+def _sharded_checkpoint(path: Path, *overrides: str):
     """A sharded checkpoint laid out as the FSDP strategy writes it (one process standing in for the ranks)."""
     from torch.distributed.checkpoint import save
 
-    cfg = _tiny_cfg()
+    cfg = _tiny_cfg(*overrides)
     model = KeelLM(cfg.model)
     save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, checkpoint_id=path, no_dist=True)
     torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": None}, "global_step": 3}, path / SHARDED_META)
@@ -257,8 +257,19 @@ def test_bad_combinations_say_what_to_do(tiny_data, tmp_path, monkeypatch, capsy
 
 LAUNCHER = '''
 import os, signal, sys
+from pathlib import Path
+import torch
 from lightning.pytorch.callbacks import Callback
 from keel import cli, pretrain
+
+class Record(Callback):  # the sequences this rank trains on, with the step each is for
+    def __init__(self):
+        self.seen = []
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((trainer.global_step, batch.clone()))
+        path = Path(os.environ["KEEL_TEST_RECORD"] + f"-rank{trainer.global_rank}.pt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.seen, path)
 
 class Crash(Callback):  # a killed run: every rank stops before the step given
     def on_train_batch_start(self, trainer, *args):
@@ -270,7 +281,8 @@ class Interrupt(Callback):  # Ctrl-C reaching rank 0 alone: the others must stop
         if trainer.global_step == int(os.environ["KEEL_TEST_INTERRUPT_AT"]) and trainer.is_global_zero:
             os.kill(os.getpid(), signal.SIGINT)
 
-extra = [Crash()] if "KEEL_TEST_CRASH_AT" in os.environ else []
+extra = [Record()] if "KEEL_TEST_RECORD" in os.environ else []
+extra += [Crash()] if "KEEL_TEST_CRASH_AT" in os.environ else []
 extra += [Interrupt()] if "KEEL_TEST_INTERRUPT_AT" in os.environ else []
 if extra:
     configured = pretrain.build_callbacks
@@ -282,18 +294,37 @@ RUN = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "trainer.accelerator=c
        "trainer.val_batches=2", "optim.warmup_steps=2", f"optim.grad_clip={CLIP}", "callbacks.grad_norms.every_n_steps=1"]
 
 
-def pretrain(tiny_data, run_dir: Path, strategy: str, crash_at: int | None = None) -> None:
-    """`keel pretrain trainer=<strategy>` on 2 CPU processes, Lightning launching the second (it re-runs the
-    command, so the second rank gets the crash callback too)."""
-    launcher = run_dir.parent / "launch.py"
-    launcher.write_text(LAUNCHER)
-    env = {**os.environ, **({"KEEL_TEST_CRASH_AT": str(crash_at)} if crash_at is not None else {})}
-    cmd = [sys.executable, str(launcher), "pretrain", f"trainer={strategy}", *RUN, *tiny_data, f"run.dir={run_dir}"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+def _command(tiny_data, run_dir: Path, strategy: str, overrides=(), launcher=(sys.executable,)) -> list[str]:
+    script = run_dir.parent / "launch.py"
+    script.write_text(LAUNCHER)
+    return [*launcher, str(script), "pretrain", f"trainer={strategy}", *RUN, *tiny_data, f"run.dir={run_dir}",
+            *overrides]
+
+
+def _env(run_dir: Path, attempt: str, crash_at: int | None = None) -> dict[str, str]:
+    crash = {"KEEL_TEST_CRASH_AT": str(crash_at)} if crash_at is not None else {}
+    return {**os.environ, "KEEL_TEST_RECORD": str(run_dir.parent / "seen" / attempt), **crash}
+
+
+def pretrain(tiny_data, run_dir: Path, strategy: str, crash_at: int | None = None, overrides=(),
+             attempt: str = "run") -> None:
+    """`keel pretrain trainer=<strategy>` on 2 CPU processes (unless overrides say otherwise), Lightning launching
+    the others (it re-runs the command, so every rank gets the recording and crash callbacks); each rank's
+    batches are saved under the name `attempt` (seen())."""
+    cmd = _command(tiny_data, run_dir, strategy, overrides)
+    done = subprocess.run(cmd, env=_env(run_dir, attempt, crash_at), capture_output=True, text=True, timeout=900)
     if crash_at is None:
         assert done.returncode == 0, done.stderr[-3000:]
     else:
         assert done.returncode != 0 and "simulated crash" in done.stderr, done.stderr[-3000:]
+
+
+def seen(run_dir: Path, attempt: str = "run") -> list[tuple[int, tuple[int, ...]]]:
+    """(step, token ids) of every sequence any rank trained on in one launch of pretrain()."""
+    records = []
+    for path in sorted((run_dir.parent / "seen").glob(f"{attempt}-rank*.pt")):
+        records += [(step, tuple(row.tolist())) for step, batch in torch.load(path) for row in batch]
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -357,3 +388,121 @@ def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_ex
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 6
     pretrain(tiny_data, run, "ddp")  # resume=auto
     assert scalars(run, "train/loss") == scalars(straight_runs["ddp"], "train/loss")
+
+
+# ------------------------------------------------------------- two nodes: two torchrun launchers on loopback
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_nodes_train_like_one(tiny_data, straight_runs, tmp_path, strategy):
+    """One process per "node", each node started by its own torchrun (static rendezvous on 127.0.0.1), as on a
+    cluster: the same losses and sequences as one node running 2 processes."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    run, port = tmp_path / "run", find_free_network_port()
+    nodes = []
+    for node_rank in range(2):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                    f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        cmd = _command(tiny_data, run, strategy, ["trainer.devices=1", "trainer.num_nodes=2"], launcher=torchrun)
+        nodes.append(subprocess.Popen(cmd, env=_env(run, "run"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    errors = [node.communicate(timeout=900)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(error[-3000:] for error in errors)
+    straight = straight_runs[strategy]
+    assert sorted(seen(run)) == sorted(seen(straight))  # every rank, every step, the same sequences
+    for tag in ("train/loss", "grad/global", "val/loss"):
+        assert scalars(run, tag) == scalars(straight, tag), tag
+
+
+# ------------------------------------------------------------------ elastic resume: another number of processes
+
+ELASTIC = {  # the straight runs' global batch of 8 sequences, split another way
+    "ddp": ["trainer.devices=1", "trainer.grad_accum=2"],  # a single-file checkpoint: 2 processes -> 1
+    "fsdp": ["trainer.devices=4", "trainer.micro_batch_size=2"],  # a sharded one, re-sharded: 2 processes -> 4
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_runs, tmp_path, strategy):
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, strategy, crash_at=6, attempt="before")  # checkpoint at step 4, on 2 processes
+    pretrain(tiny_data, run, strategy, overrides=ELASTIC[strategy], attempt="after")
+    before = [(step, sequence) for step, sequence in seen(run, "before") if step < 4]  # steps 4, 5 are redone
+    after, straight = seen(run, "after"), seen(straight_runs[strategy])
+    processes = int(ELASTIC[strategy][0].split("=")[1])
+    assert len(list((tmp_path / "seen").glob("after-rank*.pt"))) == processes
+    assert {step for step, _ in after} == {4, 5, 6, 7}  # resumed from step 4
+    for step in range(8):  # each step trains on the uninterrupted run's global batch, sequence for sequence
+        ours = sorted(sequence for s, sequence in before + after if s == step)
+        assert len(ours) == 8 and ours == sorted(sequence for s, sequence in straight if s == step), step
+    resumed, uninterrupted = scalars(run, "grad/global"), scalars(straight_runs[strategy], "grad/global")
+    assert sorted(resumed) == list(range(8))
+    # the global gradient is the same sum in another order: equal to float rounding (bit-equal for DDP here)
+    assert [resumed[s] for s in range(4, 8)] == pytest.approx([uninterrupted[s] for s in range(4, 8)], rel=1e-5)
+    # validation at the configured steps, though a step is now another number of Lightning batches
+    assert scalars(run, "val/loss").keys() == scalars(straight_runs[strategy], "val/loss").keys() == {3, 7}
+
+
+# ------------------------------------------------------------------------------------------------------ SLURM
+
+
+def _sbatch_example() -> tuple[dict[str, str], list[str]]:
+    """docs/distributed.md's sbatch script: its #SBATCH options and the overrides of its srun line."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    script = doc[doc.index("    #!/bin/bash"):].split("\n\n")[0]
+    options = dict(line.split()[1].lstrip("-").partition("=")[::2] for line in script.splitlines() if "#SBATCH" in line)
+    srun = next(line.split() for line in script.splitlines() if line.strip().startswith("srun"))
+    return options, srun[srun.index("pretrain") + 1 :]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_slurm_example_task_finds_its_place(monkeypatch, tmp_path, strategy):
+    from keel.pretrain import build_trainer
+
+    options, overrides = _sbatch_example()
+    nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])
+    node, local = nodes - 1, 3  # the 4th task on the last node, as srun starts it
+    for variable in ("TORCHELASTIC_RUN_ID", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.setenv(variable, "")  # recorded, so restored afterwards: Lightning's SLURMEnvironment sets
+        monkeypatch.delenv(variable)  # MASTER_ADDR / MASTER_PORT itself, and later runs must not rendezvous at gpu07
+    monkeypatch.setenv("SLURM_JOB_NAME", options["job-name"])  # not "bash": a batch job, not an interactive shell
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_NTASKS", str(nodes * per_node))
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", str(per_node))
+    monkeypatch.setenv("SLURM_NODEID", str(node))
+    monkeypatch.setenv("SLURM_LOCALID", str(local))
+    monkeypatch.setenv("SLURM_PROCID", str(node * per_node + local))
+    # the example's trainer on CPU (no GPUs here), same devices and nodes
+    overrides = [o.replace("trainer=fsdp", f"trainer={strategy}") for o in overrides if not o.startswith("run.dir=")]
+    cfg = load_config(overrides=[*overrides, "trainer.accelerator=cpu", f"run.dir={tmp_path}"])
+    assert (cfg.trainer.devices, cfg.trainer.num_nodes) == (per_node, nodes)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as pytorch_rank_zero
+    from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero
+
+    for rank_zero in (fabric_rank_zero, pytorch_rank_zero, utilities_rank_zero):  # the strategy sets them to rank 11
+        monkeypatch.setattr(rank_zero, "rank", rank_zero.rank)
+    trainer = build_trainer(cfg, callbacks=[])
+    environment = trainer.strategy.cluster_environment
+    assert type(environment).__name__ == "SLURMEnvironment"
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank) == (node * per_node + local, local, node)
+    assert trainer.world_size == nodes * per_node
+    assert environment.main_address == "gpu07"  # the first host of the allocation, for every task
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # _sharded_checkpoint saves in one process
+def test_resume_allows_another_split_of_the_global_batch_only(tmp_path):
+    sharded = tmp_path / "last.ckpt"
+    _sharded_checkpoint(sharded, "trainer=fsdp", "trainer.devices=2", "trainer.micro_batch_size=4")
+    meta = read_checkpoint(sharded, weights=False)
+    for split in (["trainer.devices=4", "trainer.micro_batch_size=2"],
+                  ["trainer.devices=1", "trainer.micro_batch_size=4", "trainer.grad_accum=2"],
+                  ["trainer.devices=2", "trainer.num_nodes=2", "trainer.micro_batch_size=2"]):
+        check_resumable(_tiny_cfg("trainer=fsdp", *split).trainer, sharded, meta)  # 8 sequences per step
+    with pytest.raises(ConfigError, match=r"trained with 2 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 8 "
+                       r"sequences per step; this config has 4 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 16"):
+        check_resumable(_tiny_cfg("trainer=fsdp", "trainer.devices=4", "trainer.micro_batch_size=4").trainer, sharded, meta)

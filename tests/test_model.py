@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from keel.gpu_check import sublayer_update_error, sublayers
 from keel.gradflow import measure
 from keel.model import (
     SCHEMES, ConfigError, KeelLM, KVCache, ModelConfig, RMSNorm, _RMSNormFunction, needs_final_norm, sublayer_specs,
@@ -25,10 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny(**overrides) -> ModelConfig:
     return ModelConfig(**{**TINY, "depth": 4, **overrides})
-
-
-def sublayers(model: KeelLM):
-    return [sub for block in model.blocks for sub in (block.attn, block.ffn)]
 
 
 # ---------------------------------------------------------------- gradient flow at initialization
@@ -293,33 +290,6 @@ def test_bad_config_names_the_field(overrides, key, allowed):
 
 
 # ---------------------------------------------------------------- precision
-
-
-def sublayer_update_error(model: KeelLM, idx: torch.Tensor, bf16_stream: bool) -> tuple[float, float]:
-    """(relative logits error, median relative error of the per-sublayer stream update out - in) of a bf16
-    autocast forward against the fp32 forward. bf16_stream rounds every sublayer output and every outer
-    norm's input to bf16: what a model whose residual stream is bf16 computes."""
-
-    def run(autocast: bool):
-        updates: list[torch.Tensor] = []
-        handles = []
-        if bf16_stream and autocast:
-            for sub in sublayers(model):
-                handles.append(sub.register_forward_hook(lambda m, args, out: out.bfloat16().float()))
-                if sub.norm_out is not None:
-                    handles.append(sub.norm_out.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(),)))
-        for sub in sublayers(model):  # registered last: sees the rounded output
-            handles.append(sub.register_forward_hook(lambda m, args, out: updates.append(out - args[0])))
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(idx).float()
-        for handle in handles:
-            handle.remove()
-        return logits, updates
-
-    (ref_logits, ref_updates), (logits, updates) = run(False), run(True)
-    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    update_errors = torch.tensor([rel(u, r) for u, r in zip(updates[2:], ref_updates[2:])])  # Keel blocks only
-    return rel(logits, ref_logits), float(update_errors.median())
 
 
 def test_bf16_autocast_keeps_keel_exact_where_a_bf16_stream_would_not():

@@ -163,23 +163,30 @@ def resolve_resume(cfg: Config) -> str | None:
     return cfg.resume
 
 
+def global_batch(trainer) -> int:
+    """Sequences per optimizer step, over every process."""
+    return trainer.devices * trainer.num_nodes * trainer.micro_batch_size * trainer.grad_accum
+
+
 def batch_layout(trainer) -> str:
     """Processes x sequences per process per micro-batch x micro-batches per step = the global batch."""
     processes, micro, accum = trainer.devices * trainer.num_nodes, trainer.micro_batch_size, trainer.grad_accum
-    return f"{processes} process(es) x {micro} sequences x {accum} micro-batch(es) = {processes * micro * accum}"
+    return f"{processes} process(es) x {micro} sequences x {accum} micro-batch(es) = {global_batch(trainer)}"
 
 
 def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
-    """Only the FSDP strategy reads sharded checkpoints, nothing resumes from weights alone, and only on the
-    batch layout it was written with: the data loader's position is saved per process, and another global batch
-    would silently change the recipe (the learning-rate schedule is in steps)."""
+    """Only the FSDP strategy reads sharded checkpoints, nothing resumes from weights alone, and only with the
+    global batch it was written with: another would silently change the recipe (the learning-rate schedule is in
+    steps). Another split of that batch - processes, micro-batch, accumulation - is an elastic resume: the
+    weights and optimizer state are re-sharded on load, and litdata re-plans the rest of the epoch's sample
+    stream over the new processes, so no sequence is repeated or skipped (docs/distributed.md, "Elastic resume")."""
     saved = from_dict(checkpoint["keel"]["config"]).trainer
-    if batch_layout(saved) != batch_layout(trainer):
+    if global_batch(saved) != global_batch(trainer):
         raise ConfigError(
             f"resume: {path} was trained with {batch_layout(saved)} sequences per step; this config has "
-            f"{batch_layout(trainer)}. An exact resume needs the same trainer.devices x trainer.num_nodes, "
-            "trainer.micro_batch_size and trainer.grad_accum; set them as in the checkpoint, or start a new run "
-            "(resume=null, or another run.dir)"
+            f"{batch_layout(trainer)}. A resume keeps the global batch trainer.devices x trainer.num_nodes x "
+            f"trainer.micro_batch_size x trainer.grad_accum = {global_batch(saved)} (any split of it: e.g. half the "
+            "processes and twice trainer.grad_accum); set them so, or start a new run (resume=null, or another run.dir)"
         )
     if Path(path).is_dir() and trainer.strategy != "fsdp":
         raise ConfigError(f"resume: {path} is a sharded (FSDP) checkpoint; resume it with trainer=fsdp, "

@@ -20,6 +20,7 @@ COMMANDS = {
     "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),
     "consolidate": ("keel.checkpoint", "turn a sharded (FSDP) checkpoint into one file"),
     "bench": ("keel.bench", "training-step throughput, memory and MFU"),
+    "gpu-check": ("keel.gpu_check", "GPU acceptance: throughput, training, resume, depth, precision"),
 }
 
 

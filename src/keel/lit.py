@@ -97,6 +97,22 @@ class KeelLitModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_same_model(self.cfg, checkpoint)
+        saved_accum = from_dict(checkpoint["keel"]["config"]).trainer.grad_accum
+        rescale_batch_progress(checkpoint, saved_accum, self.cfg.trainer.grad_accum)
+
+
+def rescale_batch_progress(checkpoint: dict, saved_accum: int, accum: int) -> None:
+    """Lightning counts the fit loop's progress in micro-batches, and measures the validation cadence
+    (val_check_interval = val_every_n_steps x grad_accum) and the epoch's end in them. An elastic resume at another
+    trainer.grad_accum gets, before the loops are restored, the counts this accumulation would have reached after
+    the same optimizer steps; otherwise validation would run at other steps than configured."""
+    if saved_accum == accum:
+        return
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for counts in (progress["total"], progress["current"]):
+        shift = counts["ready"] // saved_accum * (accum - saved_accum)  # steps x the change in micro-batches per step
+        for key in counts:
+            counts[key] += shift
 
 
 def check_same_model(cfg: Config, checkpoint: dict, key: str = "resume") -> None:

@@ -1,0 +1,45 @@
+"""`make gpu-check DEVICE=cpu`: the GPU acceptance script (keel.gpu_check) end to end at tiny sizes on CPU, so that
+it runs when a GPU is first available. Its figures are reports, not test thresholds; its checks are asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from keel.cli import main as cli_main
+
+from conftest import REPO
+
+
+def test_make_target_runs_the_script():
+    dry = subprocess.run(["make", "-n", "gpu-check", "DEVICE=cpu"], cwd=REPO, capture_output=True, text=True)
+    assert dry.returncode == 0 and "keel gpu-check --device cpu --out out/gpu-check-cpu" in dry.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_passes_on_cpu(tmp_path, capsys):
+    out = tmp_path / "gpu-check"  # its own data too, as `make gpu-check DEVICE=cpu` builds it
+    assert cli_main(["gpu-check", "--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads((out / "gpu_check.json").read_text())
+    printed = capsys.readouterr().out
+    assert result["ok"] and list(result["sections"]) == ["bench", "pretrain", "depth", "precision"]
+    assert "PASS" in printed and "[ok] pretrain" in printed and "deepest fitting: 8 blocks" in printed
+    bench = next(iter(result["sections"]["bench"]["configs"].values()))
+    assert bench["keel"]["tokens_per_s"] > 0 and bench["keel"]["mfu"] > 0 and bench["preln"]["ratio"] is None
+    runs = result["sections"]["pretrain"]["runs"]
+    assert list(runs) == ["trainer=cpu", "trainer=fsdp devices=2"]
+    assert all(all(run["checks"].values()) and len(run["loss_resumed"]) == 5 for run in runs.values())
+    assert [t["depth"] for t in result["sections"]["depth"]["tried"]] == [2, 4, 8]
+    assert all(check["ok"] for check in result["sections"]["precision"]["checks"].values())
+
+
+def test_unknown_section_and_missing_gpu_are_refused(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli_main(["gpu-check", "--device", "cuda"]) == 2
+    assert "no CUDA GPU is visible; run `make gpu-check DEVICE=cpu`" in capsys.readouterr().err
+    assert cli_main(["gpu-check", "--device", "cpu", "--sections", "bench,speed"]) == 2
+    assert "--sections: unknown speed; allowed: bench, pretrain, depth, precision" in capsys.readouterr().err

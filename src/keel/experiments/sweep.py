@@ -115,6 +115,8 @@ def collect(out: Path) -> list[dict]:
         row = run_row(run_dir) if (run_dir / "config.yaml").is_file() else {"run": run["name"], "status": "not started"}
         if "alpha" in run["axes"]:
             row["alpha_expr"] = run["axes"]["alpha"]
+        if "row" in run["axes"]:  # a keel maxlr grid: the scheme or variant the run belongs to
+            row["row"] = run["axes"]["row"]
         rows.append(row)
     if not rows:
         raise ConfigError(f"sweep collect: no runs in {out} (no {MANIFEST} and no */config.yaml)")

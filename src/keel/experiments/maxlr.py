@@ -134,7 +134,8 @@ def uses_miniature(overrides: list[str]) -> bool:
 
 def build_grid(args: argparse.Namespace) -> list[Run]:
     """One Run per (depth, seed, row); rows are the schemes (keel once per alpha) and the variants."""
-    depths = args.depths or ([MINIATURE_DEPTH] if uses_miniature(args.overrides) else [None])
+    depths = args.depths or [MINIATURE_DEPTH if uses_miniature(args.overrides)
+                             else load_config(args.config, args.overrides).model.depth]
     rows: list[tuple[str, dict, list[str]]] = []
     for scheme in args.schemes:
         for alpha in (args.alphas if scheme == "keel" and args.alphas else [None]):
@@ -146,13 +147,10 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
     for depth in depths:  # seed before row: an interrupted grid leaves whole seeds, every row compared
         for seed in args.seeds:
             for name, axes, overrides in rows:
-                run_overrides = [*overrides, *([f"model.depth={depth}"] if depth is not None else []),
-                                 f"run.seed={seed}"]
+                run_overrides = [*overrides, f"model.depth={depth}", f"run.seed={seed}"]
                 if "alpha" in axes:
-                    L = 2 * (depth or load_config(args.config, [*args.overrides, *run_overrides]).model.depth)
-                    run_overrides.append(f"model.keel_alpha={resolve_alpha(axes['alpha'], L)!r}")
-                runs.append(Run(f"{name}-d{depth if depth is not None else 'cfg'}-s{seed}",
-                                {"row": name, **axes, **({"depth": str(depth)} if depth else {}), "seed": str(seed)},
+                    run_overrides.append(f"model.keel_alpha={resolve_alpha(axes['alpha'], 2 * depth)!r}")
+                runs.append(Run(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
                                 run_overrides))
     if len({run.name for run in runs}) < len(runs):
         raise ConfigError("keel maxlr: two runs of the grid have the same name (a variant named like a scheme?)")
@@ -428,7 +426,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--print-config", action="store_true", help="print each run's resolved config and exit")
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
     parser.add_argument("overrides", nargs="*", help="group=choice or key.path=value, applied over the miniature")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
     if not 0 < args.start_lr < args.peak_lr:
         raise ConfigError(f"--start-lr {args.start_lr}: must be > 0 and below --peak-lr {args.peak_lr}")
     for key in ("steps", "eval_every", "checkpoint_every"):

@@ -6,7 +6,8 @@
     spike        the smoothed loss stays above its running minimum by spike_margin nats for spike_patience steps
                  (an irrecoverable spike; shorter excursions are logged as recovered spikes)
     stagnation   the smoothed loss has not improved on its best by stagnation_min_delta for stagnation_window
-                 steps (abnormally slow descent; off when the window is 0)
+                 steps (abnormally slow descent; off when the window is 0); with stagnation_below, only once the
+                 loss has been at or below that level (a model still on its initial plateau is not judged)
 
 Spikes and stagnation judge a loss signal: `train` (default), the EMA of the training-batch losses, or `val`,
 the held-out loss of each validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps):
@@ -76,6 +77,7 @@ class StabilityMonitor(Callback):
         stagnation_min_delta: float = 0.01,
         stop_on_failure: bool = False,
         signal: str = "train",
+        stagnation_below: float | None = None,
     ) -> None:
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
@@ -89,6 +91,7 @@ class StabilityMonitor(Callback):
         self.spike_patience = spike_patience
         self.stagnation_window = stagnation_window
         self.stagnation_min_delta = stagnation_min_delta
+        self.stagnation_below = stagnation_below
         self.stop_on_failure = stop_on_failure
         self.failure: Failure | None = None
         self.counts = {"nonfinite_steps": 0, "spikes": 0, "stagnations": 0}
@@ -229,7 +232,7 @@ class StabilityMonitor(Callback):
             if self._over:
                 self._event(trainer, step, f"loss spike recovered after {self._over} steps")
             self._over, self._good_step = 0, step
-        if not self.stagnation_window:
+        if not self.stagnation_window or (self.stagnation_below is not None and self._best > self.stagnation_below):
             return
         if value < self._ref - self.stagnation_min_delta:
             self._ref, self._ref_step = value, step

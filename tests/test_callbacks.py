@@ -176,6 +176,10 @@ def test_held_out_signal_judges_validation_and_reports_the_onset(tiny_data, tmp_
     again = train(tiny_config(tiny_data, run, "trainer.max_steps=20", "resume=auto", *stability))
     assert again.global_step == 9  # resumed after the failure: stopped at once
     assert json.loads((run / "stability.json").read_text())["heldout"] == report["heldout"]
+    plateau = train(tiny_config(tiny_data, tmp_path / "plateau", "trainer.max_steps=12", *stability,
+                                "callbacks.stability.stagnation_below=0.5"))  # a level the model never reaches
+    assert plateau.global_step == 12  # not judged on its plateau: no stagnation, the run goes on
+    assert not json.loads((tmp_path / "plateau" / "stability.json").read_text())["failed"]
 
 
 def test_exponential_warmup_is_geometric_then_constant():

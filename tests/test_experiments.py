@@ -73,6 +73,7 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
         assert r["resolved"] == "False"  # a 2-block model after a few steps is nowhere near unigram - 1 nat
     assert "| preln | 2 |" in (out / "maxlr.md").read_text()
     assert (out / "maxlr.png").stat().st_size > 0 and (out / "maxlr_seeds.png").stat().st_size > 0
+    assert json.loads((out / "preln-d2-s1337" / "maxlr_time.json").read_text())["cpu_s"] > 0
     mtime = (out / "preln-d2-s1337" / "stability.json").stat().st_mtime
     assert cli_main(argv) == 0  # rerun: both probes are finished, nothing is trained again
     assert (out / "preln-d2-s1337" / "stability.json").stat().st_mtime == mtime

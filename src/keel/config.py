@@ -160,6 +160,7 @@ class StabilityConfig:
     spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
+    stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
     stop_on_failure: bool = False  # end the run (with a final checkpoint) at the first failure
     # what spikes and stagnation judge: train = EMA of the training-batch losses; val = the held-out loss of each
     # validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps; the max-LR protocol's)

@@ -157,7 +157,7 @@ def unigram_loss(cfg: Config) -> float:
             break
         targets = batch[:, 1:].numpy()
         total, tokens = total - log_p[targets].sum(), tokens + targets.size
-    return total / tokens
+    return float(total / tokens)
 
 
 def load_run_config(run_dir: str | Path) -> Config:

@@ -12,9 +12,11 @@ its best for spike_patience steps (a spike), or does not improve for stagnation_
 non-finite loss or gradient fails at once. The run's max tolerable LR is the LR at the last held-out evaluation
 before the failure began - the onset, to the evaluations' resolution; the LR at detection is reported too.
 
-A max LR counts only if the model had learned by then: the held-out loss at that evaluation must be at least
---margin nats below the unigram loss of the same held-out batches (a model knowing only token frequencies).
-A run that fails before that is "not resolved", not a max LR; one that reaches the peak unfailed tolerates >= peak.
+Models learn before they are judged: stagnation counts only once the held-out loss has been --margin nats below
+the unigram loss of the same held-out batches (a model knowing only token frequencies; set per run as
+callbacks.stability.stagnation_below), and a max LR counts only if the held-out loss at that evaluation is that
+far below. A run that fails before (a spike or a non-finite step), or never gets there, is "not resolved", not
+a max LR; one that reaches the peak unfailed tolerates >= peak.
 
 Grid: schemes x depths x seeds (x alphas for keel; each --variant is one more row: a name and overrides, e.g.
 --variant noinner=model.scheme=keel,model.keel_inner_norm=false). Runs go to DIR/<row>-d<depth>-s<seed>;
@@ -41,6 +43,7 @@ import json
 import math
 import shlex
 import statistics
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -90,7 +93,7 @@ CRITERION = [
     "callbacks.throughput.enabled=false",
 ]
 LOSS_LR = "loss_lr.csv"
-UNIGRAM = "unigram.json"
+COST = "maxlr_time.json"  # wall and CPU seconds of the run (of its last session, when resumed)
 
 
 class LossByLR(Callback):
@@ -190,6 +193,11 @@ def finished(run_dir: Path, max_steps: int) -> bool:
 # ---------------------------------------------------------------------------------------------------- collect
 
 
+def unigram_key(cfg) -> tuple:
+    """What the unigram loss of the held-out batches depends on."""
+    return cfg.data.dir, cfg.model.seq_len, cfg.trainer.micro_batch_size, cfg.trainer.val_batches
+
+
 def held_out_at(heldout: list, step: int | None) -> float | None:
     return next((loss for s, _, loss in heldout if s == step), None)
 
@@ -205,6 +213,8 @@ def probe_row(run_dir: Path, label: str, unigram: float, margin: float, fixed_lr
     """run_row plus what the protocol adds: the held-out loss at the max LR, the verdict's resolution and
     the held-out loss at fixed_lr."""
     row = {"row": label, **run_row(run_dir)}
+    if (run_dir / COST).is_file():
+        row |= json.loads((run_dir / COST).read_text())
     state = json.loads((run_dir / "stability.json").read_text())
     heldout = state.get("heldout", [])
     if row["failed"]:
@@ -292,7 +302,7 @@ def collect(out: Path, margin: float, fixed_lr: float, pairs: list[tuple[str, st
             pending.append(run["name"])
             continue
         cfg = load_run_config(run_dir)
-        key = (cfg.data.dir, cfg.model.seq_len, cfg.trainer.micro_batch_size, cfg.trainer.val_batches)
+        key = unigram_key(cfg)
         if key not in unigrams:
             unigrams[key] = unigram_loss(cfg)
         rows.append(probe_row(run_dir, run["axes"]["row"], unigrams[key], margin, fixed_lr))
@@ -305,11 +315,13 @@ def collect(out: Path, margin: float, fixed_lr: float, pairs: list[tuple[str, st
     tests = [t for depth in dict.fromkeys(r["depth"] for r in rows) for a, b in pairs
              if (t := compare(rows, a, b, depth)) is not None]
     columns = ["run", "failure", "onset_step", "max_tolerable_lr", "detected_step", "detected_lr",
-               "heldout_at_max_lr", "best_heldout", f"heldout_at_lr_{fixed_lr:g}", "resolved", "steps"]
+               "heldout_at_max_lr", "best_heldout", f"heldout_at_lr_{fixed_lr:g}", "resolved", "steps", "cpu_s"]
     text = [f"# Max tolerable LR: {manifest.get('protocol', '')}", "",
             f"Unigram loss of the held-out batches: {', '.join(f'{u:.3f}' for u in unigrams.values())}; a max LR "
             f"is resolved when the held-out loss there is <= unigram - {margin:g}. {len(rows)} runs finished"
-            + (f", {len(pending)} not (yet): {', '.join(pending)}" if pending else "") + ".", "",
+            + (f", {len(pending)} not (yet): {', '.join(pending)}" if pending else "") + "."
+            + (f" CPU time of the finished runs: {sum(r['cpu_s'] for r in rows if 'cpu_s' in r) / 60:.1f} min "
+               f"({sum('cpu_s' in r for r in rows)} runs timed)." if any("cpu_s" in r for r in rows) else ""), "",
             markdown_table(summary, list(summary[0])), ""]
     if tests:
         text += ["Sign tests (max LR per seed; a run with no failure counts as the peak; ties and unresolved "
@@ -385,7 +397,7 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
 def collect_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="keel maxlr collect", description="Tabulate a keel maxlr directory.")
     parser.add_argument("dir")
-    parser.add_argument("--margin", type=float, default=1.0, help="nats below the unigram loss for a resolved max LR")
+    parser.add_argument("--margin", type=float, default=0.5, help="nats below the unigram loss for a resolved max LR")
     parser.add_argument("--fixed-lr", type=float, default=0.01, help="report the held-out loss at this LR")
     parser.add_argument("--pairs", type=comma_list(str), default=None, help="A:B,... rows to sign-test")
     args = parser.parse_args(argv)
@@ -417,7 +429,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=300, help="steps of the ramp (= the whole run)")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (resume)")
-    parser.add_argument("--margin", type=float, default=1.0, help="nats below the unigram loss for a resolved max LR")
+    parser.add_argument("--margin", type=float, default=0.5,
+                        help="nats below the unigram loss: stagnation is judged, and a max LR resolved, only there")
     parser.add_argument("--fixed-lr", type=float, default=0.01, help="report the held-out loss at this LR")
     parser.add_argument("--out", default="runs/maxlr")
     parser.add_argument("--emit", choices=("run", "commands", "slurm"), default="run")
@@ -455,17 +468,27 @@ def main(argv: list[str]) -> int:
                         else slurm_script(commands, out, args.sbatch))
         print(f"keel maxlr: {len(runs)} runs -> {path}; afterwards: keel maxlr collect {out}")
         return 0
+    unigrams: dict[tuple, float] = {}
     todo = [(run, cfg) for run, cfg in zip(runs, configs) if not args.only or run.name in args.only]
     for i, (run, cfg) in enumerate(todo, 1):
         run_dir = Path(cfg.run.dir)
         if finished(run_dir, cfg.trainer.max_steps):
             print(f"keel maxlr: {i}/{len(todo)} {run.name}: finished before, skipped", flush=True)
             continue
+        cpu_start = time.process_time()
+        key = unigram_key(cfg)
+        if key not in unigrams:
+            unigrams[key] = unigram_loss(cfg)
+        # models learn before they are judged: no stagnation verdict on the initial plateau
+        cfg.callbacks.stability.stagnation_below = unigrams[key] - args.margin
         wall_s = train_run(cfg, [LossByLR(cfg.run.dir)])
+        cpu_s = time.process_time() - cpu_start  # this process's CPU, all threads: the cost on a shared machine
+        (run_dir / COST).write_text(json.dumps({"wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1)}) + "\n")
         state = json.loads((run_dir / "stability.json").read_text())
         verdict = (f"{state['kind']} from step {state['step']}, max LR {state['max_tolerable_lr']}" if state["failed"]
                    else f"no failure up to {state['max_lr_seen']:.3g}")
-        print(f"keel maxlr: {i}/{len(todo)} {run.name}: {verdict} ({state['steps']} steps, {wall_s:.0f} s)", flush=True)
+        print(f"keel maxlr: {i}/{len(todo)} {run.name}: {verdict} ({state['steps']} steps, {wall_s:.0f} s wall, "
+              f"{cpu_s:.0f} s CPU)", flush=True)
     if not args.only:
         collect(out, args.margin, args.fixed_lr)
         print(f"\n{(out / 'maxlr.md').read_text()}\nkeel maxlr: wrote {out}/maxlr.csv, maxlr.md, plots")

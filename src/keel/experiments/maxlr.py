@@ -199,7 +199,9 @@ def unigram_key(cfg) -> tuple:
 
 
 def held_out_at(heldout: list, step: int | None) -> float | None:
-    return next((loss for s, _, loss in heldout if s == step), None)
+    """The held-out loss of the last evaluation at or before `step` (the step before a failure's onset: an
+    evaluation's own step for held-out failures, any step for a non-finite one)."""
+    return next((loss for s, _, loss in reversed(heldout) if step is not None and s <= step), None)
 
 
 def loss_at_lr(heldout: list, lr: float) -> float | None:
@@ -424,9 +426,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--variant", dest="variants", action="append", default=[],
                         help="NAME=KEY=VALUE[,KEY=VALUE...]: one more row (repeatable)")
     parser.add_argument("--peak-lr", type=float, default=0.3, help="where the ramp ends")
-    parser.add_argument("--start-lr", type=float, default=3e-3, help="where the exponential ramp starts")
+    parser.add_argument("--start-lr", type=float, default=1e-3, help="where the exponential ramp starts")
     parser.add_argument("--ramp", choices=("exp", "linear"), default="exp")
-    parser.add_argument("--steps", type=int, default=300, help="steps of the ramp (= the whole run)")
+    parser.add_argument("--steps", type=int, default=400, help="steps of the ramp (= the whole run)")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (resume)")
     parser.add_argument("--margin", type=float, default=0.5,

@@ -28,7 +28,9 @@ protocol in-process, so a probe's intended failure is a result, not a failed job
 
 The CPU miniature (16 blocks of width 64, 4 heads, 128-token sequences, 8 sequences per step, one thread) applies
 only when no model group or model.* key is given: `keel maxlr model=paper_d64 trainer=gpu` runs the paper's
-model. callbacks.stability.* and trainer.val_batches override the protocol's criterion settings.
+model. callbacks.stability.* (but stagnation_below, set from --margin) and trainer.val_batches override the
+protocol's criterion settings. The ramp's defaults were calibrated on the miniature (docs/experiments.md):
+calibrate --start-lr, --peak-lr and --steps again at another scale.
 
 Writes DIR/maxlr.csv (a row per run), DIR/maxlr.md (per scheme and depth: median and range of the max LR over
 seeds, failure kinds, resolved count, held-out loss at a fixed LR; sign tests between scheme pairs), and plots:

@@ -14,8 +14,8 @@ before the failure began - the onset, to the evaluations' resolution; the LR at 
 
 Models learn before they are judged: stagnation counts only once the held-out loss has been --margin nats below
 the unigram loss of the same held-out batches (a model knowing only token frequencies; set per run as
-callbacks.stability.stagnation_below), and a max LR counts only if the held-out loss at that evaluation is that
-far below. A run that fails before (a spike or a non-finite step), or never gets there, is "not resolved", not
+callbacks.stability.stagnation_below), and a max LR counts only if the model had got that far below by then
+(its best held-out loss up to the max LR's evaluation). A run that fails before (a spike or a non-finite step), or never gets there, is "not resolved", not
 a max LR; one that reaches the peak unfailed tolerates >= peak.
 
 Grid: schemes x depths x seeds (x alphas for keel; each --variant is one more row: a name and overrides, e.g.
@@ -200,12 +200,6 @@ def unigram_key(cfg) -> tuple:
     return cfg.data.dir, cfg.model.seq_len, cfg.trainer.micro_batch_size, cfg.trainer.val_batches
 
 
-def held_out_at(heldout: list, step: int | None) -> float | None:
-    """The held-out loss of the last evaluation at or before `step` (the step before a failure's onset: an
-    evaluation's own step for held-out failures, any step for a non-finite one)."""
-    return next((loss for s, _, loss in reversed(heldout) if step is not None and s <= step), None)
-
-
 def loss_at_lr(heldout: list, lr: float) -> float | None:
     """Held-out loss at the last evaluation whose LR is <= lr; None when the run stopped before the ramp passed lr."""
     if not heldout or heldout[-1][1] is None or heldout[-1][1] < lr:
@@ -221,14 +215,13 @@ def probe_row(run_dir: Path, label: str, unigram: float, margin: float, fixed_lr
         row |= json.loads((run_dir / COST).read_text())
     state = json.loads((run_dir / "stability.json").read_text())
     heldout = state.get("heldout", [])
-    if row["failed"]:
-        at_max = held_out_at(heldout, None if state["step"] is None else state["step"] - 1)
-    else:
-        at_max = heldout[-1][2] if heldout else None
+    last = (state["step"] - 1 if state["step"] is not None else -1) if row["failed"] else math.inf
+    judged = [loss for step, _, loss in heldout if step <= last]  # the evaluations up to the max LR
     row |= {"detected_step": state.get("detected_step"), "detected_lr": state.get("detected_lr"),
-            "heldout_at_max_lr": at_max, "best_heldout": min((loss for *_, loss in heldout), default=None),
-            "unigram_loss": unigram,
-            "resolved": at_max is not None and at_max <= unigram - margin,
+            "heldout_at_max_lr": judged[-1] if judged else None,
+            "best_heldout": min(judged, default=None), "unigram_loss": unigram,
+            # the model had learned by its max LR: its best held-out loss up to there is margin below unigram
+            "resolved": bool(judged) and min(judged) <= unigram - margin,
             f"heldout_at_lr_{fixed_lr:g}": loss_at_lr(heldout, fixed_lr)}
     return row
 
@@ -266,8 +259,8 @@ def compare(rows: list[dict], a: str, b: str, depth: int) -> dict | None:
             wins += 1
         else:
             losses += 1
-    return {"depth": depth, "comparison": f"{a} vs {b}", "seeds": len(seeds), f"{a} higher": wins,
-            f"{b} higher": losses, "ties": ties, "not resolved": unresolved, "sign test p": sign_test(wins, losses),
+    return {"depth": depth, "comparison": f"{a} vs {b}", "seeds": len(seeds), "first higher": wins,
+            "second higher": losses, "ties": ties, "not resolved": unresolved, "sign test p": sign_test(wins, losses),
             "verdict": f"{a} higher in {wins} of {len(seeds)} seeds"}
 
 
@@ -322,7 +315,7 @@ def collect(out: Path, margin: float, fixed_lr: float, pairs: list[tuple[str, st
                "heldout_at_max_lr", "best_heldout", f"heldout_at_lr_{fixed_lr:g}", "resolved", "steps", "cpu_s"]
     text = [f"# Max tolerable LR: {manifest.get('protocol', '')}", "",
             f"Unigram loss of the held-out batches: {', '.join(f'{u:.3f}' for u in unigrams.values())}; a max LR "
-            f"is resolved when the held-out loss there is <= unigram - {margin:g}. {len(rows)} runs finished"
+            f"is resolved when the best held-out loss up to it is <= unigram - {margin:g}. {len(rows)} runs finished"
             + (f", {len(pending)} not (yet): {', '.join(pending)}" if pending else "") + "."
             + (f" CPU time of the finished runs: {sum(r['cpu_s'] for r in rows if 'cpu_s' in r) / 60:.1f} min "
                f"({sum('cpu_s' in r for r in rows)} runs timed)." if any("cpu_s" in r for r in rows) else ""), "",

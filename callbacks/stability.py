@@ -12,7 +12,7 @@
 Spikes and stagnation judge a loss signal: `train` (default), the EMA of the training-batch losses, or `val`,
 the held-out loss of each validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps):
 a property of the model, not of the batches it happens to see - what the max-LR protocol judges. Patience and
-window stay in optimizer steps; under `val` a spike lasts from the first evaluation above the margin.
+window stay in optimizer steps; under `val` a spike is counted from the last evaluation within the margin.
 
 The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the step before the
 failure's onset (under `val`: the step of the last evaluation before it - within the evaluations' resolution,

@@ -261,7 +261,8 @@ def compare(rows: list[dict], a: str, b: str, depth: int) -> dict | None:
             losses += 1
     return {"depth": depth, "comparison": f"{a} vs {b}", "seeds": len(seeds), "first higher": wins,
             "second higher": losses, "ties": ties, "not resolved": unresolved, "sign test p": sign_test(wins, losses),
-            "verdict": f"{a} higher in {wins} of {len(seeds)} seeds"}
+            "verdict": f"{a} higher in {wins} of {wins + losses + ties} seeds"
+                       + (f" ({unresolved} more not resolved)" if unresolved else "")}
 
 
 def summarize(rows: list[dict], fixed_lr: float) -> list[dict]:

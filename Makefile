@@ -5,7 +5,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data pretrain test test-fast tensorboard eval generate bench gpu-check maxlr sweep redundancy clean
+.PHONY: install data pretrain test test-fast tensorboard eval generate bench gpu-check maxlr sweep redundancy paper clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,31 @@ maxlr sweep: install
 
 redundancy: install
 	$(KEEL) redundancy $(ARGS)
+
+# The max-LR report of docs/experiments.md: Table 1 at two depths and the ablations, SEEDS each. At miniature
+# (default) it trains here; interrupted, rerun it to continue (finished runs are skipped). PAPER_SCALE=1 writes
+# the same grids at paper scale as SLURM arrays instead (PAPER_SBATCH: #SBATCH options, space-separated); gather
+# each with `keel maxlr collect DIR`. ARGS (options or overrides) go to every grid, e.g. data=fineweb_edu.
+SEEDS ?= 1,2,3,4,5
+PAPER_OUT ?= runs/paper
+ABLATIONS := --schemes keel --alphas '1,sqrt(L),L/2,L,2L,L*L,L**0.25' \
+	--variant noinner=model.scheme=keel,model.keel_inner_norm=false --variant v2=model.scheme=keel,model.keel_first_block=v2
+ABLATION_PAIRS := keel-aL:keel-a1,keel-aL:keel-asqrtL,keel-aL:keel-aLdiv2,keel-aL:keel-a2L,keel-aL:keel-aLxL,keel-aL:keel-aLxx0.25,keel-aL:noinner,keel-aL:v2
+ifeq ($(PAPER_SCALE),1)
+SHALLOW := model=paper_d64 trainer=gpu
+DEEP := --depths 256 model=paper_d64 trainer=gpu
+EMIT := --emit slurm $(foreach option,$(PAPER_SBATCH),--sbatch=$(option))
+else
+SHALLOW :=
+DEEP := --depths 48 model.width=32 model.n_heads=4 model.seq_len=128 trainer.micro_batch_size=8 trainer.threads=1
+EMIT :=
+endif
+paper: install
+	$(KEEL) data $(filter data=% data.%,$(ARGS))
+	$(KEEL) maxlr --seeds $(SEEDS) --out $(PAPER_OUT)/table1-d16 $(EMIT) $(SHALLOW) $(ARGS)
+	$(KEEL) maxlr --schemes keel,preln,postln,deepnorm --seeds $(SEEDS) --out $(PAPER_OUT)/table1-deep $(EMIT) $(DEEP) $(ARGS)
+	$(KEEL) maxlr $(ABLATIONS) --seeds $(SEEDS) --out $(PAPER_OUT)/ablations $(EMIT) $(SHALLOW) $(ARGS)
+	$(if $(filter 1,$(PAPER_SCALE)),,$(KEEL) maxlr collect $(PAPER_OUT)/ablations --pairs $(ABLATION_PAIRS))
 
 bench: install
 	$(KEEL) bench $(ARGS)

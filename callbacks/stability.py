@@ -6,17 +6,27 @@
     spike        the smoothed loss stays above its running minimum by spike_margin nats for spike_patience steps
                  (an irrecoverable spike; shorter excursions are logged as recovered spikes)
     stagnation   the smoothed loss has not improved on its best by stagnation_min_delta for stagnation_window
-                 steps (abnormally slow descent; off when the window is 0)
+                 steps (abnormally slow descent; off when the window is 0); with stagnation_below, only once the
+                 loss has been at or below that level (a model still on its initial plateau is not judged)
+
+Spikes and stagnation judge a loss signal: `train` (default), the EMA of the training-batch losses, or `val`,
+the held-out loss of each validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps):
+a property of the model, not of the batches it happens to see - what the max-LR protocol judges. Patience and
+window stay in optimizer steps; under `val` a spike is counted from the last evaluation within the margin.
 
 The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the step before the
-failure's onset, and written to <run.dir>/stability.json (rewritten at the end of training, failed or not).
+failure's onset (under `val`: the step of the last evaluation before it - within the evaluations' resolution,
+the onset, not the later detection, whose LR is `detected_lr`), and written to <run.dir>/stability.json
+(rewritten at the end of training, failed or not; under `val` with every evaluation as `heldout`: step, lr, loss).
 The run then ends cleanly (trainer.should_stop; the final checkpoint is written and `keel pretrain` exits 1) if
-stop_on_failure (the default), and always for a non-finite step under on_nonfinite=stop; with
-stop_on_failure=false training goes on, which is said once. Typical use (the max-LR experiment):
+stop_on_failure (the default), and always for a non-finite step under on_nonfinite=stop; a run resumed after such
+a stop stops again at once. With stop_on_failure=false training goes on, which is said once. Typical use (the
+max-LR experiment):
 
     monitor = StabilityMonitor(run_dir, stop_on_failure=True, stagnation_window=100)
     trainer.fit(...)
-    monitor.failure        # None, or Failure(kind, step, detected_step, lr, max_tolerable_lr, loss, message)
+    monitor.failure        # None, or Failure(kind, step, detected_step, lr, max_tolerable_lr, loss, message,
+                           #               detected_lr)
     monitor.max_tolerable_lr
 
 Every decision uses values that are the same on every rank (the loss averaged over ranks, the full gradient
@@ -39,7 +49,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks._logging import due, log_scalars, log_text
 from keel.callbacks._norms import full_norms
-from keel.config import ON_NONFINITE
+from keel.config import ON_NONFINITE, STABILITY_SIGNALS
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
 
@@ -51,8 +61,9 @@ class Failure:
     detected_step: int
     lr: float | None  # learning rate at the onset
     max_tolerable_lr: float | None  # learning rate of the step before the onset (None: failed from the first step)
-    loss: float  # step loss when detected
+    loss: float  # step loss (signal val: held-out loss) when detected
     message: str
+    detected_lr: float | None = None  # learning rate at the detection
 
 
 def describe(failure: Failure) -> str:
@@ -73,9 +84,14 @@ class StabilityMonitor(Callback):
         stagnation_window: int = 0,
         stagnation_min_delta: float = 0.01,
         stop_on_failure: bool = True,
+        signal: str = "train",
+        stagnation_below: float | None = None,
     ) -> None:
         if on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        if signal not in STABILITY_SIGNALS:
+            raise ValueError(f"signal must be one of {STABILITY_SIGNALS}, got {signal!r}")
+        self.signal = signal
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.on_nonfinite = on_nonfinite
         self.max_nonfinite = max_nonfinite
@@ -83,6 +99,7 @@ class StabilityMonitor(Callback):
         self.spike_patience = spike_patience
         self.stagnation_window = stagnation_window
         self.stagnation_min_delta = stagnation_min_delta
+        self.stagnation_below = stagnation_below
         self.stop_on_failure = stop_on_failure
         self.failure: Failure | None = None
         self.counts = {"nonfinite_steps": 0, "spikes": 0, "stagnations": 0}
@@ -91,11 +108,16 @@ class StabilityMonitor(Callback):
         self._ema: float | None = None
         self._best = math.inf  # running minimum of the EMA
         self._over = 0  # consecutive steps with the EMA above best + margin
+        self._excess: float | None = None  # last judged value - its running minimum (compared with spike_margin)
+        self._good_step = -1  # signal val: the last evaluation not above best + margin
+        self.heldout: list[tuple[int, float | None, float]] = []  # signal val: (step, lr, held-out loss)
         self._ref, self._ref_step = math.inf, -1  # last significant improvement (stagnation)
         self._nonfinite_run = 0
         # per step
         self._loss: torch.Tensor | None = None  # sum of the micro-batches' (1/accumulate)-scaled losses
-        self._lrs: deque[tuple[int, float]] = deque(maxlen=max(spike_patience, stagnation_window, max_nonfinite) + 2)
+        # (step, lr) back to the earliest onset a failure can still have; under val, pruned at each evaluation
+        self._lrs: deque[tuple[int, float]] = deque(
+            maxlen=max(spike_patience, stagnation_window, max_nonfinite) + 2 if signal == "train" else None)
         self._scaler = None
         self._elapsed_s, self._timed_steps = 0.0, 0
 
@@ -109,13 +131,31 @@ class StabilityMonitor(Callback):
         if failure["loss"] is not None and not math.isfinite(failure["loss"]):
             failure["loss"] = None  # strict JSON has no NaN; the message says what it was
         return {"failed": self.failure is not None, **failure, "steps": steps, "max_lr_seen": self.max_lr_seen,
-                **self.counts}
+                **self.counts, "signal": self.signal, **({"heldout": self.heldout} if self.signal == "val" else {})}
 
     # ------------------------------------------------------------------------------------------------- hooks
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # fp16 loss scaling: inf gradients are routine there and handled by the scaler, so only the loss is checked
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.failure is not None and self.stop_on_failure:  # resumed after stopping: the run is over
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if self.signal != "val" or trainer.sanity_checking or loss is None:
+            return
+        step, loss = trainer.global_step - 1, float(loss)  # validation follows optimizer step global_step - 1
+        self.heldout.append((step, self._lr_at(step), loss))
+        if math.isfinite(loss):
+            self._judge(trainer, step, loss)
+        else:
+            self._fail(trainer, "nonfinite", step, step, loss, f"held-out loss {loss}")
+        earliest = min(self._good_step, self._ref_step if self.stagnation_window else step) - 1
+        while self._lrs and self._lrs[0][0] < earliest:
+            self._lrs.popleft()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach()
@@ -138,7 +178,9 @@ class StabilityMonitor(Callback):
         loss, *grad_norm = torch.stack(checks).tolist()  # the only host sync of this callback
         if math.isfinite(loss) and all(math.isfinite(g) for g in grad_norm):
             self._nonfinite_run = 0
-            self._follow_trend(trainer, step, loss)
+            self._ema = loss if self._ema is None else SMOOTHING * self._ema + (1 - SMOOTHING) * loss
+            if self.signal == "train":
+                self._judge(trainer, step, self._ema)
         else:
             optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
             self._on_nonfinite(trainer, step, loss, grad_norm)
@@ -155,6 +197,7 @@ class StabilityMonitor(Callback):
             "failure": asdict(self.failure) if self.failure else None, "counts": dict(self.counts),
             "max_lr_seen": self.max_lr_seen, "ema": self._ema, "best": self._best, "over": self._over,
             "ref": self._ref, "ref_step": self._ref_step, "nonfinite_run": self._nonfinite_run,
+            "good_step": self._good_step, "heldout": self.heldout,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -163,6 +206,8 @@ class StabilityMonitor(Callback):
         self.max_lr_seen = state["max_lr_seen"]
         self._ema, self._best, self._over = state["ema"], state["best"], state["over"]
         self._ref, self._ref_step, self._nonfinite_run = state["ref"], state["ref_step"], state["nonfinite_run"]
+        self._good_step = state.get("good_step", -1)
+        self.heldout = [tuple(point) for point in state.get("heldout", [])]
 
     # ------------------------------------------------------------------------------------------------ checks
 
@@ -177,30 +222,32 @@ class StabilityMonitor(Callback):
             onset = step - self._nonfinite_run + 1
             self._fail(trainer, "nonfinite", onset, step, loss, f"{self._nonfinite_run} consecutive non-finite steps")
 
-    def _follow_trend(self, trainer: L.Trainer, step: int, loss: float) -> None:
-        self._ema = loss if self._ema is None else SMOOTHING * self._ema + (1 - SMOOTHING) * loss
-        self._best = min(self._best, self._ema)
-        excess = self._ema - self._best
-        if excess > self.spike_margin:
-            self._over += 1
-            if self._over == 1:
+    def _judge(self, trainer: L.Trainer, step: int, value: float) -> None:
+        """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
+        self._best = min(self._best, value)
+        self._excess = value - self._best
+        if self._excess > self.spike_margin:
+            if self._over == 0:
                 self.counts["spikes"] += 1
-                self._event(trainer, step,
-                            f"loss spike: smoothed loss {self._ema:.3f} is {excess:.2f} above its minimum")
-            if self._over == self.spike_patience:
-                self._fail(trainer, "spike", step - self._over + 1, step, loss, f"smoothed loss above its minimum "
-                           f"{self._best:.3f} by > {self.spike_margin} for {self._over} steps")
-        elif self._over:
-            self._event(trainer, step, f"loss spike recovered after {self._over} steps")
-            self._over = 0
-        if not self.stagnation_window:
+                self._event(trainer, step, f"loss spike: {self.signal} loss {value:.3f} is {self._excess:.2f} "
+                            "above its minimum")
+            # train: consecutive steps above; val: steps since the last evaluation that was not above
+            before, self._over = self._over, self._over + 1 if self.signal == "train" else step - self._good_step
+            if before < self.spike_patience <= self._over:
+                self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.signal} loss above its "
+                           f"minimum {self._best:.3f} by > {self.spike_margin} for {self._over} steps")
+        else:
+            if self._over:
+                self._event(trainer, step, f"loss spike recovered after {self._over} steps")
+            self._over, self._good_step = 0, step
+        if not self.stagnation_window or (self.stagnation_below is not None and self._best > self.stagnation_below):
             return
-        if self._ema < self._ref - self.stagnation_min_delta:
-            self._ref, self._ref_step = self._ema, step
+        if value < self._ref - self.stagnation_min_delta:
+            self._ref, self._ref_step = value, step
         elif step - self._ref_step >= self.stagnation_window:
             self.counts["stagnations"] += 1
-            self._fail(trainer, "stagnation", self._ref_step + 1, step, loss,
-                       f"smoothed loss {self._ema:.3f} has not improved on {self._ref:.3f} by "
+            self._fail(trainer, "stagnation", self._ref_step + 1, step, value,
+                       f"{self.signal} loss {value:.3f} has not improved on {self._ref:.3f} by "
                        f"{self.stagnation_min_delta} for {step - self._ref_step} steps")
             self._ref_step = step  # another stagnation only after another full window
 
@@ -213,7 +260,8 @@ class StabilityMonitor(Callback):
               stop: bool = False) -> None:
         first = self.failure is None
         if first:
-            self.failure = Failure(kind, onset, step, self._lr_at(onset), self._lr_at(onset - 1), loss, message)
+            self.failure = Failure(kind, onset, step, self._lr_at(onset), self._lr_at(onset - 1), loss, message,
+                                   self._lr_at(step))
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
         if stop or self.stop_on_failure:
@@ -230,8 +278,8 @@ class StabilityMonitor(Callback):
     def _log_state(self, trainer: L.Trainer, step: int) -> None:
         metrics = {f"stability/{name}": float(count) for name, count in self.counts.items()}
         metrics["stability/failed"] = float(self.failure is not None)
-        if self._ema is not None:
-            metrics["stability/loss_excess"] = self._ema - self._best  # what spike_margin is compared with
+        if self._excess is not None:
+            metrics["stability/loss_excess"] = self._excess  # what spike_margin is compared with
         if self.max_tolerable_lr is not None:
             metrics["stability/max_tolerable_lr"] = self.max_tolerable_lr
         if self._timed_steps:

@@ -150,6 +150,48 @@ def test_learning_rate_blow_up_is_detected_and_stops(tiny_data, tmp_path):
     assert json.loads((run / "stability.json").read_text())["max_tolerable_lr"] == pytest.approx(expected)
 
 
+def test_held_out_signal_judges_validation_and_reports_the_onset(tiny_data, tmp_path):
+    """signal=val: stagnation judged on the held-out loss of each validation (steps 2, 5, 8 with validation every
+    3 steps). An improvement threshold no loss can meet makes the first evaluation the last improvement: the
+    failure is found at step 8, its onset is step 3, and the max tolerable LR is that of step 2 (the last good
+    evaluation), the detection's LR that of step 8. A resumed run stays stopped."""
+    run = tmp_path / "run"
+    stability = ["trainer.val_every_n_steps=3", "trainer.val_batches=2", "optim.schedule=exp_warmup",
+                 "optim.min_lr_ratio=0.01", "optim.warmup_steps=20", "callbacks.stability.signal=val",
+                 "callbacks.stability.stagnation_window=6", "callbacks.stability.stagnation_min_delta=100",
+                 "callbacks.stability.stop_on_failure=true", "callbacks.grad_norms.enabled=false",
+                 "callbacks.layer_importance.enabled=false"]
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=20", *stability)
+    trainer = train(cfg)
+    assert trainer.global_step == 9
+    report = json.loads((run / "stability.json").read_text())
+    lr = [cfg.optim.lr * lr_factor(step, cfg.optim, 20) for step in range(20)]
+    assert (report["kind"], report["step"], report["detected_step"]) == ("stagnation", 3, 8)
+    assert report["max_tolerable_lr"] == pytest.approx(lr[2]) and report["detected_lr"] == pytest.approx(lr[8])
+    assert report["signal"] == "val" and [p[0] for p in report["heldout"]] == [2, 5, 8]
+    assert [p[1] for p in report["heldout"]] == pytest.approx([lr[2], lr[5], lr[8]])
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("val/loss")] == pytest.approx([p[2] for p in report["heldout"]])
+    again = train(tiny_config(tiny_data, run, "trainer.max_steps=20", "resume=auto", *stability))
+    assert again.global_step == 9  # resumed after the failure: stopped at once
+    assert json.loads((run / "stability.json").read_text())["heldout"] == report["heldout"]
+    plateau = train(tiny_config(tiny_data, tmp_path / "plateau", "trainer.max_steps=12", *stability,
+                                "callbacks.stability.stagnation_below=0.5"))  # a level the model never reaches
+    assert plateau.global_step == 12  # not judged on its plateau: no stagnation, the run goes on
+    assert not json.loads((tmp_path / "plateau" / "stability.json").read_text())["failed"]
+
+
+def test_exponential_warmup_is_geometric_then_constant():
+    optim = load_config(overrides=["optim.schedule=exp_warmup", "optim.min_lr_ratio=0.001",
+                                   "optim.warmup_steps=31"]).optim
+    factors = [lr_factor(step, optim, 100) for step in range(40)]
+    assert factors[0] == pytest.approx(0.001) and factors[30] == pytest.approx(1.0)
+    ratios = [b / a for a, b in zip(factors[:30], factors[1:31])]
+    assert ratios == pytest.approx([1000 ** (1 / 30)] * 30)  # the same factor every step: steps per decade fixed
+    assert factors[31:] == [1.0] * 9
+
+
 def test_layer_importance_is_zero_for_an_identity_block():
     torch.manual_seed(0)
     cfg = ModelConfig(depth=4, width=32, n_heads=2, seq_len=16, vocab_size=64, init="unit")

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
+from keel.experiments.maxlr import main as maxlr_main
+from keel.experiments.maxlr import sign_test
 from keel.model import ConfigError, KeelLM
 
 from conftest import QUIET_TRAINER, TINY_MODEL
@@ -54,7 +57,8 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
     out = tmp_path / "maxlr"
     peak = 20.0  # absurd for AdamW: every run must fail on the way up
     argv = ["maxlr", "--schemes", "preln,keel", "--depths", "2", "--steps", "24", "--peak-lr", str(peak),
-            "--out", str(out), *QUICK, *tiny_data, "callbacks.stability.spike_patience=4"]
+            "--ramp", "linear", "--eval-every", "4", "--out", str(out), *QUICK, *tiny_data,
+            "callbacks.stability.spike_patience=4"]
     assert cli_main(argv) == 0
     rows = read_csv(out / "maxlr.csv")
     assert [r["scheme"] for r in rows] == ["preln", "keel"]
@@ -62,12 +66,55 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
         assert r["failed"] == "True" and r["failure"] in ("nonfinite", "spike", "stagnation")
         assert 0 < float(r["max_tolerable_lr"]) < peak
         assert int(r["steps"]) < 24  # stopped at the failure
-        stability = json.loads((out / f"{r['scheme']}-d2" / "stability.json").read_text())
+        stability = json.loads((out / f"{r['scheme']}-d2-s1337" / "stability.json").read_text())
         assert stability["max_tolerable_lr"] == pytest.approx(float(r["max_tolerable_lr"]))
-        curve = read_csv(out / f"{r['scheme']}-d2" / "loss_lr.csv")
+        curve = read_csv(out / f"{r['scheme']}-d2-s1337" / "loss_lr.csv")
         assert float(curve[0]["lr"]) == pytest.approx(peak / 24)  # linear ramp from 0: step 0 runs at peak/steps
-    assert "| preln |" in (out / "maxlr.md").read_text()
-    assert (out / "maxlr.png").stat().st_size > 0
+        assert r["resolved"] == "False"  # a 2-block model after a few steps is nowhere near unigram - 1 nat
+    assert "| preln | 2 |" in (out / "maxlr.md").read_text()
+    assert (out / "maxlr.png").stat().st_size > 0 and (out / "maxlr_seeds.png").stat().st_size > 0
+    assert json.loads((out / "preln-d2-s1337" / "maxlr_time.json").read_text())["cpu_s"] > 0
+    mtime = (out / "preln-d2-s1337" / "stability.json").stat().st_mtime
+    assert cli_main(argv) == 0  # rerun: both probes are finished, nothing is trained again
+    assert (out / "preln-d2-s1337" / "stability.json").stat().st_mtime == mtime
+    assert cli_main(["maxlr", "collect", str(out), "--margin", "-100"]) == 0  # any loss is low enough ...
+    for r in read_csv(out / "maxlr.csv"):  # ... but a max LR needs a held-out evaluation before the failure
+        assert r["resolved"] == str(r["heldout_at_max_lr"] != "")
+    report = (out / "maxlr.md").read_text()
+    assert "preln vs " not in report and "| 16 | keel vs preln |" not in report  # the one default pair present:
+    assert "keel higher in 0 of 0 seeds (1 more not resolved)" in report
+
+
+def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
+    out = tmp_path / "g"
+    grid = ["maxlr", "--schemes", "keel,preln", "--alphas", "1,L", "--seeds", "1,2", "--out", str(out),
+            "--variant", "noinner=model.scheme=keel,model.keel_inner_norm=false"]
+    assert cli_main([*grid, "--emit", "commands"]) == 0
+    commands = (out / "commands.sh").read_text().splitlines()
+    names = [c.split("--only ")[-1] for c in commands]
+    assert names == [f"{row}-d16-s{seed}" for seed in (1, 2) for row in ("keel-a1", "keel-aL", "preln", "noinner")]
+    assert all(c.startswith("keel maxlr --schemes keel,preln --seeds 1,2 --alphas 1,L ") for c in commands)
+    capsys.readouterr()
+    assert cli_main([*grid, "--only", "noinner-d16-s2", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# keel maxlr run noinner-d16-s2\n")
+    cfg = yaml.safe_load(printed)
+    assert cfg["model"]["keel_inner_norm"] is False and cfg["model"]["width"] == 64  # the miniature
+    assert (cfg["run"]["seed"], cfg["callbacks"]["stability"]["signal"], cfg["optim"]["schedule"]) == (2, "val", "exp_warmup")
+    assert cli_main(["maxlr", "model=paper_d64", "--schemes", "keel", "--print-config"]) == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (model["depth"], model["width"], model["n_heads"], model["n_kv_heads"], model["seq_len"]) == (64, 1024, 16, 8, 2048)
+    assert cli_main(["maxlr", "--depths", "48", "model.width=32", "--schemes", "keel", "--print-config"]) == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (model["depth"], model["width"], model["n_heads"]) == (48, 32, 4)  # a model key: no miniature
+    for bad in (["--variant", "noinner"], ["--only", "nope"], ["--start-lr", "1"]):
+        with pytest.raises(ConfigError):
+            maxlr_main(["--out", str(out), *bad])
+
+
+def test_sign_test_is_the_exact_binomial():
+    assert sign_test(5, 0) == pytest.approx(2 / 32) and sign_test(0, 5) == pytest.approx(2 / 32)
+    assert sign_test(4, 1) == pytest.approx(2 * 6 / 32) and sign_test(3, 2) == 1.0 and sign_test(0, 0) == 1.0
 
 
 def test_sweep_emits_commands_and_slurm(tmp_path, capsys):

@@ -230,6 +230,19 @@ def test_keel_first_block_rules():
     assert sublayer_specs(tiny(keel_alpha=3.0))[1][0].alpha == 3.0
 
 
+@pytest.mark.parametrize("first_block", ["v1", "v2"])
+def test_keel_without_inner_norm_is_postln_with_alpha(first_block):
+    """The ablation (paper's "Attempt 1"): after block 0, Norm(L * x + F(x)); block 0 keeps its rule."""
+    L = 8
+    plain, ablated = (sublayer_specs(tiny(keel_first_block=first_block, keel_inner_norm=inner)) for inner in (True, False))
+    assert ablated[0] == plain[0]
+    assert all((s.norm_in, s.norm_out, s.alpha) == (False, True, L) for pair in ablated[1:] for s in pair)
+    assert not needs_final_norm(tiny(keel_first_block=first_block, keel_inner_norm=False))
+    model = KeelLM(tiny(keel_first_block=first_block, keel_inner_norm=False))
+    assert model.blocks[1].attn.norm_in is None and model.blocks[1].ffn.norm_out is not None
+    assert torch.isfinite(model(torch.randint(0, 64, (2, 8)))).all()
+
+
 # width 32, 4 heads of 8, 2 KV heads, FFN hidden 128, vocab 64, depth 3
 QKV, OUT = 32 * (4 + 2 * 2) * 8, 32 * 32
 GELU_FFN, SWIGLU_FFN = 2 * 32 * 128, 3 * 32 * 128
@@ -247,6 +260,7 @@ C, HEAD_DIM = 32, 8
         ({"scheme": "mixln"}, 6 * C + C),
         ({"scheme": "keel"}, 2 * C + 2 * 4 * C),  # block 0: two norm_in; then norm_in + norm_out per sublayer
         ({"scheme": "keel", "keel_first_block": "v2"}, 3 * C + 2 * 4 * C),  # block 0's FFN keeps its norm_out
+        ({"scheme": "keel", "keel_inner_norm": False}, 2 * C + 2 * 2 * C),  # blocks 1-2: norm_out only
         ({"scheme": "hybridnorm"}, 3 * (3 * HEAD_DIM + C) + C),  # q/k/v norms + FFN norm per block, final
         ({"scheme": "hybridnorm_star"}, 3 * (3 * HEAD_DIM + C) + C + C),  # + block 0's attention norm_in
     ],
@@ -268,6 +282,7 @@ def test_parameter_counts(overrides, norm_params, ffn):
         ({"ffn": "relu"}, "model.ffn", "allowed: gelu, swiglu"),
         ({"init": "xavier"}, "model.init", "allowed: normal, unit"),
         ({"keel_first_block": "v3"}, "model.keel_first_block", "allowed: v1, v2"),
+        ({"scheme": "preln", "keel_inner_norm": False}, "model.keel_inner_norm", "scheme keel only"),
         ({"depth": 0}, "model.depth", ">= 1"),
         ({"width": 30, "n_heads": 4}, "model.width", "divisible by model.n_heads"),
         ({"width": 12, "n_heads": 4}, "model.width", "must be even"),

@@ -29,6 +29,8 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 DATA_SOURCES = ("stdlib", "text_files", "hf")
 ON_NONFINITE = ("skip", "stop")
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
+STABILITY_SIGNALS = ("train", "val")
+SCHEDULES = ("cosine", "linear_warmup", "exp_warmup")
 
 
 @dataclass
@@ -73,8 +75,10 @@ class TrainerConfig:
 class OptimConfig:
     lr: float = 3e-3
     warmup_steps: int = 40
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
-    schedule: str = "cosine"  # cosine | linear_warmup (constant after warm-up; the max-LR protocol ramps through it)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps; exp_warmup starts there
+    # cosine | linear_warmup (0 -> lr, then constant) | exp_warmup (lr * min_lr_ratio -> lr geometrically over the
+    # warm-up, then constant: equal steps per decade, the max-LR protocol's ramp)
+    schedule: str = "cosine"
     weight_decay: float = 0.01  # on matrices only
     beta1: float = 0.9
     beta2: float = 0.95
@@ -85,7 +89,9 @@ class OptimConfig:
         _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-        _require(self.schedule in ("cosine", "linear_warmup"), "optim.schedule", "allowed: cosine, linear_warmup")
+        _require(self.schedule in SCHEDULES, "optim.schedule", f"allowed: {', '.join(SCHEDULES)}")
+        _require(self.schedule != "exp_warmup" or self.min_lr_ratio > 0, "optim.min_lr_ratio",
+                 "must be > 0 with optim.schedule=exp_warmup (the ramp starts at lr * min_lr_ratio)")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
 
@@ -164,9 +170,14 @@ class StabilityConfig:
     spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
+    stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
     stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
+    # what spikes and stagnation judge: train = EMA of the training-batch losses; val = the held-out loss of each
+    # validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps; the max-LR protocol's)
+    signal: str = "train"
 
     def __post_init__(self) -> None:
+        _require(self.signal in STABILITY_SIGNALS, "callbacks.stability.signal", f"allowed: {', '.join(STABILITY_SIGNALS)}")
         _require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
         for key in ("max_nonfinite", "spike_patience"):
             _require(getattr(self, key) >= 1, f"callbacks.stability.{key}", "must be >= 1")

@@ -13,6 +13,7 @@ and a scheme is only the choice of (Norm_in?, Norm_out?, alpha, skip source) per
     deepnorm      no       yes       (2N)^1/4     no
     keel          yes      yes       L = 2N       only if the last sublayer is unnormalized
                   block 0, v1: both sublayers plain Pre-LN; v2: attention Pre-LN, FFN alpha = 1
+                  keel_inner_norm=false (ablation): Norm_in dropped after block 0, i.e. Post-LN with alpha
     mixln         Post-LN for the first floor(0.25 N) blocks, Pre-LN after              yes
     hybridnorm    attention: x + Attn_QKVnorm(x); FFN: u = Norm(x), u + FFN(u)         yes
                   hybridnorm_star: block 0 is Pre-LN with QKV-norm
@@ -67,6 +68,7 @@ class ModelConfig:
     scheme: str = "keel"
     keel_alpha: float | None = None  # None = L
     keel_first_block: str = "v1"  # v1: first attention and FFN plain Pre-LN; v2: paper's revision
+    keel_inner_norm: bool = True  # false: the ablation without Keel's inner norm (blocks after the first: Post-LN + alpha)
     deepnorm_alpha: float | None = None  # None = (2N)^(1/4)
     deepnorm_beta: float | None = None  # None = (8N)^(-1/4)
     mixln_post_fraction: float = 0.25
@@ -84,6 +86,8 @@ class ModelConfig:
             "model.keel_first_block",
             f"unknown rule {self.keel_first_block!r}; allowed: {', '.join(KEEL_FIRST_BLOCK)}",
         )
+        _require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
+                 f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
             _require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
         _require(
@@ -163,7 +167,7 @@ def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
             blocks[0] = (SublayerSpec(norm_in=True, norm_out=False, qkv_norm=True), pre)
         return blocks
     # keel
-    keel = SublayerSpec(norm_in=True, norm_out=True, alpha=cfg.keel_alpha or float(cfg.L))
+    keel = SublayerSpec(norm_in=cfg.keel_inner_norm, norm_out=True, alpha=cfg.keel_alpha or float(cfg.L))
     if cfg.keel_first_block == "v1":
         first = (pre, pre)
     else:

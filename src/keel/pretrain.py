@@ -69,7 +69,7 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
         s = cb.stability
         callbacks.append(StabilityMonitor(cfg.run.dir, s.on_nonfinite, s.max_nonfinite, s.spike_margin,
                                           s.spike_patience, s.stagnation_window, s.stagnation_min_delta,
-                                          s.stop_on_failure))
+                                          s.stop_on_failure, s.signal, s.stagnation_below))
     if cb.layer_importance.enabled:
         callbacks.append(LayerImportance(cb.layer_importance.every_n_steps, cb.layer_importance.max_blocks))
     if cfg.eval.enabled:

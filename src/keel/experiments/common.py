@@ -136,6 +136,30 @@ def _eval_scores(run_dir: Path) -> dict[str, float]:
             if task in last and info["metric"] in last[task]}
 
 
+def unigram_loss(cfg: Config) -> float:
+    """Cross-entropy (nats/token) of the held-out batches validation uses (the first trainer.val_batches of the
+    val split) under the training split's token frequencies (add-one smoothed): what a model that learned only
+    how often each token occurs would score - the level a model must get well below before it is judged."""
+    import numpy as np
+    from litdata import StreamingDataset
+    from litdata.streaming.item_loader import TokensLoader
+
+    from keel.data import data_path, open_dataset, token_loader
+
+    vocab = max(open_dataset(cfg).vocab_size, cfg.model.vocab_size)
+    counts = np.zeros(vocab, np.int64)
+    for block in StreamingDataset(data_path(cfg.data.dir, "train"), item_loader=TokensLoader(block_size=1 << 16)):
+        counts += np.bincount(np.asarray(block), minlength=vocab)
+    log_p = np.log((counts + 1) / (counts.sum() + vocab))
+    total, tokens = 0.0, 0
+    for i, batch in enumerate(token_loader(cfg, "val", shuffle=False)):
+        if i == cfg.trainer.val_batches:
+            break
+        targets = batch[:, 1:].numpy()
+        total, tokens = total - log_p[targets].sum(), tokens + targets.size
+    return float(total / tokens)
+
+
 def load_run_config(run_dir: str | Path) -> Config:
     return from_dict(OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml")))
 

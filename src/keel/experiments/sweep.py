@@ -92,7 +92,7 @@ def pretrain_command(args: argparse.Namespace, run: Run, out: Path) -> str:
 def slurm_script(commands: list[str], out: Path, sbatch: list[str]) -> str:
     lines = ["#!/bin/bash", "#SBATCH --job-name=keel-sweep", f"#SBATCH --array=0-{len(commands) - 1}",
              f"#SBATCH --output={out}/slurm-%A_%a.out", *(f"#SBATCH {option}" for option in sbatch),
-             "# one `keel pretrain` per array task, run from the submission directory", "set -euo pipefail",
+             "# one command per array task, run from the submission directory", "set -euo pipefail",
              "COMMANDS=(", *(f"  {shlex.quote(command)}" for command in commands), ")",
              'eval "${COMMANDS[$SLURM_ARRAY_TASK_ID]}"']
     return "\n".join(lines) + "\n"
@@ -115,6 +115,8 @@ def collect(out: Path) -> list[dict]:
         row = run_row(run_dir) if (run_dir / "config.yaml").is_file() else {"run": run["name"], "status": "not started"}
         if "alpha" in run["axes"]:
             row["alpha_expr"] = run["axes"]["alpha"]
+        if "row" in run["axes"]:  # a keel maxlr grid: the scheme or variant the run belongs to
+            row["row"] = run["axes"]["row"]
         rows.append(row)
     if not rows:
         raise ConfigError(f"sweep collect: no runs in {out} (no {MANIFEST} and no */config.yaml)")

@@ -38,6 +38,17 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(autouse=True)
+def own_environment():
+    """Each test sees the environment the session started with: Lightning's distributed set-up and SLURM
+    environment write os.environ (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, ranks), which would reach the processes
+    later tests launch."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny tensors: a second intra-op thread only adds synchronization (and contention on shared cores)."""

@@ -92,7 +92,11 @@ def test_threads_hold_in_every_ddp_process_and_rank_zero_alone_prints(tiny_data,
     launcher.write_text(LAUNCHER)
     run = tmp_path / "run"
     run.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # Lightning resets threads without it
+    # without OMP_NUM_THREADS (Lightning resets threads then), and without what an in-process distributed run
+    # or a SLURM test may have left (a launcher that finds a rank or master address set joins that job instead)
+    launched = ("OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                "GROUP_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launched and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     args = [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false", "trainer.accelerator=cpu", "trainer=ddp",
             "trainer.devices=2", "trainer.threads=3", "trainer.max_steps=1", "trainer.val_batches=1", f"run.dir={run}"]
     args.remove("trainer.threads=1")

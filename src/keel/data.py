@@ -824,10 +824,11 @@ def _define_datamodule() -> type:
         restores it on resume. This module's own state is the identity of the shards that position refers to.
         """
 
-        def __init__(self, cfg: Config) -> None:
+        def __init__(self, cfg: Config, info: DatasetInfo | None = None) -> None:
             super().__init__()
             self.cfg = cfg
-            self.info = open_dataset(cfg)  # fail before the Trainer starts when the shards don't fit
+            # fail before the Trainer starts when the shards don't fit; `info`: already opened (and verified)
+            self.info = info if info is not None else open_dataset(cfg)
 
         def train_dataloader(self) -> StreamingDataLoader:
             return token_loader(self.cfg, "train", shuffle=True)

@@ -232,7 +232,7 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
         print(f"{run_summary(cfg, module.model)}\nstart       {start}", flush=True)
         log_config(cfg, trainer.loggers)
     try:
-        trainer.fit(module, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
     finally:
         finish_wandb(trainer)
     interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))

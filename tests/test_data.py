@@ -30,7 +30,7 @@ from keel.data import (
     token_loader,
     train_tokenizer,
 )
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # ../shared/data from the repo root
 WORDS = ("keel highway residual norm layer depth gradient the of and to model train token shard loader "

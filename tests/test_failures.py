@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint
 from keel.cli import main as cli_main
-from keel.model import ConfigError
+from keel.errors import ConfigError
 from keel import pretrain
 from keel.pretrain import Interrupted, launched_as_rank_zero, train
 from keel.rundir import LOCK, RunDirLock

@@ -11,7 +11,8 @@ from keel.config import load_config
 from keel.data import main as data_main
 from keel.data import open_dataset
 from keel.lit import KeelLitModule, next_token_loss
-from keel.model import ConfigError, KeelLM
+from keel.errors import ConfigError
+from keel.model import KeelLM
 from keel.pretrain import start_from, train
 
 from conftest import write_sharded

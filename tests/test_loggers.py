@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from keel.callbacks._logging import Heatmap, log_text
-from keel.model import ConfigError
+from keel.errors import ConfigError
 from keel.pretrain import build_loggers, train
 
 from test_pretrain import CrashAtStep, scalars, tiny_config

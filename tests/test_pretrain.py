@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from keel.checkpoint import LAST, AtomicCheckpointIO, load_model
 from keel.cli import main as cli_main
 from keel.config import load_config
-from keel.model import ConfigError
+from keel.errors import ConfigError
 from keel.pretrain import train
 
 from conftest import QUIET_TRAINER, TINY_MODEL

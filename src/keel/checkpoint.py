@@ -25,7 +25,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from keel.config import Config, from_dict
-from keel.model import ConfigError, KeelLM
+from keel.errors import ConfigError
+from keel.model import KeelLM
 
 LAST = "last.ckpt"
 SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 COMMANDS = {
     "pretrain": ("keel.pretrain", "train a model from the composed config"),

@@ -20,7 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from keel.model import ConfigError, ModelConfig, _require
+from keel.errors import ConfigError, require
+from keel.model import ModelConfig
 
 GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
@@ -55,19 +56,19 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, wandb, mlflow
 
     def __post_init__(self) -> None:
-        _require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
-        _require(
+        require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
+        require(
             self.strategy in STRATEGIES, "trainer.strategy", f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}"
         )
-        _require(self.precision in PRECISIONS, "trainer.precision", f"allowed: {', '.join(PRECISIONS)}")
+        require(self.precision in PRECISIONS, "trainer.precision", f"allowed: {', '.join(PRECISIONS)}")
         for key in ("devices", "num_nodes", "max_steps", "micro_batch_size", "grad_accum", "val_every_n_steps",
                     "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):
-            _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
-        _require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
+            require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
+        require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
         unknown = [name for name in self.loggers if name not in LOGGERS]
-        _require(not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}")
-        _require(bool(self.loggers) and len(set(self.loggers)) == len(self.loggers), "trainer.loggers",
+        require(not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}")
+        require(bool(self.loggers) and len(set(self.loggers)) == len(self.loggers), "trainer.loggers",
                  f"name each logger once, at least one of {', '.join(LOGGERS)}; got {self.loggers}")
 
 
@@ -86,14 +87,14 @@ class OptimConfig:
     grad_clip: float = 1.0  # global norm; 0 disables
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
-        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
-        _require(self.schedule in SCHEDULES, "optim.schedule", f"allowed: {', '.join(SCHEDULES)}")
-        _require(self.schedule != "exp_warmup" or self.min_lr_ratio > 0, "optim.min_lr_ratio",
+        require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        require(self.schedule in SCHEDULES, "optim.schedule", f"allowed: {', '.join(SCHEDULES)}")
+        require(self.schedule != "exp_warmup" or self.min_lr_ratio > 0, "optim.min_lr_ratio",
                  "must be > 0 with optim.schedule=exp_warmup (the ramp starts at lr * min_lr_ratio)")
-        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-        _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+        require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
 
 
 @dataclass
@@ -121,15 +122,15 @@ class DataConfig:
     chunk_bytes: str = "16MB"
 
     def __post_init__(self) -> None:
-        _require(self.source in DATA_SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(DATA_SOURCES)}")
-        _require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
-        _require(self.shuffle_window >= 0, "data.shuffle_window",
+        require(self.source in DATA_SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(DATA_SOURCES)}")
+        require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+        require(self.shuffle_window >= 0, "data.shuffle_window",
                  "must be >= 0 (0 = full permutation of each chunk; N = windows of N consecutive sequences)")
-        _require(self.doc_chars >= 0, "data.doc_chars", "must be >= 0 (0 = one document per plain-text file)")
-        _require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
-        _require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",
+        require(self.doc_chars >= 0, "data.doc_chars", "must be >= 0 (0 = one document per plain-text file)")
+        require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
+        require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",
                  "loader_workers must be >= 0 and prepare_workers >= 1")
-        _require(self.source != "text_files" or bool(self.paths), "data.paths",
+        require(self.source != "text_files" or bool(self.paths), "data.paths",
                  "data.source=text_files needs at least one glob in data.paths")
 
 
@@ -151,10 +152,10 @@ class GradNormsConfig:
 
     def __post_init__(self) -> None:
         for key in ("every_n_steps", "heatmap_every_n_steps", "activation_every_n_steps", "max_blocks"):
-            _require(getattr(self, key) >= 0, f"callbacks.grad_norms.{key}", "must be >= 0")
-        _require(not self.enabled or self.every_n_steps >= 1, "callbacks.grad_norms.every_n_steps",
+            require(getattr(self, key) >= 0, f"callbacks.grad_norms.{key}", "must be >= 0")
+        require(not self.enabled or self.every_n_steps >= 1, "callbacks.grad_norms.every_n_steps",
                  "must be >= 1 (or set callbacks.grad_norms.enabled=false)")
-        _require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
+        require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
                  "callbacks.grad_norms.heatmap_every_n_steps",
                  f"must be a multiple of callbacks.grad_norms.every_n_steps={self.every_n_steps} (0 = never)")
 
@@ -177,13 +178,13 @@ class StabilityConfig:
     signal: str = "train"
 
     def __post_init__(self) -> None:
-        _require(self.signal in STABILITY_SIGNALS, "callbacks.stability.signal", f"allowed: {', '.join(STABILITY_SIGNALS)}")
-        _require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
+        require(self.signal in STABILITY_SIGNALS, "callbacks.stability.signal", f"allowed: {', '.join(STABILITY_SIGNALS)}")
+        require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
         for key in ("max_nonfinite", "spike_patience"):
-            _require(getattr(self, key) >= 1, f"callbacks.stability.{key}", "must be >= 1")
-        _require(self.spike_margin > 0, "callbacks.stability.spike_margin", "must be > 0")
-        _require(self.stagnation_window >= 0, "callbacks.stability.stagnation_window", "must be >= 0 (0 = off)")
-        _require(self.stagnation_min_delta >= 0, "callbacks.stability.stagnation_min_delta", "must be >= 0")
+            require(getattr(self, key) >= 1, f"callbacks.stability.{key}", "must be >= 1")
+        require(self.spike_margin > 0, "callbacks.stability.spike_margin", "must be > 0")
+        require(self.stagnation_window >= 0, "callbacks.stability.stagnation_window", "must be >= 0 (0 = off)")
+        require(self.stagnation_min_delta >= 0, "callbacks.stability.stagnation_min_delta", "must be >= 0")
 
 
 @dataclass
@@ -195,8 +196,8 @@ class ThroughputConfig:
     peak_flops: float = 0.0  # per device; 0 = look the GPU up (bf16/fp16 runs; CPU: no MFU)
 
     def __post_init__(self) -> None:
-        _require(self.window >= 2, "callbacks.throughput.window", "must be >= 2")
-        _require(self.peak_flops >= 0, "callbacks.throughput.peak_flops", "must be >= 0 (0 = look up)")
+        require(self.window >= 2, "callbacks.throughput.window", "must be >= 2")
+        require(self.peak_flops >= 0, "callbacks.throughput.peak_flops", "must be >= 0 (0 = look up)")
 
 
 @dataclass
@@ -208,8 +209,8 @@ class LayerImportanceConfig:
     max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included); 0 = all
 
     def __post_init__(self) -> None:
-        _require(self.every_n_steps >= 1, "callbacks.layer_importance.every_n_steps", "must be >= 1")
-        _require(self.max_blocks >= 0, "callbacks.layer_importance.max_blocks", "must be >= 0 (0 = all)")
+        require(self.every_n_steps >= 1, "callbacks.layer_importance.every_n_steps", "must be >= 1")
+        require(self.max_blocks >= 0, "callbacks.layer_importance.max_blocks", "must be >= 0 (0 = all)")
 
 
 @dataclass
@@ -235,10 +236,10 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         for key in ("every_n_steps", "batch_size"):
-            _require(getattr(self, key) >= 1, f"eval.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _require(self.limit is None or self.limit >= 1, "eval.limit", "must be >= 1 or null (all documents)")
-        _require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
-        _require(not self.enabled or bool(self.tasks), "eval.tasks", "name a task, or set eval.enabled=false")
+            require(getattr(self, key) >= 1, f"eval.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.limit is None or self.limit >= 1, "eval.limit", "must be >= 1 or null (all documents)")
+        require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
+        require(not self.enabled or bool(self.tasks), "eval.tasks", "name a task, or set eval.enabled=false")
 
 
 @dataclass

@@ -45,7 +45,7 @@ from litdata import StreamingDataLoader, StreamingDataset, TokensLoader, optimiz
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from keel.config import Config, DataConfig, load_config
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # looked up, in this order, in a given tokenizer

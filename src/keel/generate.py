@@ -18,7 +18,8 @@ from tokenizers import Tokenizer
 
 from keel.checkpoint import load_model
 from keel.data import eos_id_of
-from keel.model import ConfigError, KeelLM
+from keel.errors import ConfigError
+from keel.model import KeelLM
 
 
 def decoded_pieces(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: Iterator[int]) -> Iterator[str]:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from keel.errors import ConfigError
 from keel.model import KeelLM, ModelConfig
 
 
@@ -409,8 +410,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data", nargs="*", help="data.* overrides for the pretrain runs (default: data=stdlib on "
                         "cuda, a few standard-library files on cpu; built under --out)")
     args = parser.parse_args(argv)
-    from keel.model import ConfigError
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible; run `make gpu-check DEVICE=cpu` for the CPU version")
     names = [name for name in args.sections.split(",") if name]

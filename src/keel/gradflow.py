@@ -28,7 +28,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, ConfigError, KeelLM, ModelConfig, RMSNorm
+from keel.errors import ConfigError
+from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms")
 

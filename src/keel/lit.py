@@ -13,7 +13,8 @@ import torch
 from torchmetrics import SumMetric
 
 from keel.config import Config, OptimConfig, from_dict, to_dict
-from keel.model import ConfigError, KeelLM
+from keel.errors import ConfigError
+from keel.model import KeelLM
 from keel.parallel import parallelize
 
 # model.* keys a resumed run may change: they set how the loss is computed, not what the model is

@@ -33,21 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.errors import require
 from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
 
 SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "hybridnorm_star", "mixln")
 FFN_KINDS = ("gelu", "swiglu")
 KEEL_FIRST_BLOCK = ("v1", "v2")
 INIT_KINDS = ("normal", "unit")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and what is allowed."""
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
 
 
 @dataclass
@@ -78,42 +70,42 @@ class ModelConfig:
     loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.scheme in SCHEMES, "model.scheme", f"unknown scheme {self.scheme!r}; allowed: {', '.join(SCHEMES)}")
-        _require(self.ffn in FFN_KINDS, "model.ffn", f"unknown FFN {self.ffn!r}; allowed: {', '.join(FFN_KINDS)}")
-        _require(self.init in INIT_KINDS, "model.init", f"unknown init {self.init!r}; allowed: {', '.join(INIT_KINDS)}")
-        _require(
+        require(self.scheme in SCHEMES, "model.scheme", f"unknown scheme {self.scheme!r}; allowed: {', '.join(SCHEMES)}")
+        require(self.ffn in FFN_KINDS, "model.ffn", f"unknown FFN {self.ffn!r}; allowed: {', '.join(FFN_KINDS)}")
+        require(self.init in INIT_KINDS, "model.init", f"unknown init {self.init!r}; allowed: {', '.join(INIT_KINDS)}")
+        require(
             self.keel_first_block in KEEL_FIRST_BLOCK,
             "model.keel_first_block",
             f"unknown rule {self.keel_first_block!r}; allowed: {', '.join(KEEL_FIRST_BLOCK)}",
         )
-        _require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
+        require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
                  f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
-            _require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _require(
+            require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(
             self.width % self.n_heads == 0,
             "model.width",
             f"width {self.width} must be divisible by model.n_heads={self.n_heads}",
         )
-        _require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
-        _require(
+        require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
+        require(
             1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0,
             "model.n_kv_heads",
             f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}",
         )
-        _require(self.ffn_mult > 0, "model.ffn_mult", f"must be > 0, got {self.ffn_mult}")
-        _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
-        _require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
-        _require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
-        _require(
+        require(self.ffn_mult > 0, "model.ffn_mult", f"must be > 0, got {self.ffn_mult}")
+        require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
+        require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
+        require(
             self.loss_chunk is None or self.loss_chunk >= 0,
             "model.loss_chunk",
             f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}",
         )
-        _require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
+        require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
-            _require(value is None or value > 0, f"model.{key}", f"must be > 0 or null (scheme default), got {value}")
+            require(value is None or value > 0, f"model.{key}", f"must be > 0 or null (scheme default), got {value}")
 
     @property
     def L(self) -> int:

@@ -16,7 +16,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from keel.checkpoint import commit_dir, read_dcp_metadata, staging_path
-from keel.model import ConfigError, KeelLM
+from keel.errors import ConfigError
+from keel.model import KeelLM
 
 
 def apply_activation_checkpointing(model: KeelLM) -> None:

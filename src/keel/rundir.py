@@ -15,7 +15,7 @@ from pathlib import Path
 
 from keel.checkpoint import remove_path
 from keel.config import Config, from_dict, to_dict, to_yaml
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 LOCK = ".keel.lock"
 CONFIG = "config.yaml"

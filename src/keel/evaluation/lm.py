@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from keel.checkpoint import load_model
 from keel.data import eos_id_of
-from keel.model import ConfigError, KeelLM
+from keel.errors import ConfigError
+from keel.model import KeelLM
 
 log = logging.getLogger(__name__)
 

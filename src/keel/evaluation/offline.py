@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from keel.evaluation import standard
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 # The standard downstream suite, by lm-eval's task names: `keel eval-data fetch`'s default.
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "boolq", "hellaswag", "lambada_openai", "openbookqa", "piqa",

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 OBQA_CHOICE = re.compile(r"\(([A-D])\) (.*?)(?= \([A-D]\) |$)")
 HELLASWAG_LINES = 6  # context, label, four endings

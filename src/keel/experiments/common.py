@@ -19,7 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from keel.config import Config, ModelConfig, from_dict
-from keel.model import Block, ConfigError, needs_final_norm, sublayer_specs
+from keel.errors import ConfigError
+from keel.model import Block, needs_final_norm, sublayer_specs
 
 
 def comma_list(cast: Callable[[str], Any]) -> Callable[[str], list]:

@@ -66,7 +66,7 @@ from keel.experiments.common import (
     write_table,
 )
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 DEFAULT_SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "mixln")
 DEFAULT_PAIRS = (("keel", "preln"), ("preln", "postln"))

@@ -42,7 +42,7 @@ from keel.experiments.common import (
     width_for_budget,
     write_table,
 )
-from keel.model import ConfigError
+from keel.errors import ConfigError
 
 MANIFEST = "sweep.json"
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}

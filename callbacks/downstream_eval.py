@@ -30,9 +30,9 @@ from scipy.stats import spearmanr
 
 from keel.callbacks._logging import log_scalars
 from keel.config import Config
+from keel.errors import ConfigError
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import load_tasks, primary_metric, run_tasks
-from keel.errors import ConfigError
 
 HISTORY = "eval_history.json"
 MIN_POINTS_FOR_SPEARMAN = 3

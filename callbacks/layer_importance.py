@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.lit import next_token_loss
+from keel.model import next_token_loss
 
 
 class SkippedBlock(nn.Module):

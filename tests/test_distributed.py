@@ -36,9 +36,8 @@ from keel.checkpoint import (
 from keel.checkpoint import main as consolidate
 from keel.cli import main as cli_main
 from keel.config import load_config, to_dict
-from keel.lit import next_token_loss
 from keel.errors import ConfigError
-from keel.model import KeelLM
+from keel.model import KeelLM, next_token_loss
 from keel.parallel import parallelize
 
 from conftest import QUIET_TRAINER, TINY_MODEL

@@ -20,11 +20,11 @@ from keel.checkpoint import LAST, load_model
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.data import main as data_main
+from keel.errors import ConfigError
 from keel.evaluation import KeelEvalLM, generate_tasks, load_tasks, run_tasks, task_manager
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD
 from keel.evaluation.offline import lm_eval_configs, write_local_task
 from keel.evaluation.suite import primary_metric
-from keel.errors import ConfigError
 from keel.pretrain import train
 
 from conftest import QUIET_TRAINER, SHARED_DATA, shared_data

@@ -13,10 +13,10 @@ import yaml
 
 from keel.cli import main as cli_main
 from keel.config import load_config
+from keel.errors import ConfigError
 from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.maxlr import sign_test
-from keel.errors import ConfigError
 from keel.model import KeelLM
 
 from conftest import QUIET_TRAINER, TINY_MODEL

@@ -10,9 +10,9 @@ from keel.checkpoint import LAST, load_model, read_checkpoint
 from keel.config import load_config
 from keel.data import main as data_main
 from keel.data import open_dataset
-from keel.lit import KeelLitModule, next_token_loss
 from keel.errors import ConfigError
-from keel.model import KeelLM
+from keel.lit import KeelLitModule
+from keel.model import KeelLM, next_token_loss
 from keel.pretrain import start_from, train
 
 from conftest import write_sharded

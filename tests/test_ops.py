@@ -9,9 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from keel.config import load_config, to_dict
-from keel.lit import check_same_model, next_token_loss
 from keel.errors import ConfigError
-from keel.model import KeelLM, ModelConfig
+from keel.lit import check_same_model
+from keel.model import KeelLM, ModelConfig, next_token_loss
 from keel.ops.chunked_ce import linear_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -43,9 +43,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from keel.config import OptimConfig, load_config
-from keel.lit import make_optimizer, next_token_loss
 from keel.errors import ConfigError
-from keel.model import SCHEMES, KeelLM, ModelConfig, flops_per_token
+from keel.lit import make_optimizer
+from keel.model import SCHEMES, KeelLM, ModelConfig, flops_per_token, next_token_loss
 from keel.ops.chunked_ce import default_chunk
 from keel.parallel import compile_blocks
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from keel.errors import ConfigError
-from keel.model import KeelLM, ModelConfig
+from keel.model import KeelLM, ModelConfig, next_token_loss
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, 
     checkpointing, fused AdamW) of a freshly built model: CUDA's max allocated, or the peak RSS on CPU."""
     from keel.bench import _proc_status_bytes, _reset_cpu_peak
     from keel.config import OptimConfig
-    from keel.lit import make_optimizer, next_token_loss
+    from keel.lit import make_optimizer
     from keel.parallel import apply_activation_checkpointing
 
     if device.type == "cuda":
@@ -319,7 +319,7 @@ def _fsdp_policy(dev: torch.device) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from keel.config import OptimConfig, load_config
-    from keel.lit import make_optimizer, next_token_loss
+    from keel.lit import make_optimizer
     from keel.parallel import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_network_port()))

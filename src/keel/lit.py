@@ -14,7 +14,7 @@ from torchmetrics import SumMetric
 
 from keel.config import Config, OptimConfig, from_dict, to_dict
 from keel.errors import ConfigError
-from keel.model import KeelLM
+from keel.model import KeelLM, next_token_loss
 from keel.parallel import parallelize
 
 # model.* keys a resumed run may change: they set how the loss is computed, not what the model is
@@ -32,12 +32,6 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
         return 1.0
     progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; batch: (B, T + 1) token ids. Computed by
-    the model's loss head (model.loss_chunk): by default without the full (B, T, vocab) logits."""
-    return model(batch[:, :-1], targets=batch[:, 1:])
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:

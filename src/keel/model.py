@@ -443,6 +443,12 @@ class KeelLM(nn.Module):
         return n if embeddings else n - self.embed.weight.numel()
 
 
+def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; batch: (B, T + 1) token ids. Computed by
+    the model's loss head (model.loss_chunk): by default without the full (B, T, vocab) logits."""
+    return model(batch[:, :-1], targets=batch[:, 1:])
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), PaLM-style: 6 * matmul params
     (head included, embedding lookup excluded) + 12 * blocks * width * seq_len for attention scores."""

@@ -28,8 +28,8 @@ from keel.checkpoint import (
 )
 from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dict, to_yaml
 from keel.data import KeelDataModule, check_resumable_data, open_dataset
-from keel.lit import KeelLitModule, check_same_model
 from keel.errors import ConfigError
+from keel.lit import KeelLitModule, check_same_model
 from keel.model import flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config

@@ -20,9 +20,9 @@ from lm_eval._cli import HarnessCLI
 from lm_eval.utils import setup_logging
 
 import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
+from keel.errors import ConfigError
 from keel.evaluation.offline import hub_or_local, resolve_tasks
 from keel.evaluation.suite import TASKS_DIR
-from keel.errors import ConfigError
 
 RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}
 SUBCOMMANDS = ("run", "ls", "validate")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from keel.evaluation import standard
 from keel.errors import ConfigError
+from keel.evaluation import standard
 
 # The standard downstream suite, by lm-eval's task names: `keel eval-data fetch`'s default.
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "boolq", "hellaswag", "lambada_openai", "openbookqa", "piqa",

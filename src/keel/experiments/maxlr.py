@@ -65,8 +65,8 @@ from keel.experiments.common import (
     unigram_loss,
     write_table,
 )
-from keel.experiments.sweep import MANIFEST, Run, slurm_script
 from keel.errors import ConfigError
+from keel.experiments.sweep import MANIFEST, Run, slurm_script
 
 DEFAULT_SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "mixln")
 DEFAULT_PAIRS = (("keel", "preln"), ("preln", "postln"))

@@ -22,8 +22,8 @@ import torch
 from keel.callbacks.layer_importance import skip_losses
 from keel.checkpoint import load_model
 from keel.data import token_loader
-from keel.experiments.common import plot_lines, write_table
 from keel.errors import ConfigError
+from keel.experiments.common import plot_lines, write_table
 from keel.model import KeelLM
 from keel.pretrain import set_threads
 

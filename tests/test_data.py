@@ -15,21 +15,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import keel.data
+import keel.data.preparation
 from keel import cli
 from keel.config import Config, DataConfig, load_config
-from keel.data import (
-    EOS_TOKEN,
-    KeelDataModule,
-    STDLIB_EXCLUDED_DIRS,
-    cut_text,
-    is_validation,
-    open_dataset,
-    prepare,
-    read_documents,
-    token_loader,
-    train_tokenizer,
-)
+from keel.data.loading import KeelDataModule, open_dataset, token_loader
+from keel.data.preparation import is_validation, prepare
+from keel.data.sources import read_documents
+from keel.data.sources.stdlib import STDLIB_EXCLUDED_DIRS
+from keel.data.sources.text_files import cut_text
+from keel.data.tokenizer import EOS_TOKEN, train_tokenizer
 from keel.errors import ConfigError
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # ../shared/data from the repo root
@@ -494,7 +488,7 @@ def dispersion_p_value(cfg: Config, batches: int) -> float:
 def test_training_batches_are_a_uniform_sample(sourced_corpus, tmp_path, monkeypatch, shuffle_documents,
                                                shuffle_window, random_sample):
     # ~200 documents a chunk (as with litdata's default chunk size on a real corpus, not one chunk in all)
-    monkeypatch.setattr(keel.data, "SPAN_CHARS", 60_000)
+    monkeypatch.setattr(keel.data.preparation, "SPAN_CHARS", 60_000)
     monkeypatch.chdir(sourced_corpus)  # relative ids: the split, hence every figure here, is the same on each run
     cfg = config(tmp_path / "shards", f"data.shuffle_documents={shuffle_documents}",
                  f"data.shuffle_window={shuffle_window}", "data.doc_chars=0", "data.chunk_bytes=16KB",

@@ -21,7 +21,7 @@ import torch
 
 from keel.callbacks.layer_importance import skip_losses
 from keel.checkpoint import load_model
-from keel.data import token_loader
+from keel.data.loading import token_loader
 from keel.errors import ConfigError
 from keel.experiments.common import plot_lines, write_table
 from keel.model import KeelLM

@@ -25,7 +25,8 @@ WHOLE_FILE_SUFFIXES = frozenset({".py"})
 PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank lines (spaces, \r allowed in them)
 
 
-def _matched_files(patterns: list[str]) -> list[str]:
+def matched_files(patterns: list[str]) -> list[str]:
+    """The files the data.paths globs match, each once, in glob order; a ConfigError names any glob matching none."""
     files: dict[str, None] = {}  # an ordered set: a file matched by two globs is read once
     unmatched = []
     for pattern in patterns:
@@ -105,7 +106,7 @@ class TextFiles(Source):
     more_documents = ", a smaller data.doc_chars"
 
     def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
-        for path in _matched_files(data.paths):
+        for path in matched_files(data.paths):
             suffix = Path(path).suffix.lower()
             if suffix == ".jsonl":
                 yield from _jsonl_documents(path, data.text_field)

@@ -105,9 +105,28 @@ def check_trainer(trainer) -> None:
     if trainer.strategy == "fsdp" and resolve_precision(trainer) == "16-mixed":
         raise ConfigError("trainer.precision=16-mixed: fp16 loss scaling does not work on FSDP shards; "
                           "use trainer.precision=bf16-mixed (or 32-true)")
+    if trainer.compile and resolve_accelerator(trainer) == "cpu" and (missing := missing_cpp_compiler()):
+        raise ConfigError(f"trainer.compile=true: torch.compile on CPU builds C++ kernels, and no C++ compiler was found "
+                          f"({missing}); install one (e.g. apt install g++, xcode-select --install) or set "
+                          "trainer.compile=false")
     if trainer.num_nodes > 1 and not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect() or "NODE_RANK" in os.environ):
         raise ConfigError(f"trainer.num_nodes={trainer.num_nodes}: start one launcher per node with torchrun or srun "
                           "(docs/distributed.md); run alone, every node would wait for the others forever")
+
+
+def missing_cpp_compiler() -> str | None:
+    """Why inductor would find no C++ compiler (it would fail at the first compiled step), or None if it finds one:
+    asked the way inductor asks, so $CXX and torch's own search order count."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        cxx = inductor_config.cpp.cxx
+        return "searched " + ", ".join(str(c) for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c)
+    return None
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -1,11 +1,23 @@
-"""Lightning callbacks for Keel training: each owns one job and its metrics (tags: docs/tensorboard.md)."""
+"""Lightning callbacks for Keel training: each owns one job and its metrics (tags: docs/tensorboard.md).
 
-from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
-from keel.callbacks.grad_norms import GradNormMonitor
-from keel.callbacks.layer_importance import LayerImportance
+CALLBACKS registers the configurable ones: each entry is a callback's config class (keel.callbacks.base), whose
+`name` is its key under `callbacks.*` (in this order in the config) and whose `priority` orders the runs.
+"""
+
+from keel.callbacks.base import CallbackConfig
+from keel.callbacks.grad_norms import GradNormMonitor, GradNormsConfig
+from keel.callbacks.layer_importance import LayerImportance, LayerImportanceConfig
 from keel.callbacks.progress import StepProgressBar
-from keel.callbacks.stability import Failure, StabilityMonitor
-from keel.callbacks.throughput import SpeedMonitor
+from keel.callbacks.stability import Failure, StabilityConfig, StabilityMonitor
+from keel.callbacks.throughput import SpeedMonitor, ThroughputConfig
 
-__all__ = ["Failure", "GracefulInterrupt", "GradNormMonitor", "LayerImportance", "RunCheckpoint", "SpeedMonitor",
-           "StabilityMonitor", "StepProgressBar"]
+CALLBACKS: tuple[type[CallbackConfig], ...] = (
+    GradNormsConfig,
+    StabilityConfig,
+    ThroughputConfig,
+    LayerImportanceConfig,
+)
+
+__all__ = ["CALLBACKS", "CallbackConfig", "Failure", "GradNormMonitor", "GradNormsConfig", "LayerImportance",
+           "LayerImportanceConfig", "SpeedMonitor", "StabilityConfig", "StabilityMonitor", "StepProgressBar",
+           "ThroughputConfig"]

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from keel.callbacks.grad_norms import GradNormMonitor
-from keel.callbacks.layer_importance import skip_losses
+from keel.layer_skip import skip_losses
 from keel.config import load_config
 from keel.lit import lr_factor
 from keel.model import KeelLM, ModelConfig

@@ -22,7 +22,7 @@ class CallbackConfig(ABC):
     # hook on the callbacks in this order, after the fixed ones (checkpoint, interrupt, LR monitor, progress bar)
     priority: ClassVar[int]
 
-    enabled: bool = True
+    enabled: bool = True  # false: the callback is not built (its other keys are still checked)
 
     def key(self, field: str) -> str:
         """The option's full key, for error messages."""

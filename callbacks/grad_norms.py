@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -36,6 +37,9 @@ from keel.callbacks.base import CallbackConfig
 from keel.errors import require
 from keel.gradflow import bottom_middle_top, measure_model
 from keel.norms import grad_norms
+
+if TYPE_CHECKING:
+    from keel.config import Config
 
 KINDS = ("attn", "ffn")
 
@@ -71,7 +75,7 @@ class GradNormsConfig(CallbackConfig):
     name = "grad_norms"
     priority = 40
 
-    every_n_steps: int = 10
+    every_n_steps: int = 10  # measure and log every this many optimizer steps
     heatmap_every_n_steps: int = 100  # depth x step image; 0 = never
     activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) via keel.gradflow (one extra fwd+bwd); 0 = off
     max_blocks: int = 32  # blocks with their own scalar tags (evenly spaced); 0 = all. The heatmap shows all
@@ -85,12 +89,12 @@ class GradNormsConfig(CallbackConfig):
                 self.key("heatmap_every_n_steps"),
                 f"must be a multiple of {self.key('every_n_steps')}={self.every_n_steps} (0 = never)")
 
-    def check(self, cfg) -> None:
+    def check(self, cfg: Config) -> None:
         require(not self.activation_every_n_steps or (cfg.trainer.strategy != "fsdp" and not cfg.trainer.compile),
                 self.key("activation_every_n_steps"), "the activation-gradient profile (keel.gradflow) needs "
                 "unsharded, uncompiled blocks; set it to 0 with trainer.strategy=fsdp or trainer.compile=true")
 
-    def build(self, cfg) -> Callback:
+    def build(self, cfg: Config) -> Callback:
         return GradNormMonitor(self)
 
 

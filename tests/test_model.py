@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from keel.errors import ConfigError
 from keel.gpu_check import sublayer_update_error, sublayers
 from keel.gradflow import measure
-from keel.model import (
-    SCHEMES, ConfigError, KeelLM, KVCache, ModelConfig, RMSNorm, _RMSNormFunction, needs_final_norm, sublayer_specs,
-)
+from keel.model import SCHEMES, KeelLM, KVCache, ModelConfig, RMSNorm, needs_final_norm, sublayer_specs
+from keel.ops.rms_norm import RMSNormFunction
 from keel.parallel import apply_activation_checkpointing, compile_blocks
 
 TINY = dict(width=32, n_heads=2, seq_len=16, vocab_size=64)
@@ -349,9 +349,32 @@ def test_cpu_rmsnorm_matches_torch_rms_norm(alpha):
     torch.testing.assert_close(out, ref.float())
     for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, exact, grad.double())):
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
-    fn = (lambda x, skip, w: _RMSNormFunction.apply(x, skip, alpha, w, 1e-5)) if alpha is not None else (
-        lambda x, w: _RMSNormFunction.apply(x, None, 1.0, w, 1e-5))
+    fn = (lambda x, skip, w: RMSNormFunction.apply(x, skip, alpha, w, 1e-5)) if alpha is not None else (
+        lambda x, w: RMSNormFunction.apply(x, None, 1.0, w, 1e-5))
     assert torch.autograd.gradcheck(fn, exact)
+
+
+
+def test_cpu_rmsnorm_refuses_double_backward():
+    """Its backward is written out, not differentiable itself: a second derivative must fail loudly rather than
+    come out silently wrong (gradient penalties, Hessian-vector products)."""
+    x = torch.randn(4, 16, requires_grad=True)
+    norm = RMSNorm(16, eps=1e-5)
+    (grad,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
+
+
+def test_every_scheme_has_its_own_blocks_and_an_unknown_one_is_refused():
+    """One table entry per scheme (no fall-through to Keel): the seven layouts differ, and a scheme outside
+    the table is an error naming the allowed ones, wherever the specs are asked for."""
+    layouts = {scheme: (sublayer_specs(tiny(scheme=scheme)), needs_final_norm(tiny(scheme=scheme))) for scheme in SCHEMES}
+    assert len({repr(layout) for layout in layouts.values()}) == len(SCHEMES)
+    cfg = tiny()
+    cfg.scheme = "rezero"  # past validation, as a config edited after loading would be
+    for ask in (sublayer_specs, needs_final_norm, KeelLM):
+        with pytest.raises(ConfigError, match="model.scheme: unknown scheme 'rezero'; allowed: keel, preln"):
+            ask(cfg)
 
 
 # ---------------------------------------------------------------- extreme depth and activation checkpointing

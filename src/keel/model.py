@@ -26,7 +26,7 @@ the branches' matmuls run in bf16 (autocast, or the weights' own dtype under bf1
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +35,8 @@ from torch import nn
 
 from keel.errors import require
 from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
+from keel.ops.rms_norm import rms_norm
 
-SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "hybridnorm_star", "mixln")
 FFN_KINDS = ("gelu", "swiglu")
 KEEL_FIRST_BLOCK = ("v1", "v2")
 INIT_KINDS = ("normal", "unit")
@@ -70,7 +70,7 @@ class ModelConfig:
     loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        require(self.scheme in SCHEMES, "model.scheme", f"unknown scheme {self.scheme!r}; allowed: {', '.join(SCHEMES)}")
+        scheme_of(self)
         require(self.ffn in FFN_KINDS, "model.ffn", f"unknown FFN {self.ffn!r}; allowed: {', '.join(FFN_KINDS)}")
         require(self.init in INIT_KINDS, "model.init", f"unknown init {self.init!r}; allowed: {', '.join(INIT_KINDS)}")
         require(
@@ -135,71 +135,75 @@ class SublayerSpec:
     qkv_norm: bool = False  # HybridNorm attention: per-head RMSNorm of q, k, v
 
 
-def sublayer_specs(cfg: ModelConfig) -> list[tuple[SublayerSpec, SublayerSpec]]:
-    """(attention, FFN) spec for every block, per docs/schemes.md."""
-    n = cfg.depth
-    pre = SublayerSpec(norm_in=True, norm_out=False)
-    post = SublayerSpec(norm_in=False, norm_out=True)
-    if cfg.scheme == "preln":
-        return [(pre, pre)] * n
-    if cfg.scheme == "postln":
-        return [(post, post)] * n
-    if cfg.scheme == "deepnorm":
-        alpha = cfg.deepnorm_alpha or (2 * n) ** 0.25
-        deep = SublayerSpec(norm_in=False, norm_out=True, alpha=alpha)
-        return [(deep, deep)] * n
-    if cfg.scheme == "mixln":
-        n_post = math.floor(round(cfg.mixln_post_fraction * n, 6))  # round: 0.29 * 100 must give 29, not 28
-        return [(post, post)] * n_post + [(pre, pre)] * (n - n_post)
-    if cfg.scheme in ("hybridnorm", "hybridnorm_star"):
-        attn = SublayerSpec(norm_in=False, norm_out=False, qkv_norm=True)
-        ffn = SublayerSpec(norm_in=True, norm_out=False, skip_from_norm_in=True)
-        blocks = [(attn, ffn)] * n
-        if cfg.scheme == "hybridnorm_star":
-            blocks[0] = (SublayerSpec(norm_in=True, norm_out=False, qkv_norm=True), pre)
-        return blocks
-    # keel
+BlockSpecs = list[tuple[SublayerSpec, SublayerSpec]]  # (attention, FFN) per block
+PRE = SublayerSpec(norm_in=True, norm_out=False)
+POST = SublayerSpec(norm_in=False, norm_out=True)
+
+
+def _keel(cfg: ModelConfig) -> BlockSpecs:
     keel = SublayerSpec(norm_in=cfg.keel_inner_norm, norm_out=True, alpha=cfg.keel_alpha or float(cfg.L))
-    if cfg.keel_first_block == "v1":
-        first = (pre, pre)
-    else:
-        first = (pre, SublayerSpec(norm_in=True, norm_out=True, alpha=1.0))
-    return [first] + [(keel, keel)] * (n - 1)
+    first = (PRE, PRE) if cfg.keel_first_block == "v1" else (PRE, SublayerSpec(norm_in=True, norm_out=True))
+    return [first] + [(keel, keel)] * (cfg.depth - 1)
+
+
+def _deepnorm(cfg: ModelConfig) -> BlockSpecs:
+    deep = SublayerSpec(norm_in=False, norm_out=True, alpha=cfg.deepnorm_alpha or (2 * cfg.depth) ** 0.25)
+    return [(deep, deep)] * cfg.depth
+
+
+def _mixln(cfg: ModelConfig) -> BlockSpecs:
+    n_post = math.floor(round(cfg.mixln_post_fraction * cfg.depth, 6))  # round: 0.29 * 100 must give 29, not 28
+    return [(POST, POST)] * n_post + [(PRE, PRE)] * (cfg.depth - n_post)
+
+
+HYBRID_ATTN = SublayerSpec(norm_in=False, norm_out=False, qkv_norm=True)
+HYBRID_FFN = SublayerSpec(norm_in=True, norm_out=False, skip_from_norm_in=True)
+
+
+def _hybridnorm(cfg: ModelConfig) -> BlockSpecs:
+    return [(HYBRID_ATTN, HYBRID_FFN)] * cfg.depth
+
+
+def _hybridnorm_star(cfg: ModelConfig) -> BlockSpecs:
+    return [(SublayerSpec(norm_in=True, norm_out=False, qkv_norm=True), PRE)] + _hybridnorm(cfg)[1:]
+
+
+def _unless_last_normalized(cfg: ModelConfig) -> bool:
+    return not sublayer_specs(cfg)[-1][1].norm_out
+
+
+@dataclass(frozen=True)
+class Scheme:
+    blocks: Callable[[ModelConfig], BlockSpecs]
+    final_norm: Callable[[ModelConfig], bool] = lambda cfg: True  # a norm before the head
+    variant_of: str | None = None  # a variant of another scheme, not one of Keel's and the paper's five baselines
+
+
+# Every scheme, one entry each (docs/schemes.md): model.scheme's allowed values, in this order everywhere.
+SCHEMES = {
+    "keel": Scheme(_keel, final_norm=_unless_last_normalized),
+    "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth),
+    "postln": Scheme(lambda cfg: [(POST, POST)] * cfg.depth, final_norm=lambda cfg: cfg.postln_final_norm),
+    "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized),
+    "hybridnorm": Scheme(_hybridnorm),
+    "hybridnorm_star": Scheme(_hybridnorm_star, variant_of="hybridnorm"),
+    "mixln": Scheme(_mixln),
+}
+PAPER_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.variant_of is None)
+
+
+def scheme_of(cfg: ModelConfig) -> Scheme:
+    require(cfg.scheme in SCHEMES, "model.scheme", f"unknown scheme {cfg.scheme!r}; allowed: {', '.join(SCHEMES)}")
+    return SCHEMES[cfg.scheme]
+
+
+def sublayer_specs(cfg: ModelConfig) -> BlockSpecs:
+    """(attention, FFN) spec for every block, per docs/schemes.md."""
+    return scheme_of(cfg).blocks(cfg)
 
 
 def needs_final_norm(cfg: ModelConfig) -> bool:
-    if cfg.scheme == "postln":
-        return cfg.postln_final_norm
-    if cfg.scheme in ("deepnorm", "keel"):
-        return not sublayer_specs(cfg)[-1][1].norm_out
-    return True
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm(x + alpha * skip) * weight (skip optional) with a hand-written backward. On CPU, eager autograd
-    differentiates F.rms_norm's pieces (~17 passes over the activation per norm); this takes ~9 and allocates
-    less. Keel runs twice Pre-LN's norms, so this is most of the extra norm's eager cost (docs/bench.md).
-    CUDA has a fused kernel and compile fuses either way: both use F.rms_norm."""
-
-    @staticmethod
-    def forward(ctx, x, skip, alpha, weight, eps):
-        # x, skip: (..., C) fp32; mean(s^2) from one pass (no s^2 temporary), then in place on (..., 1) statistics
-        s = x if skip is None else torch.add(x, skip, alpha=alpha)
-        rstd = torch.linalg.vector_norm(s, dim=-1, keepdim=True).square_().div_(s.shape[-1]).add_(eps).rsqrt_()
-        s_hat = s * rstd if skip is None else s.mul_(rstd)  # the sum is our own temporary: normalize it in place
-        ctx.save_for_backward(s_hat, weight, rstd)
-        ctx.alpha = alpha
-        return s_hat * weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        # d/ds of s_hat * w: (g * w - s_hat * mean(g * w * s_hat)) * rstd, as addcmul + one in-place mul
-        s_hat, weight, rstd = ctx.saved_tensors
-        grad_hat = grad * weight
-        minus_mean = (grad_hat * s_hat).mean(-1, keepdim=True).neg_()  # (..., 1)
-        grad_s = torch.addcmul(grad_hat, s_hat, minus_mean).mul_(rstd)
-        grad_skip = grad_s * ctx.alpha if ctx.needs_input_grad[1] else None  # False when skip is None
-        return grad_s, grad_skip, None, (grad * s_hat).flatten(0, -2).sum(0), None
+    return scheme_of(cfg).final_norm(cfg)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -209,13 +213,8 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(dim, eps=eps)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
-        """RMSNorm(x), or RMSNorm(x + alpha * skip): a sublayer's sum and Norm_out in one step."""
-        x, weight = x.float(), self.weight.float()
-        if x.is_cpu and not torch.compiler.is_compiling():
-            return _RMSNormFunction.apply(x, skip, alpha, weight, self.eps)
-        if skip is not None:
-            x = torch.add(x, skip, alpha=alpha)
-        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        """RMSNorm(x), or RMSNorm(x + alpha * skip): a sublayer's sum and Norm_out in one step (keel.ops.rms_norm)."""
+        return rms_norm(x, self.weight, self.eps, skip, alpha)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,8 +67,8 @@ from keel.experiments.common import (
 )
 from keel.errors import ConfigError
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
+from keel.model import PAPER_SCHEMES
 
-DEFAULT_SCHEMES = ("keel", "preln", "postln", "deepnorm", "hybridnorm", "mixln")
 DEFAULT_PAIRS = (("keel", "preln"), ("preln", "postln"))
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
 MINIATURE = [
@@ -414,7 +414,8 @@ def main(argv: list[str]) -> int:
         return collect_main(argv[1:])
     parser = argparse.ArgumentParser(prog="keel maxlr", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schemes", type=comma_list(str), default=list(DEFAULT_SCHEMES), help="comma-separated")
+    parser.add_argument("--schemes", type=comma_list(str), default=list(PAPER_SCHEMES),
+                        help="comma-separated (default: Keel and the paper's five baselines)")
     parser.add_argument("--depths", type=comma_list(int), default=[],
                         help=f"blocks, comma-separated (default: {MINIATURE_DEPTH} for the miniature, else the model's)")
     parser.add_argument("--seeds", type=comma_list(int), default=[1337], help="run.seed values: init and data order")

@@ -5,8 +5,8 @@
 `conf/config.yaml` names the default choice of each group (`model`, `data`, `trainer`, `eval`); a
 `group=choice` override picks `conf/<group>/<choice>.yaml` (or a YAML path), merged into that section.
 `--config FILE` merges on top of `conf/config.yaml`, then dotlist overrides on top of both. The result is
-checked against the dataclasses below: unknown keys (with the closest valid ones), wrong types and bad
-values fail at start-up with the key named.
+checked against the dataclasses below (`callbacks.*`: each callback's own, registered in keel.callbacks): unknown
+keys (with the closest valid ones), wrong types and bad values fail at start-up with the key named.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
 import shutil
+import subprocess
 import sys
 import time
 import types
@@ -15,21 +17,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-import keel.data
+import keel.data.preparation
 from keel import cli
 from keel.config import Config, DataConfig, load_config
-from keel.data import (
-    EOS_TOKEN,
-    KeelDataModule,
-    STDLIB_EXCLUDED_DIRS,
-    cut_text,
-    is_validation,
-    open_dataset,
-    prepare,
-    read_documents,
-    token_loader,
-    train_tokenizer,
-)
+from keel.data.loading import KeelDataModule, open_dataset, token_loader
+from keel.data.preparation import is_validation, prepare
+from keel.data.sources import SOURCES, read_documents
+from keel.data.sources.stdlib import STDLIB_EXCLUDED_DIRS
+from keel.data.sources.text_files import cut_text
+from keel.data.tokenizer import EOS_TOKEN, train_tokenizer
 from keel.errors import ConfigError
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # ../shared/data from the repo root
@@ -270,6 +266,25 @@ def test_hf_without_datasets_or_hub_is_refused_clearly(tmp_path, monkeypatch):
         prepare(cfg)
 
 
+def test_data_source_names_come_from_the_registry():
+    """DataConfig accepts the registered sources and refuses any other, naming them all (there is no fall-through
+    to one of them); the keys a source records in the manifest are data.* keys."""
+    with pytest.raises(ConfigError, match="^data.source: unknown source 'nope'; allowed: " + ", ".join(SOURCES) + "$"):
+        DataConfig(source="nope")
+    keys = {field.name for field in dataclasses.fields(DataConfig)}
+    for name, source in SOURCES.items():
+        assert source.name == name and set(source.settings) <= keys
+        assert DataConfig(source=name, paths=["*.txt"]).source == name
+
+
+def test_keel_data_imports_no_lightning():
+    """`keel data` runs before every `make pretrain`, mostly to find nothing to do: it must not pay for importing
+    Lightning (~2.7 s on the loaded 2-core dev machine), which only training's side, keel.data.loading, needs."""
+    code = ("import sys, keel.cli, keel.data.preparation\n"
+            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'lightning'))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
 # --------------------------------------------------------------------------------------------------- open_dataset
 
 
@@ -494,7 +509,7 @@ def dispersion_p_value(cfg: Config, batches: int) -> float:
 def test_training_batches_are_a_uniform_sample(sourced_corpus, tmp_path, monkeypatch, shuffle_documents,
                                                shuffle_window, random_sample):
     # ~200 documents a chunk (as with litdata's default chunk size on a real corpus, not one chunk in all)
-    monkeypatch.setattr(keel.data, "SPAN_CHARS", 60_000)
+    monkeypatch.setattr(keel.data.preparation, "SPAN_CHARS", 60_000)
     monkeypatch.chdir(sourced_corpus)  # relative ids: the split, hence every figure here, is the same on each run
     cfg = config(tmp_path / "shards", f"data.shuffle_documents={shuffle_documents}",
                  f"data.shuffle_window={shuffle_window}", "data.doc_chars=0", "data.chunk_bytes=16KB",

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from keel.checkpoint import LAST, load_model
 from keel.cli import main as cli_main
 from keel.config import load_config
-from keel.data import main as data_main
+from keel.data.preparation import main as data_main
 from keel.errors import ConfigError
 from keel.evaluation import KeelEvalLM, generate_tasks, load_tasks, run_tasks, task_manager
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD

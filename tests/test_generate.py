@@ -7,7 +7,7 @@ from tokenizers import Tokenizer
 
 from keel.checkpoint import LAST, load_model
 from keel.cli import main as cli_main
-from keel.data import eos_id_of
+from keel.data.tokenizer import eos_id_of
 from keel.generate import decoded_pieces
 
 from conftest import write_sharded

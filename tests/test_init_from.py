@@ -8,8 +8,8 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.checkpoint import LAST, load_model, read_checkpoint
 from keel.config import load_config
-from keel.data import main as data_main
-from keel.data import open_dataset
+from keel.data.loading import open_dataset
+from keel.data.preparation import main as data_main
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule
 from keel.model import KeelLM, next_token_loss

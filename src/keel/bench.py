@@ -287,7 +287,7 @@ def app_run(args: argparse.Namespace, scheme: str, compile: bool, threads: int, 
 
 def loader_run(args: argparse.Namespace, workers: int) -> float:
     """Tokens/s of the training loader, from its first batch (worker start-up excluded) over the next ones."""
-    from keel.data import token_loader
+    from keel.data.loading import token_loader
 
     cfg = app_config(args, args.schemes[0], False, max(args.threads), workers)
     batches = iter(token_loader(cfg, "train", shuffle=True))
@@ -323,7 +323,7 @@ def build_variants(args: argparse.Namespace, device: torch.device) -> list[Varia
         variants.append(variant)
         print(f"keel bench: warmed up {variant.label}", file=sys.stderr)
     if args.app:
-        from keel.data import prepare
+        from keel.data.preparation import prepare
 
         prepare(app_config(args, args.schemes[0], False, max(args.threads), 0))  # no-op when already built
         for compile, threads, workers, chunk in itertools.product(

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from keel.callbacks import CALLBACKS, CallbackConfig
+from keel.data.sources import get_source
 from keel.errors import ConfigError, require
 from keel.model import ModelConfig
 
@@ -29,7 +30,6 @@ GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "gpu")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
-DATA_SOURCES = ("stdlib", "text_files", "hf")
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
 SCHEDULES = ("cosine", "linear_warmup", "exp_warmup")
 
@@ -99,7 +99,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text_files | hf
+    source: str = "stdlib"  # a name registered in keel.data.sources.SOURCES
     dir: str = "data/stdlib"  # shard directory (local path or an object-store URL litdata supports)
     paths: list[str] = field(default_factory=list)  # text_files: globs of .txt/.md/.py/.jsonl/.parquet files
     text_field: str = "text"  # jsonl/parquet/hf column holding the text
@@ -122,7 +122,7 @@ class DataConfig:
     chunk_bytes: str = "16MB"
 
     def __post_init__(self) -> None:
-        require(self.source in DATA_SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(DATA_SOURCES)}")
+        get_source(self.source)  # raises, naming the registered sources, for an unknown one
         require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
         require(self.shuffle_window >= 0, "data.shuffle_window",
                  "must be >= 0 (0 = full permutation of each chunk; N = windows of N consecutive sequences)")

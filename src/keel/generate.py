@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer
 
 from keel.checkpoint import load_model
-from keel.data import eos_id_of
+from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.model import KeelLM
 

@@ -27,7 +27,7 @@ from keel.checkpoint import (
     resolve_resume,
 )
 from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dict, to_yaml
-from keel.data import KeelDataModule, check_resumable_data, open_dataset
+from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision

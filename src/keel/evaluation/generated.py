@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from keel.data import VAL_DOCS
+from keel.data.shards import VAL_DOCS
 
 TASKS_SUBDIR = "eval_tasks/v1"  # bump when the generator changes: files of an older one are not reused
 EXAMPLES = 500  # per task; in-loop evaluation uses the first eval.limit of them (the order is shuffled)

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from keel.checkpoint import load_model
-from keel.data import eos_id_of
+from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.model import KeelLM
 

@@ -145,7 +145,8 @@ def unigram_loss(cfg: Config) -> float:
     from litdata import StreamingDataset
     from litdata.streaming.item_loader import TokensLoader
 
-    from keel.data import data_path, open_dataset, token_loader
+    from keel.data.loading import open_dataset, token_loader
+    from keel.data.shards import data_path
 
     vocab = max(open_dataset(cfg).vocab_size, cfg.model.vocab_size)
     counts = np.zeros(vocab, np.int64)

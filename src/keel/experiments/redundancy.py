@@ -22,7 +22,7 @@ import torch
 
 from keel.layer_skip import skip_losses
 from keel.checkpoint import load_model
-from keel.data import token_loader
+from keel.data.loading import token_loader
 from keel.errors import ConfigError
 from keel.experiments.common import plot_lines, write_table
 from keel.model import KeelLM

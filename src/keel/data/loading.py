@@ -1,0 +1,189 @@
+"""Training's side of the shards: open_dataset checks them against the config, token_loader streams a split,
+KeelDataModule hands both loaders to Lightning."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+from keel.config import Config
+from keel.data.shards import (
+    MANIFEST, MANIFEST_KEYS, REBUILD, SPLITS, TOKENIZER, data_path, sha256, storage, tokens_per_chunk, verify_shards,
+)
+from keel.errors import ConfigError
+
+
+@dataclass
+class DatasetInfo:
+    dir: str
+    tokenizer_path: str
+    tokenizer_json: str
+    vocab_size: int
+    eos_id: int
+    manifest: dict
+    manifest_sha256: str  # identifies the build: a checkpoint's loader position refers to these shards only
+
+
+def open_dataset(cfg: Config) -> DatasetInfo:
+    """The shards at cfg.data.dir, checked against the config; a ConfigError says what to run when they don't fit."""
+    data = cfg.data
+    fs = storage(data.dir)
+    manifest_path = data_path(data.dir, MANIFEST)
+    if not fs.exists(manifest_path):
+        why = " (it has no manifest.json: an interrupted `keel data`?)" if fs.exists(data_path(data.dir)) else ""
+        raise ConfigError(
+            f"no shards at {data.dir}{why}: run `keel data` (or `make data`) with the same data.* settings"
+        )
+    try:
+        manifest_bytes = fs.cat_file(manifest_path)
+        manifest = json.loads(manifest_bytes)
+        if missing := [key for key in MANIFEST_KEYS if key not in manifest]:
+            raise ValueError(f"no {', '.join(missing)}")
+    except ValueError as err:
+        raise ConfigError(f"{data.dir}/{MANIFEST} is corrupt ({err}): {REBUILD}") from None
+    tokenizer_path = data_path(data.dir, TOKENIZER)
+    raw = fs.cat_file(tokenizer_path) if fs.exists(tokenizer_path) else b""
+    if sha256(raw) != manifest["tokenizer_sha256"]:
+        raise ConfigError(
+            f"{data.dir}/{TOKENIZER} is missing or is not the one the shards were encoded with: {REBUILD}"
+        )
+    for split in SPLITS:
+        tokens_per_chunk(fs, data.dir, split)  # raises when the split's index is missing
+    verify_shards(fs, data, manifest)
+
+    built_with = manifest["settings"].get("tokenizer")
+    if data.tokenizer is not None:
+        if os.path.isfile(data.tokenizer):
+            same = sha256(Path(data.tokenizer).read_bytes()) == manifest["tokenizer_sha256"]
+        else:  # a hub name, compared by name so that training needs no network
+            same = data.tokenizer == built_with
+        if not same:
+            raise ConfigError(
+                f"data.tokenizer={data.tokenizer!r} is not the tokenizer the shards at {data.dir} were built with "
+                f"({built_with or 'a BPE trained by keel data'}): run `keel data --force` with this data.tokenizer, "
+                "or point data.dir elsewhere"
+            )
+    if cfg.model.vocab_size < manifest["vocab_size"]:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {manifest['vocab_size']} tokens "
+            f"({tokenizer_path}): set model.vocab_size >= {manifest['vocab_size']}"
+        )
+    return DatasetInfo(
+        dir=data.dir,
+        tokenizer_path=tokenizer_path,
+        tokenizer_json=raw.decode(),
+        vocab_size=manifest["vocab_size"],
+        eos_id=manifest["eos_id"],
+        manifest=manifest,
+        manifest_sha256=sha256(manifest_bytes),
+    )
+
+
+def _stack_long(sequences: list[np.ndarray]) -> torch.Tensor:
+    # Shards hold uint16 (or int32) ids; embeddings and cross-entropy want int64.
+    return torch.from_numpy(np.stack(sequences).astype(np.int64))
+
+
+class _ResumableLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose epochs after a resumed one start afresh.
+
+    litdata clears its `restore` flag only when an epoch runs into StopIteration, but Lightning stops after
+    len(loader) batches; the flag would stay set and every later epoch would replay from the restored position.
+    """
+
+    _resumed_epoch_begun = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self._resumed_epoch_begun:
+            self.restore = self._resumed_epoch_begun = False
+        for batch in super().__iter__():
+            self._resumed_epoch_begun = self.restore
+            yield batch
+
+
+def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
+    """(micro_batch_size, seq_len + 1) int64 batches of consecutive tokens from one split of cfg.data.dir."""
+    dataset = StreamingDataset(
+        data_path(cfg.data.dir, split),
+        item_loader=TokensLoader(block_size=cfg.model.seq_len + 1),
+        shuffle=shuffle,
+        seed=cfg.run.seed,
+        drop_last=True,  # the same number of batches on every rank
+        # Explicit: litdata's default (None) reads LITDATA_ITEM_SHUFFLE_WINDOW or else 256, which makes ~32 steps
+        # of micro-batch 8 in a row come from one stretch of a chunk.
+        item_shuffle_window=cfg.data.shuffle_window,
+        cache_dir=cfg.data.cache_dir,  # where chunks of an object-store data.dir are downloaded to
+    )
+    loader = _ResumableLoader(
+        dataset, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long
+    )
+    if len(loader) == 0:
+        raise ConfigError(
+            f"{cfg.data.dir}/{split}: {len(dataset)} sequence(s) of model.seq_len + 1 = {cfg.model.seq_len + 1} tokens "
+            f"per device, fewer than one batch of trainer.micro_batch_size={cfg.trainer.micro_batch_size}; "
+            "use more text, a larger data.val_fraction, or a smaller model.seq_len or trainer.micro_batch_size"
+        )
+    return loader
+
+
+def check_resumable_data(cfg: Config, dataset: DatasetInfo, path: str, checkpoint: dict) -> None:
+    """A checkpoint's train-loader position is only meaningful on the shards it was saved on and with the same
+    read-time shuffle (litdata would otherwise fail mid-start, or continue on other data)."""
+    saved_build = checkpoint.get("KeelDataModule", {}).get("manifest_sha256")
+    if saved_build is None and "shuffle_documents" in dataset.manifest["settings"]:
+        raise ConfigError(
+            f"resume: {path} was written on shards built before `keel data` shuffled documents, and the shards at "
+            f"{cfg.data.dir} were built since (with data.shuffle_documents): the saved loader position would point "
+            "into other data. Start a new run (resume=null, or another run.dir)"
+        )
+    if saved_build is not None and saved_build != dataset.manifest_sha256:
+        raise ConfigError(
+            f"resume: the shards at {cfg.data.dir} are not the ones {path} was trained on (its manifest differs: "
+            "rebuilt or replaced since): the saved loader position would point into other data. Resume with the "
+            "original shards, or start a new run (resume=null, or another run.dir)"
+        )
+    loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    for state in loops.get("combined_loader", []):  # litdata's StreamingDataLoader state, one per loader
+        dataset_state = state.get("dataset", {}) if isinstance(state, dict) else {}
+        saved_window = dataset_state.get("item_shuffle_window") if dataset_state.get("shuffle") else None
+        if saved_window is not None and saved_window != cfg.data.shuffle_window:
+            older = " (litdata's default before keel set data.shuffle_window)" if saved_window == 256 else ""
+            raise ConfigError(
+                f"resume: {path} read its training sequences with data.shuffle_window={saved_window}{older}; this "
+                f"config has {cfg.data.shuffle_window}. Resume with data.shuffle_window={saved_window} to continue "
+                "that run exactly, or start a new run (resume=null, or another run.dir)"
+            )
+
+
+class KeelDataModule(L.LightningDataModule):
+    """Batches (micro_batch_size, seq_len + 1) of int64 token ids from the shards `keel data` built; the
+    LightningModule takes inputs [:, :-1] and targets [:, 1:].
+
+    Lightning re-iterates the train loader every epoch (reshuffled), so runs longer than an epoch cycle
+    through the data. The loader's position needs nothing here: a StreamingDataLoader is stateful, so
+    Lightning's fit loop saves it in every checkpoint (`loops.fit_loop.state_dict.combined_loader`) and
+    restores it on resume. This module's own state is the identity of the shards that position refers to.
+    """
+
+    def __init__(self, cfg: Config, info: DatasetInfo | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # fail before the Trainer starts when the shards don't fit; `info`: already opened (and verified)
+        self.info = info if info is not None else open_dataset(cfg)
+
+    def train_dataloader(self) -> StreamingDataLoader:
+        return token_loader(self.cfg, "train", shuffle=True)
+
+    def val_dataloader(self) -> StreamingDataLoader:
+        return token_loader(self.cfg, "val", shuffle=False)
+
+    def state_dict(self) -> dict:
+        return {"manifest_sha256": self.info.manifest_sha256}

@@ -1,0 +1,132 @@
+"""data.dir, local or an object-store URL: the files `keel data` writes there, and the checks that they are whole."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import TYPE_CHECKING
+
+import fsspec
+
+from keel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from keel.config import DataConfig
+
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+VAL_DOCS = "val_docs.jsonl"
+SPLITS = ("train", "val")
+MANIFEST_KEYS = ("settings", "documents", "tokens", "vocab_size", "eos_id", "tokenizer_sha256")
+REBUILD = "rebuild with `keel data --force` (same data.* settings)"
+
+
+def sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def data_path(data_dir: str, *names: str) -> str:
+    """A file or split under data.dir, as fsspec and litdata want it: an absolute local path or a URL."""
+    if "://" in data_dir:
+        return "/".join([data_dir.rstrip("/"), *names])
+    return os.path.abspath(os.path.join(data_dir, *names))
+
+
+def storage(data_dir: str) -> fsspec.AbstractFileSystem:
+    """The filesystem of data.dir (local, or an object store through its fsspec backend); for s3:// URLs,
+    litdata's own client is first made to accept a plain-http endpoint (see _allow_http_s3_endpoint)."""
+    scheme = data_dir.split("://", 1)[0] if "://" in data_dir else "file"
+    endpoint = _allow_http_s3_endpoint() if scheme == "s3" else None
+    try:
+        fs = fsspec.core.url_to_fs(data_dir)[0]
+    except ImportError as err:
+        extra = " (pip install -e '.[s3]')" if scheme == "s3" else ""
+        raise ConfigError(f"data.dir={data_dir}: no fsspec backend for {scheme}:// ({err}){extra}") from None
+    if scheme != "file":  # fail here, naming the store, rather than in litdata's workers
+        bucket = data_dir.split("://", 1)[1].split("/", 1)[0]
+        try:
+            found = fs.exists(f"{scheme}://{bucket}")
+        except Exception as err:  # noqa: BLE001 - endpoint, network and credential errors of any backend
+            raise ConfigError(
+                f"data.dir={data_dir}: cannot reach the object store ({type(err).__name__}: {err}); check the "
+                "endpoint and credentials (for S3: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE)"
+            ) from None
+        if not found:
+            at = f" at {endpoint}" if endpoint else ""
+            raise ConfigError(f"data.dir={data_dir}: bucket {bucket!r} cannot be found{at}: it does not exist, the "
+                              "endpoint is unreachable, or these credentials cannot see it; create it, or fix "
+                              "data.dir or the endpoint (AWS_ENDPOINT_URL)")
+    return fs
+
+
+def _allow_http_s3_endpoint() -> str | None:
+    """litdata (0.2.7x) moves S3 chunks through obstore, whose client it builds with fixed options that refuse
+    plain http, so an http endpoint (MinIO or another S3-compatible server on a private network) fails with
+    "HTTP error: builder error" while boto3 works. When the endpoint boto3 resolves (AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL or the AWS config file) is http://, those options get obstore's `allow_http`; https
+    endpoints and AWS itself are left exactly as litdata sets them. Returns that endpoint (None: AWS's own)."""
+    import boto3
+    import litdata.streaming.downloader as downloader
+
+    endpoint = boto3.session.Session().client("s3").meta.endpoint_url or ""
+    options = getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", None)
+    if endpoint.startswith("http://") and isinstance(options, dict):
+        options["allow_http"] = "true"
+    return endpoint or None
+
+
+def tokens_per_chunk(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[int]:
+    index = data_path(data_dir, split, "index.json")
+    if not fs.exists(index):
+        raise ConfigError(f"{data_dir}/{split} has no shards: {REBUILD}")
+    return [chunk["dim"] for chunk in _chunks(fs, data_dir, split)]
+
+
+def _chunks(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[dict]:
+    return json.loads(fs.cat_file(data_path(data_dir, split, "index.json")))["chunks"]
+
+
+def _file_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def chunk_digests(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> dict[str, str]:
+    """sha256 of each chunk file of a split, by file name."""
+    return {chunk["filename"]: _file_sha256(fs, data_path(data_dir, split, chunk["filename"]))
+            for chunk in _chunks(fs, data_dir, split)}
+
+
+def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict) -> None:
+    """Every chunk the indexes list is there at its full size; local chunks also match the manifest's sha256
+    (data.verify_checksums; hashing ran at 0.18 GB/s on the loaded 2-core dev machine). A shard truncated or
+    damaged after the build is refused here, at start-up, not when litdata's reader reaches it mid-run."""
+    checksums = manifest.get("chunk_sha256") if data.verify_checksums and "://" not in data.dir else None
+    for split in SPLITS:
+        for chunk in _chunks(fs, data.dir, split):
+            path = data_path(data.dir, split, chunk["filename"])
+            size = fs.size(path) if fs.exists(path) else None
+            if size != chunk["chunk_bytes"]:
+                found = "missing" if size is None else f"{size:,} of its {chunk['chunk_bytes']:,} bytes"
+                raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is truncated or missing ({found}): "
+                                  f"{REBUILD}")
+            if checksums and _file_sha256(fs, path) != checksums.get(split, {}).get(chunk["filename"]):
+                raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is corrupt (its sha256 is not the one in "
+                                  f"{MANIFEST}): {REBUILD}")
+
+
+def require_sequences(fs: fsspec.AbstractFileSystem, data_dir: str, seq_len: int) -> None:
+    """Each split must hold at least one training sequence (TokensLoader never lets one cross a chunk boundary)."""
+    for split in SPLITS:
+        chunks = tokens_per_chunk(fs, data_dir, split)
+        if sum(tokens // (seq_len + 1) for tokens in chunks) == 0:
+            raise ConfigError(
+                f"{data_dir}/{split}: its {sum(chunks)} tokens make no sequence of model.seq_len + 1 = {seq_len + 1} "
+                "tokens; use more text (data.paths, data.max_chars), a larger data.val_fraction, "
+                "or a smaller model.seq_len"
+            )

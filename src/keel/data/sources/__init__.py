@@ -1,0 +1,44 @@
+"""The registry of data sources: `data.source` names -> Source. Adding a source = a module defining a Source
+subclass, plus its import and entry in SOURCES below; DataConfig takes the allowed names from here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from keel.data.sources.base import SkippedFiles, Source
+from keel.data.sources.hf import HuggingFace
+from keel.data.sources.stdlib import Stdlib
+from keel.data.sources.text_files import TextFiles
+from keel.errors import require
+
+if TYPE_CHECKING:
+    from keel.config import DataConfig
+
+SOURCES: dict[str, Source] = {source.name: source for source in (
+    Stdlib(),
+    TextFiles(),
+    HuggingFace(),
+)}
+
+
+def get_source(name: str) -> Source:
+    """The source registered as `name`; a ConfigError naming the allowed ones otherwise."""
+    require(name in SOURCES, "data.source", f"unknown source {name!r}; allowed: {', '.join(SOURCES)}")
+    return SOURCES[name]
+
+
+def read_documents(data: DataConfig, skipped: SkippedFiles | None = None) -> Iterator[tuple[str, str]]:
+    """(id, text) of each non-blank document of data.source, stopping after data.max_chars characters (0 = all);
+    binary and non-UTF-8 files are left out and counted in `skipped`."""
+    skipped = skipped if skipped is not None else SkippedFiles()
+    remaining = data.max_chars or None
+    for doc_id, text in get_source(data.source).documents(data, skipped):
+        if not text.strip():
+            continue
+        if remaining is not None:
+            text = text[:remaining]
+            remaining -= len(text)
+        yield doc_id, text
+        if remaining == 0:
+            return

@@ -1,0 +1,128 @@
+"""data.source=text_files: files matched by the data.paths globs; .jsonl and .parquet records are documents,
+plain-text files are cut into documents of about data.doc_chars characters (source files stay whole)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from keel.data.sources.base import SkippedFiles, Source, text_of
+from keel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from keel.config import DataConfig
+
+PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
+# Source files stay whole documents whatever data.doc_chars says: a module is code's natural unit (its imports and
+# definitions are the context of the rest), a code corpus comes as many files anyway, and text_files then reads
+# .py files exactly as the stdlib source does.
+WHOLE_FILE_SUFFIXES = frozenset({".py"})
+PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank lines (spaces, \r allowed in them)
+
+
+def matched_files(patterns: list[str]) -> list[str]:
+    """The files the data.paths globs match, each once, in glob order; a ConfigError names any glob matching none."""
+    files: dict[str, None] = {}  # an ordered set: a file matched by two globs is read once
+    unmatched = []
+    for pattern in patterns:
+        matched = [p for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) if os.path.isfile(p)]
+        if not matched:
+            unmatched.append(pattern)
+        files.update(dict.fromkeys(matched))
+    if unmatched:
+        raise ConfigError(
+            f"data.paths: no files match {', '.join(repr(p) for p in unmatched)} (relative to {os.getcwd()}); "
+            "fix or drop the glob"
+        )
+    return list(files)
+
+
+def _jsonl_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
+    with open(path, "rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)  # UTF-8 (or -16/-32) bytes; a decoding error is a ValueError too
+            except ValueError as err:
+                raise ConfigError(f"data.paths: {path} line {number} is not UTF-8 JSON ({err})") from None
+            yield f"{path}:{number}", text_of(record, text_field, f"{path} line {number}")
+
+
+def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if text_field not in parquet.schema_arrow.names:
+        found = ", ".join(parquet.schema_arrow.names)
+        raise ConfigError(f"data.text_field: {path} has no column {text_field!r} (found: {found})")
+    row = 0
+    for batch in parquet.iter_batches(columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            yield f"{path}:{row}", text or ""
+            row += 1
+
+
+def cut_text(text: str, doc_chars: int) -> list[str]:
+    """`text` in consecutive pieces of about doc_chars characters (the whole text when it is no longer; 0 = never
+    cut), which join back into it. Each cut is at the paragraph end (a line end before blank lines) nearest to
+    doc_chars past the previous cut when one lies within a quarter of doc_chars of that, else at the nearest line
+    end. A line is never split, so long lines make longer pieces. The cuts depend on the text and doc_chars alone,
+    and each only on the text up to a little past it: appending to a text changes none but its last pieces."""
+    pieces, start = [], 0
+    while doc_chars and len(text) - start > doc_chars:
+        target, slack = start + doc_chars, doc_chars // 4
+        paragraph_ends = [match.end() for match in PARAGRAPH_END.finditer(text, target - slack, target + slack)]
+        if paragraph_ends:
+            cut = min(paragraph_ends, key=lambda end: abs(end - target))
+        else:
+            before, after = text.rfind("\n", start, target) + 1, text.find("\n", target) + 1
+            cut = min((end for end in (before, after) if end > start), key=lambda end: abs(end - target), default=0)
+        if not start < cut < len(text):
+            break  # no line end left: the rest is one piece
+        pieces.append(text[start:cut])
+        start = cut
+    return [*pieces, text[start:]]
+
+
+def _plain_text_documents(path: str, doc_chars: int, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+    if (text := skipped.read_text(Path(path))) is None:
+        return
+    pieces = cut_text(text, 0 if Path(path).suffix.lower() in WHOLE_FILE_SUFFIXES else doc_chars)
+    if len(pieces) == 1:  # an uncut file keeps its path as id: its split does not depend on data.doc_chars
+        yield path, text
+    else:
+        yield from ((f"{path}#{number}", piece) for number, piece in enumerate(pieces))
+
+
+class TextFiles(Source):
+    name = "text_files"
+    settings = ("paths", "text_field", "doc_chars")
+    more_documents = ", a smaller data.doc_chars"
+
+    def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+        for path in matched_files(data.paths):
+            suffix = Path(path).suffix.lower()
+            if suffix == ".jsonl":
+                yield from _jsonl_documents(path, data.text_field)
+            elif suffix == ".parquet":
+                yield from _parquet_documents(path, data.text_field)
+            elif suffix in PLAIN_TEXT_SUFFIXES:
+                yield from _plain_text_documents(path, data.doc_chars, skipped)
+            else:
+                plain = ", ".join(sorted(s for s in PLAIN_TEXT_SUFFIXES if s))
+                raise ConfigError(
+                    f"data.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}"
+                )
+
+    def describe(self, data: DataConfig) -> str:
+        whole = "/".join(sorted(WHOLE_FILE_SUFFIXES))
+        plain = (f"other plain-text files cut into documents of about {data.doc_chars:,} characters" if data.doc_chars
+                 else "other plain-text files whole")
+        return (f"files matching {', '.join(data.paths)} (field {data.text_field!r} of .jsonl / .parquet, "
+                f"{whole} files whole, {plain})")

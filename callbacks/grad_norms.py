@@ -25,21 +25,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.callbacks.base import CallbackConfig
-from keel.errors import require
+from keel.callbacks.configs import GradNormsConfig
 from keel.gradflow import bottom_middle_top, measure_model
 from keel.norms import grad_norms
-
-if TYPE_CHECKING:
-    from keel.config import Config
 
 KINDS = ("attn", "ffn")
 
@@ -66,36 +60,6 @@ def parameter_groups(model) -> list[tuple[str, list[torch.nn.Parameter]]]:
     if others:
         groups.append(("grad/other", others))
     return [(tag, params) for tag, params in groups if params]
-
-
-@dataclass
-class GradNormsConfig(CallbackConfig):
-    """Per-layer gradient norms before clipping."""
-
-    name = "grad_norms"
-    priority = 40
-
-    every_n_steps: int = 10  # measure and log every this many optimizer steps
-    heatmap_every_n_steps: int = 100  # depth x step image; 0 = never
-    activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) via keel.gradflow (one extra fwd+bwd); 0 = off
-    max_blocks: int = 32  # blocks with their own scalar tags (evenly spaced); 0 = all. The heatmap shows all
-
-    def __post_init__(self) -> None:
-        for key in ("every_n_steps", "heatmap_every_n_steps", "activation_every_n_steps", "max_blocks"):
-            require(getattr(self, key) >= 0, self.key(key), "must be >= 0")
-        require(not self.enabled or self.every_n_steps >= 1, self.key("every_n_steps"),
-                f"must be >= 1 (or set {self.key('enabled')}=false)")
-        require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
-                self.key("heatmap_every_n_steps"),
-                f"must be a multiple of {self.key('every_n_steps')}={self.every_n_steps} (0 = never)")
-
-    def check(self, cfg: Config) -> None:
-        require(not self.activation_every_n_steps or (cfg.trainer.strategy != "fsdp" and not cfg.trainer.compile),
-                self.key("activation_every_n_steps"), "the activation-gradient profile (keel.gradflow) needs "
-                "unsharded, uncompiled blocks; set it to 0 with trainer.strategy=fsdp or trainer.compile=true")
-
-    def build(self, cfg: Config) -> Callback:
-        return GradNormMonitor(self)
 
 
 class GradNormMonitor(Callback):

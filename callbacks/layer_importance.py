@@ -17,37 +17,13 @@ collective) on its own batch; the losses are averaged over ranks and rank 0 logs
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.callbacks.base import CallbackConfig
-from keel.errors import require
+from keel.callbacks.configs import LayerImportanceConfig
 from keel.layer_skip import skip_losses
-
-if TYPE_CHECKING:
-    from keel.config import Config
-
-
-@dataclass
-class LayerImportanceConfig(CallbackConfig):
-    """Loss increase when each block is skipped, on a fixed validation batch."""
-
-    name = "layer_importance"
-    priority = 20
-
-    every_n_steps: int = 200  # measure every this many optimizer steps
-    max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included); 0 = all
-
-    def __post_init__(self) -> None:
-        require(self.every_n_steps >= 1, self.key("every_n_steps"), "must be >= 1")
-        require(self.max_blocks >= 0, self.key("max_blocks"), "must be >= 0 (0 = all)")
-
-    def build(self, cfg: Config) -> Callback:
-        return LayerImportance(self)
 
 
 class LayerImportance(Callback):

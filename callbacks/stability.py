@@ -42,7 +42,6 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -50,48 +49,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks._logging import due, log_scalars, log_text
-from keel.callbacks.base import CallbackConfig
-from keel.errors import require
-
-if TYPE_CHECKING:
-    from keel.config import Config
-
-ON_NONFINITE = ("skip", "stop")
-SIGNALS = ("train", "val")
+from keel.callbacks.configs import StabilityConfig
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
-
-
-@dataclass
-class StabilityConfig(CallbackConfig):
-    """Non-finite steps, irrecoverable loss spikes and stagnation."""
-
-    name = "stability"
-    priority = 30
-
-    on_nonfinite: str = "skip"  # skip: drop that step's update; stop: drop it and end the run (a failure)
-    max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
-    spike_margin: float = 1.0  # smoothed loss above its running minimum by this much (nats) ...
-    spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
-    stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
-    stagnation_min_delta: float = 0.01  # nats that count as an improvement
-    stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
-    stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
-    # what spikes and stagnation judge: train = EMA of the training-batch losses; val = the held-out loss of each
-    # validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps; the max-LR protocol's)
-    signal: str = "train"
-
-    def __post_init__(self) -> None:
-        require(self.signal in SIGNALS, self.key("signal"), f"allowed: {', '.join(SIGNALS)}")
-        require(self.on_nonfinite in ON_NONFINITE, self.key("on_nonfinite"), f"allowed: {', '.join(ON_NONFINITE)}")
-        for key in ("max_nonfinite", "spike_patience"):
-            require(getattr(self, key) >= 1, self.key(key), "must be >= 1")
-        require(self.spike_margin > 0, self.key("spike_margin"), "must be > 0")
-        require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
-        require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
-
-    def build(self, cfg: Config) -> Callback:
-        return StabilityMonitor(self, cfg.run.dir)
 
 
 @dataclass

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -31,33 +29,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks._logging import due, finished_step, log_scalars
-from keel.callbacks.base import CallbackConfig
-from keel.errors import require
+from keel.callbacks.configs import ThroughputConfig
 from keel.flops import device_peak_flops
-from keel.model import flops_per_token
-
-if TYPE_CHECKING:
-    from keel.config import Config
 
 HALF_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true")
-
-
-@dataclass
-class ThroughputConfig(CallbackConfig):
-    """tokens/s, FLOP/s, MFU and data-wait share; logged every trainer.log_every_n_steps."""
-
-    name = "throughput"
-    priority = -100  # last: its step timing then includes the other callbacks' work
-
-    window: int = 20  # optimizer steps averaged
-    peak_flops: float = 0.0  # per device; 0 = look the GPU up (bf16/fp16 runs; CPU: no MFU)
-
-    def __post_init__(self) -> None:
-        require(self.window >= 2, self.key("window"), "must be >= 2")
-        require(self.peak_flops >= 0, self.key("peak_flops"), "must be >= 0 (0 = look up)")
-
-    def build(self, cfg: Config) -> Callback:
-        return SpeedMonitor(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
 
 
 def peak_flops(trainer: L.Trainer, configured: float) -> float | None:

@@ -5,7 +5,7 @@
 `conf/config.yaml` names the default choice of each group (`model`, `data`, `trainer`, `eval`); a
 `group=choice` override picks `conf/<group>/<choice>.yaml` (or a YAML path), merged into that section.
 `--config FILE` merges on top of `conf/config.yaml`, then dotlist overrides on top of both. The result is
-checked against the dataclasses below (`callbacks.*`: each callback's own, registered in keel.callbacks): unknown
+checked against the dataclasses below (`callbacks.*`: each callback's own, keel.callbacks.configs): unknown
 keys (with the closest valid ones), wrong types and bad values fail at start-up with the key named.
 """
 
@@ -15,16 +15,18 @@ import difflib
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from keel.callbacks import CALLBACKS, CallbackConfig
+from keel.callbacks.configs import CALLBACKS, CallbackConfig
 from keel.data.sources import get_source
 from keel.errors import ConfigError, require
 from keel.model import ModelConfig
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
 
 GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
@@ -140,7 +142,7 @@ class RunConfig:
     seed: int = 1337
 
 
-# callbacks.<name>: each registered callback's own config class (keel.callbacks.CALLBACKS), in registration order
+# callbacks.<name>: each registered callback's own config class (keel.callbacks.configs.CALLBACKS), in that order
 CallbacksConfig = make_dataclass("CallbacksConfig", [(c.name, c, field(default_factory=c)) for c in CALLBACKS])
 CallbacksConfig.__module__ = __name__  # make_dataclass's `module=` is Python >= 3.12; pickling needs it
 

@@ -15,9 +15,9 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from omegaconf import OmegaConf
 
-from keel.callbacks import StabilityMonitor, StepProgressBar
 from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
-from keel.callbacks.stability import describe
+from keel.callbacks.progress import StepProgressBar
+from keel.callbacks.stability import StabilityMonitor, describe
 from keel.checkpoint import (
     AtomicCheckpointIO,
     check_resumable,

@@ -30,7 +30,6 @@ from scipy.stats import spearmanr
 
 from keel.callbacks._logging import log_scalars
 from keel.config import Config
-from keel.errors import ConfigError
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import load_tasks, primary_metric, run_tasks
 
@@ -61,12 +60,7 @@ def _moved(before: float, after: float, higher_is_better: bool) -> int:
 
 class DownstreamEval(Callback):
     def __init__(self, cfg: Config) -> None:
-        if cfg.eval.every_n_steps % cfg.trainer.val_every_n_steps:
-            raise ConfigError(
-                f"eval.every_n_steps={cfg.eval.every_n_steps} must be a multiple of trainer.val_every_n_steps="
-                f"{cfg.trainer.val_every_n_steps}: tasks run right after a validation, next to its loss"
-            )
-        self.cfg = cfg
+        self.cfg = cfg  # eval.* (its cadence checked against trainer.* by EvalConfig.check at load time)
         self.history: list[dict] = []  # {"step", "val_loss", "wall_s", "scores": {task: {metric: value}}}
         self.tasks: dict = {}
         self.lm: KeelEvalLM | None = None

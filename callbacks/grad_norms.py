@@ -17,7 +17,8 @@ Optionally, every `activation_every_n_steps`, the activation-gradient profile ||
 step's batch (grad/act/..., measured by keel.gradflow.measure_model: one extra forward and backward).
 
 Lightning's `utilities.grad_norm` is not used: it gives per-parameter norms (we group by sublayer) and costs a
-collective per parameter on FSDP2 DTensors; here all norms are reduced together (keel.callbacks._norms).
+collective per parameter on FSDP2 DTensors; here all norms are reduced together (keel.norms), from the per-parameter
+norms the LightningModule computes once per step (KeelLitModule.grad_norms: shared with stability and clipping).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.callbacks._norms import full_norms
+from keel.callbacks.configs import GradNormsConfig
 from keel.gradflow import bottom_middle_top, measure_model
+from keel.norms import grad_norms
 
 KINDS = ("attn", "ffn")
 
@@ -61,14 +63,8 @@ def parameter_groups(model) -> list[tuple[str, list[torch.nn.Parameter]]]:
 
 
 class GradNormMonitor(Callback):
-    def __init__(
-        self, every_n_steps: int = 10, heatmap_every_n_steps: int = 100, activation_every_n_steps: int = 0,
-        max_blocks: int = 32,
-    ) -> None:
-        self.every_n_steps = every_n_steps
-        self.heatmap_every_n_steps = heatmap_every_n_steps
-        self.activation_every_n_steps = activation_every_n_steps
-        self.max_blocks = max_blocks  # blocks with their own scalar tags; the heatmap always shows all
+    def __init__(self, config: GradNormsConfig | None = None) -> None:
+        self.config = config if config is not None else GradNormsConfig()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After the strategy's setup: under FSDP the parameters are now the DTensors the optimizer updates.
@@ -76,34 +72,36 @@ class GradNormMonitor(Callback):
         cfg = model.cfg
         groups = parameter_groups(model)
         self._tags = [tag for tag, _ in groups]
-        self._params = [p for _, params in groups for p in params]
-        self._group_of = torch.tensor([g for g, (_, params) in enumerate(groups) for _ in params])
+        group_of = {id(p): g for g, (_, params) in enumerate(groups) for p in params}
+        self._params = list(model.parameters())  # the order of KeelLitModule.grad_norms()
+        self._group_of = torch.tensor([group_of[id(p)] for p in self._params])
         self._depth = cfg.depth
         self._ratio_blocks = bottom_middle_top(cfg.scheme, cfg.depth)
-        self._shown = set(evenly_spaced(cfg.depth, self.max_blocks))
+        self._shown = set(evenly_spaced(cfg.depth, self.config.max_blocks))
         hidden = {block_tag(prefix, kind, b) for b in range(cfg.depth) if b not in self._shown
                   for prefix in ("grad", "grad/gain") for kind in KINDS}
         self._logged = [tag for tag in [*self._tags, "grad/global"] if tag not in hidden]
         rows = [f"{kind} {b}" for b in range(cfg.depth) for kind in KINDS]
         self._heatmap = Heatmap("grad/heatmap/branch_weights", rows, "||grad|| of branch weights", log10=True)
 
-    def norms(self) -> dict[str, float]:
-        """Every group's gradient norm and the global one, by tag (a collective under FSDP: call on all ranks)."""
-        with_grad = [i for i, p in enumerate(self._params) if p.grad is not None]
-        if not with_grad:
+    def norms(self, per_param: torch.Tensor | None = None) -> dict[str, float]:
+        """Every group's gradient norm and the global one, by tag, from each parameter's gradient norm (in
+        model.parameters() order; computed here if not given: a collective under FSDP, call on all ranks)."""
+        if all(p.grad is None for p in self._params):
             return {}
-        per_param = full_norms([self._params[i].grad for i in with_grad])
+        if per_param is None:
+            per_param = grad_norms(self._params)
         squares = torch.zeros(len(self._tags), device=per_param.device)
-        squares.index_add_(0, self._group_of[with_grad].to(per_param.device), per_param.square())
+        squares.index_add_(0, self._group_of.to(per_param.device), per_param.square())
         values = torch.cat((squares, squares.sum()[None])).sqrt().tolist()
         return dict(zip([*self._tags, "grad/global"], values))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         step = trainer.global_step
-        if not due(step, self.every_n_steps):
+        if not due(step, self.config.every_n_steps):
             return
         start = time.perf_counter()
-        norms = self.norms()
+        norms = self.norms(pl_module.grad_norms())
         if not norms:
             return
         blocks = [math.hypot(norms[block_tag("grad", "attn", b)], norms[block_tag("grad", "ffn", b)])
@@ -117,7 +115,7 @@ class GradNormMonitor(Callback):
         shown = {tag: norms[tag] for tag in self._logged}
         if trainer.is_global_zero:
             self._heatmap.add(step, [norms[block_tag("grad", kind, b)] for b in range(self._depth) for kind in KINDS])
-            if due(step, self.heatmap_every_n_steps):
+            if due(step, self.config.heatmap_every_n_steps):
                 self._heatmap.log(trainer, step)
         elapsed = {"time/grad_norms_ms": 1e3 * (time.perf_counter() - start)}
         log_scalars(trainer, {**shown, **ratios, **elapsed}, step)
@@ -126,7 +124,7 @@ class GradNormMonitor(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         step = finished_step(trainer)
-        if step is None or not due(step, self.activation_every_n_steps):
+        if step is None or not due(step, self.config.activation_every_n_steps):
             return
         start = time.perf_counter()
         with trainer.precision_plugin.forward_context():

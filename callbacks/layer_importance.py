@@ -8,8 +8,8 @@ Every `every_n_steps`:
     importance/heatmap          blocks x steps
     time/layer_importance_ms
 
-Deep models measure `max_blocks` evenly spaced blocks (first and last included). A skip swaps the block for
-a module that returns its input, so the skipped block costs nothing and nothing else changes (no hooks to
+Deep models measure `max_blocks` evenly spaced blocks (first and last included). A skip (keel.layer_skip) swaps
+the block for a module that returns its input, so the skipped block costs nothing and nothing else changes (no hooks to
 recompile under torch.compile). Under FSDP every rank runs the same forwards (their all-gathers are
 collective) on its own batch; the losses are averaged over ranks and rank 0 logs.
 """
@@ -19,45 +19,22 @@ from __future__ import annotations
 import time
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.model import next_token_loss
-
-
-class SkippedBlock(nn.Module):
-    """Stands in for a block: returns the residual stream it is given."""
-
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return x
-
-
-@torch.no_grad()
-def skip_losses(model, batch: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-    """[loss of the full model, loss with blocks[0] skipped, ...] on a (B, T + 1) token batch."""
-    losses = [next_token_loss(model, batch)]
-    for b in blocks:
-        block = model.blocks[b]
-        model.blocks[b] = SkippedBlock()
-        try:
-            losses.append(next_token_loss(model, batch))
-        finally:
-            model.blocks[b] = block
-    return torch.stack(losses)
+from keel.callbacks.configs import LayerImportanceConfig
+from keel.layer_skip import skip_losses
 
 
 class LayerImportance(Callback):
-    def __init__(self, every_n_steps: int = 200, max_blocks: int = 16) -> None:
-        self.every_n_steps = every_n_steps
-        self.max_blocks = max_blocks
+    def __init__(self, config: LayerImportanceConfig | None = None) -> None:
+        self.config = config if config is not None else LayerImportanceConfig()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.datamodule is None:
             raise RuntimeError("LayerImportance takes its fixed batch from trainer.datamodule.val_dataloader()")
         self._batch = next(iter(trainer.datamodule.val_dataloader())).to(pl_module.device)
-        self._blocks = evenly_spaced(pl_module.model.cfg.depth, self.max_blocks)
+        self._blocks = evenly_spaced(pl_module.model.cfg.depth, self.config.max_blocks)
         rows = [f"block {b}" for b in self._blocks]
         self._heatmap = Heatmap("importance/heatmap", rows, "loss increase when skipped")
 
@@ -65,7 +42,7 @@ class LayerImportance(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         step = finished_step(trainer)
-        if step is None or not due(step, self.every_n_steps):
+        if step is None or not due(step, self.config.every_n_steps):
             return
         start = time.perf_counter()
         model = pl_module.model

@@ -23,14 +23,15 @@ stop_on_failure (the default), and always for a non-finite step under on_nonfini
 a stop stops again at once. With stop_on_failure=false training goes on, which is said once. Typical use (the
 max-LR experiment):
 
-    monitor = StabilityMonitor(run_dir, stop_on_failure=True, stagnation_window=100)
+    monitor = StabilityMonitor(StabilityConfig(stop_on_failure=True, stagnation_window=100), run_dir)
     trainer.fit(...)
     monitor.failure        # None, or Failure(kind, step, detected_step, lr, max_tolerable_lr, loss, message,
                            #               detected_lr)
     monitor.max_tolerable_lr
 
 Every decision uses values that are the same on every rank (the loss averaged over ranks, the full gradient
-norm), so all ranks skip and stop together.
+norm: the global norm of KeelLitModule.grad_norms(), computed once per step and shared with the grad-norm logging
+and clipping), so all ranks skip and stop together.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks._logging import due, log_scalars, log_text
-from keel.callbacks._norms import full_norms
-from keel.config import ON_NONFINITE, STABILITY_SIGNALS
+from keel.callbacks.configs import StabilityConfig
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
 
@@ -74,33 +74,11 @@ def describe(failure: Failure) -> str:
 
 
 class StabilityMonitor(Callback):
-    def __init__(
-        self,
-        run_dir: str | Path | None = None,
-        on_nonfinite: str = "skip",
-        max_nonfinite: int = 5,
-        spike_margin: float = 1.0,
-        spike_patience: int = 20,
-        stagnation_window: int = 0,
-        stagnation_min_delta: float = 0.01,
-        stop_on_failure: bool = True,
-        signal: str = "train",
-        stagnation_below: float | None = None,
-    ) -> None:
-        if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-        if signal not in STABILITY_SIGNALS:
-            raise ValueError(f"signal must be one of {STABILITY_SIGNALS}, got {signal!r}")
-        self.signal = signal
+    """The checks of `config`; the first failure (and, with a run_dir, stability.json) as the module says."""
+
+    def __init__(self, config: StabilityConfig | None = None, run_dir: str | Path | None = None) -> None:
+        self.config = config if config is not None else StabilityConfig()
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.on_nonfinite = on_nonfinite
-        self.max_nonfinite = max_nonfinite
-        self.spike_margin = spike_margin
-        self.spike_patience = spike_patience
-        self.stagnation_window = stagnation_window
-        self.stagnation_min_delta = stagnation_min_delta
-        self.stagnation_below = stagnation_below
-        self.stop_on_failure = stop_on_failure
         self.failure: Failure | None = None
         self.counts = {"nonfinite_steps": 0, "spikes": 0, "stagnations": 0}
         self.max_lr_seen = 0.0
@@ -117,7 +95,8 @@ class StabilityMonitor(Callback):
         self._loss: torch.Tensor | None = None  # sum of the micro-batches' (1/accumulate)-scaled losses
         # (step, lr) back to the earliest onset a failure can still have; under val, pruned at each evaluation
         self._lrs: deque[tuple[int, float]] = deque(
-            maxlen=max(spike_patience, stagnation_window, max_nonfinite) + 2 if signal == "train" else None)
+            maxlen=max(self.config.spike_patience, self.config.stagnation_window, self.config.max_nonfinite) + 2
+            if self.config.signal == "train" else None)
         self._scaler = None
         self._elapsed_s, self._timed_steps = 0.0, 0
 
@@ -130,8 +109,9 @@ class StabilityMonitor(Callback):
         failure = asdict(self.failure) if self.failure else dict.fromkeys(Failure.__dataclass_fields__)
         if failure["loss"] is not None and not math.isfinite(failure["loss"]):
             failure["loss"] = None  # strict JSON has no NaN; the message says what it was
+        heldout = {"heldout": self.heldout} if self.config.signal == "val" else {}
         return {"failed": self.failure is not None, **failure, "steps": steps, "max_lr_seen": self.max_lr_seen,
-                **self.counts, "signal": self.signal, **({"heldout": self.heldout} if self.signal == "val" else {})}
+                **self.counts, "signal": self.config.signal, **heldout}
 
     # ------------------------------------------------------------------------------------------------- hooks
 
@@ -140,12 +120,12 @@ class StabilityMonitor(Callback):
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.failure is not None and self.stop_on_failure:  # resumed after stopping: the run is over
+        if self.failure is not None and self.config.stop_on_failure:  # resumed after stopping: the run is over
             trainer.should_stop = True
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
-        if self.signal != "val" or trainer.sanity_checking or loss is None:
+        if self.config.signal != "val" or trainer.sanity_checking or loss is None:
             return
         step, loss = trainer.global_step - 1, float(loss)  # validation follows optimizer step global_step - 1
         self.heldout.append((step, self._lr_at(step), loss))
@@ -153,7 +133,7 @@ class StabilityMonitor(Callback):
             self._judge(trainer, step, loss)
         else:
             self._fail(trainer, "nonfinite", step, step, loss, f"held-out loss {loss}")
-        earliest = min(self._good_step, self._ref_step if self.stagnation_window else step) - 1
+        earliest = min(self._good_step, self._ref_step if self.config.stagnation_window else step) - 1
         while self._lrs and self._lrs[0][0] < earliest:
             self._lrs.popleft()
 
@@ -173,13 +153,12 @@ class StabilityMonitor(Callback):
         checks = [trainer.strategy.reduce(self._loss, reduce_op="mean").float()]
         self._loss = None
         if self._scaler is None:
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            checks.append(torch.linalg.vector_norm(full_norms(grads)).to(checks[0].device))
+            checks.append(torch.linalg.vector_norm(pl_module.grad_norms()).to(checks[0].device))
         loss, *grad_norm = torch.stack(checks).tolist()  # the only host sync of this callback
         if math.isfinite(loss) and all(math.isfinite(g) for g in grad_norm):
             self._nonfinite_run = 0
             self._ema = loss if self._ema is None else SMOOTHING * self._ema + (1 - SMOOTHING) * loss
-            if self.signal == "train":
+            if self.config.signal == "train":
                 self._judge(trainer, step, self._ema)
         else:
             optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
@@ -216,9 +195,9 @@ class StabilityMonitor(Callback):
         self._nonfinite_run += 1
         what = f"loss {loss:.4g}" + (f", gradient norm {grad_norm[0]:.4g}" if grad_norm else "")
         self._event(trainer, step, f"non-finite step ({what}): update skipped")
-        if self.on_nonfinite == "stop":
+        if self.config.on_nonfinite == "stop":
             self._fail(trainer, "nonfinite", step, step, loss, f"non-finite step ({what})", stop=True)
-        elif self._nonfinite_run >= self.max_nonfinite:
+        elif self._nonfinite_run >= self.config.max_nonfinite:
             onset = step - self._nonfinite_run + 1
             self._fail(trainer, "nonfinite", onset, step, loss, f"{self._nonfinite_run} consecutive non-finite steps")
 
@@ -226,29 +205,30 @@ class StabilityMonitor(Callback):
         """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
         self._best = min(self._best, value)
         self._excess = value - self._best
-        if self._excess > self.spike_margin:
+        if self._excess > self.config.spike_margin:
             if self._over == 0:
                 self.counts["spikes"] += 1
-                self._event(trainer, step, f"loss spike: {self.signal} loss {value:.3f} is {self._excess:.2f} "
+                self._event(trainer, step, f"loss spike: {self.config.signal} loss {value:.3f} is {self._excess:.2f} "
                             "above its minimum")
             # train: consecutive steps above; val: steps since the last evaluation that was not above
-            before, self._over = self._over, self._over + 1 if self.signal == "train" else step - self._good_step
-            if before < self.spike_patience <= self._over:
-                self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.signal} loss above its "
-                           f"minimum {self._best:.3f} by > {self.spike_margin} for {self._over} steps")
+            before, self._over = self._over, self._over + 1 if self.config.signal == "train" else step - self._good_step
+            if before < self.config.spike_patience <= self._over:
+                self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.config.signal} loss above its "
+                           f"minimum {self._best:.3f} by > {self.config.spike_margin} for {self._over} steps")
         else:
             if self._over:
                 self._event(trainer, step, f"loss spike recovered after {self._over} steps")
             self._over, self._good_step = 0, step
-        if not self.stagnation_window or (self.stagnation_below is not None and self._best > self.stagnation_below):
+        below = self.config.stagnation_below
+        if not self.config.stagnation_window or (below is not None and self._best > below):
             return
-        if value < self._ref - self.stagnation_min_delta:
+        if value < self._ref - self.config.stagnation_min_delta:
             self._ref, self._ref_step = value, step
-        elif step - self._ref_step >= self.stagnation_window:
+        elif step - self._ref_step >= self.config.stagnation_window:
             self.counts["stagnations"] += 1
             self._fail(trainer, "stagnation", self._ref_step + 1, step, value,
-                       f"{self.signal} loss {value:.3f} has not improved on {self._ref:.3f} by "
-                       f"{self.stagnation_min_delta} for {step - self._ref_step} steps")
+                       f"{self.config.signal} loss {value:.3f} has not improved on {self._ref:.3f} by "
+                       f"{self.config.stagnation_min_delta} for {step - self._ref_step} steps")
             self._ref_step = step  # another stagnation only after another full window
 
     # ----------------------------------------------------------------------------------------------- outcome
@@ -264,7 +244,7 @@ class StabilityMonitor(Callback):
                                    self._lr_at(step))
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
-        if stop or self.stop_on_failure:
+        if stop or self.config.stop_on_failure:
             trainer.should_stop = True
             rank_zero_warn(f"stability: stopping the run after step {step}: {describe(self.failure)}")
         elif first:  # the user asked to go on: say it once, not at every later failure

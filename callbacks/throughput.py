@@ -14,7 +14,7 @@ Logged every trainer.log_every_n_steps, over the last `window` optimizer steps (
 
 The windowed arithmetic is Lightning's `Throughput`. Lightning's `ThroughputMonitor` callback is not used: it
 needs a `flops_per_batch` attribute on the LightningModule (ours come from the config), does not measure data
-wait, and its peak table does not recognise an H200 and lists with-sparsity peaks for some GPUs.
+wait, and its peak table does not recognise an H200 and lists with-sparsity peaks for some GPUs (Keel's: keel.flops).
 """
 
 from __future__ import annotations
@@ -29,55 +29,41 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks._logging import due, finished_step, log_scalars
+from keel.callbacks.configs import ThroughputConfig
+from keel.flops import device_peak_flops
 
-# Dense (no sparsity) bf16/fp16 tensor-core peak per device, by a substring of torch.cuda.get_device_name();
-# the first match wins, so more specific names come first.
-PEAK_BF16_FLOPS = (
-    ("h200", 989e12),
-    ("h100 pcie", 756e12),
-    ("h100 nvl", 835e12),
-    ("h100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("b200", 2250e12),
-    ("a100", 312e12),
-    ("l40s", 362e12),
-    ("l40", 181e12),
-    ("l4", 121e12),
-    ("a10", 125e12),  # A10 and A10G (AWS publishes no separate A10G figure)
-    ("rtx 4090", 165e12),  # with fp32 accumulation, as PyTorch's bf16 matmuls use
-    ("rtx 3090", 71e12),
-)
 HALF_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
 def peak_flops(trainer: L.Trainer, configured: float) -> float | None:
-    """Peak FLOP/s of one device: `configured` if > 0, else the table's figure for this GPU under a half
+    """Peak FLOP/s of one device: `configured` if > 0, else the spec sheet's (keel.flops) for this GPU under a half
     precision; None on CPU, under fp32 (no default) or for an unknown GPU (warned)."""
-    if configured > 0:
-        return configured
     device = trainer.strategy.root_device
-    if device.type != "cuda" or str(trainer.precision) not in HALF_PRECISIONS:
+    if configured <= 0 and (device.type != "cuda" or str(trainer.precision) not in HALF_PRECISIONS):
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS if key in name.lower()), None)
+    peak = device_peak_flops(device, torch.bfloat16, configured)
     if peak is None:
-        rank_zero_warn(f"no peak FLOP/s known for {name!r}: set callbacks.throughput.peak_flops to log perf/mfu")
+        rank_zero_warn(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)!r}: set "
+                       "callbacks.throughput.peak_flops to log perf/mfu")
     return peak
 
 
 class SpeedMonitor(Callback):
-    def __init__(self, tokens_per_step: int, flops_per_token: float, window: int = 20, peak_flops: float = 0.0) -> None:
-        self.tokens_per_step = tokens_per_step  # per device per optimizer step
+    def __init__(
+        self, device_tokens_per_step: int, flops_per_token: float, config: ThroughputConfig | None = None
+    ) -> None:
+        self.device_tokens_per_step = device_tokens_per_step  # tokens one device trains on per optimizer step
         self.flops_per_token = flops_per_token
-        self.window = window
-        self.configured_peak = peak_flops
+        self.config = config if config is not None else ThroughputConfig()
         self._val_s = 0.0  # validation time since the last training batch (validation also runs outside fit)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.peak = peak_flops(trainer, self.configured_peak)
+        self.peak = peak_flops(trainer, self.config.peak_flops)
         self._cuda = trainer.strategy.root_device.type == "cuda"
-        self._throughput = Throughput(available_flops=self.peak, world_size=trainer.world_size, window_size=self.window)
-        self._waits: deque[float] = deque(maxlen=self.window)
-        self._totals: deque[float] = deque(maxlen=self.window)
+        self._throughput = Throughput(available_flops=self.peak, world_size=trainer.world_size,
+                                      window_size=self.config.window)
+        self._waits: deque[float] = deque(maxlen=self.config.window)
+        self._totals: deque[float] = deque(maxlen=self.config.window)
         self._train_s, self._steps = 0.0, 0
         self._last_end: float | None = None  # end of the previous micro-batch; None before the first
         self._wait = self._busy = self._val_s = self._own_s = 0.0
@@ -110,8 +96,8 @@ class SpeedMonitor(Callback):
                 time=self._train_s,
                 batches=self._steps,
                 samples=self._steps,
-                lengths=self._steps * self.tokens_per_step,
-                flops=self.tokens_per_step * self.flops_per_token,
+                lengths=self._steps * self.device_tokens_per_step,
+                flops=self.device_tokens_per_step * self.flops_per_token,
             )
             self._waits.append(self._wait)
             self._totals.append(self._wait + self._busy)

@@ -1,5 +1,6 @@
-"""`keel bench` end to end on seconds-long configs: the printed table and the JSON fields. No timing assertions:
-the figures are benchmark output (docs/bench.md), not test thresholds."""
+"""`keel bench` end to end on seconds-long configs: the printed table and the JSON fields; the peak FLOP/s table it
+shares with the throughput callback. No timing assertions: the figures are benchmark output (docs/bench.md), not
+test thresholds."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from keel.cli import main as cli_main
+from keel.flops import device_peak_flops
 from keel.model import ModelConfig, flops_per_token
 from keel.ops.chunked_ce import DEFAULT_CHUNK
 
@@ -82,3 +85,22 @@ def test_app_and_loader_rows(one_thread, tiny_data, tmp_path, capsys):
 def test_missing_peer_says_how_to_install_it(capsys):
     assert cli_main(["bench", "--peer", "litgpt"]) == 2
     assert "pip install --no-deps litgpt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "peak"),
+    [
+        ("NVIDIA H200", torch.bfloat16, 989e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),  # before the plain H100 row
+        ("NVIDIA H100 80GB HBM3", torch.float32, 67e12),
+        ("NVIDIA L40", torch.bfloat16, 181e12),  # not the L4's row
+        ("NVIDIA L4", torch.float16, 121e12),
+        ("NVIDIA B200", torch.float32, None),  # no fp32 figure: measured instead
+        ("Some Future GPU", torch.bfloat16, None),
+    ],
+)
+def test_peak_flops_come_from_one_table(monkeypatch, name, dtype, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert device_peak_flops(torch.device("cuda"), dtype) == peak
+    assert device_peak_flops(torch.device("cuda"), dtype, override=5e12) == 5e12
+    assert device_peak_flops(torch.device("cpu"), dtype) is None

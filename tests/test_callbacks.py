@@ -1,10 +1,14 @@
-"""The training callbacks: gradient norms against a manual computation, forced NaNs and a learning-rate
-blow-up caught and handled as configured, every TensorBoard tag written, layer importance of an identity block."""
+"""The training callbacks: gradient norms against a manual computation (computed once per step, and clipping
+with them as torch clips), forced NaNs and a learning-rate blow-up caught and handled as configured, every
+TensorBoard tag written, layer importance of an identity block, their options checked at load time and their run
+order."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,14 +16,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import keel.norms
 from keel.callbacks.grad_norms import GradNormMonitor
-from keel.callbacks.layer_importance import skip_losses
 from keel.config import load_config
-from keel.lit import lr_factor
-from keel.model import KeelLM, ModelConfig
-from keel.pretrain import train
+from keel.errors import ConfigError
+from keel.layer_skip import skip_losses
+from keel.lit import KeelLitModule, lr_factor, make_optimizer
+from keel.model import KeelLM, ModelConfig, next_token_loss
+from keel.pretrain import build_callbacks, train
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 
@@ -205,3 +212,69 @@ def test_layer_importance_is_zero_for_an_identity_block():
     assert abs(increases[2]) < 1e-5
     assert all(abs(increases[b]) > 1e-3 for b in (0, 1, 3))
     assert all(block.__class__.__name__ == "Block" for block in model.blocks)  # restored
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.compile=true", "callbacks.grad_norms.activation_every_n_steps=5"],
+         "callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile (keel.gradflow) needs"),
+        (["trainer=fsdp", "callbacks.grad_norms.activation_every_n_steps=5"],
+         "callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile (keel.gradflow) needs"),
+        (["trainer.val_every_n_steps=30", "eval.every_n_steps=40"],
+         "eval.every_n_steps: must be a multiple of trainer.val_every_n_steps=30, got 40"),
+        (["callbacks.stability.on_nonfinite=ignore"], "callbacks.stability.on_nonfinite: allowed: skip, stop"),
+        (["callbacks.throughput.window=1"], "callbacks.throughput.window: must be >= 2"),
+    ],
+)
+def test_callback_options_are_checked_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=overrides)
+
+
+def test_a_disabled_callback_is_not_checked_against_the_rest():
+    cfg = load_config(overrides=["trainer.compile=true", "callbacks.grad_norms.activation_every_n_steps=5",
+                                 "callbacks.grad_norms.enabled=false", "trainer.val_every_n_steps=30",
+                                 "eval.every_n_steps=40", "eval.enabled=false"])
+    assert cfg.callbacks.grad_norms.activation_every_n_steps == 5
+
+
+def test_callbacks_run_fixed_first_then_by_priority(tmp_path):
+    cfg = load_config(overrides=[*NO_EXTRAS, f"run.dir={tmp_path}"])
+    assert [type(cb).__name__ for cb in build_callbacks(cfg, None)] == [
+        "RunCheckpoint", "GracefulInterrupt", "LearningRateMonitor", "StepProgressBar",
+        "GradNormMonitor", "StabilityMonitor", "LayerImportance", "SpeedMonitor",  # throughput last
+    ]
+    cfg = load_config(overrides=[*NO_EXTRAS, f"run.dir={tmp_path}", "trainer.progress_bar=false",
+                                 "callbacks.stability.enabled=false", "callbacks.layer_importance.enabled=false"])
+    assert [type(cb).__name__ for cb in build_callbacks(cfg, None)][3:] == ["GradNormMonitor", "SpeedMonitor"]
+
+
+def test_gradient_norms_are_computed_once_per_step(tiny_data, tmp_path, monkeypatch):
+    """Grad-norm logging (every step here), the stability check and clipping share one computation per step."""
+    calls = []
+    full_norms = keel.norms.full_norms
+    monkeypatch.setattr(keel.norms, "full_norms", lambda tensors: calls.append(len(tensors)) or full_norms(tensors))
+    cfg = tiny_config(tiny_data, tmp_path / "run", "trainer.max_steps=4", "trainer.grad_accum=2",
+                      "callbacks.grad_norms.every_n_steps=1", "optim.grad_clip=0.5")
+    train(cfg)
+    assert len(calls) == 4 and set(calls) == {len(list(KeelLM(cfg.model).parameters()))}
+    grad_global = [event.value for event in events(tmp_path / "run").Scalars("grad/global")]
+    assert len(grad_global) == 4 and all(math.isfinite(v) and v > 0 for v in grad_global)
+
+
+def test_clipping_with_the_shared_norm_matches_torch():
+    cfg = load_config(overrides=TINY_MODEL)
+    torch.manual_seed(0)
+    module = KeelLitModule(cfg)
+    module.trainer = SimpleNamespace(precision_plugin=Precision())  # no fp16 loss scaler
+    reference = copy.deepcopy(module.model)
+    batch = torch.randint(cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+    for model in (module.model, reference):
+        next_token_loss(model, batch).backward()
+    module.configure_gradient_clipping(make_optimizer(module.model, cfg.optim), gradient_clip_val=0.01)
+    total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    assert torch.linalg.vector_norm(module.grad_norms()).item() == pytest.approx(total.item(), rel=1e-6)
+    assert total > 0.1  # the clipping did scale the gradients down
+    for clipped, expected in zip(module.model.parameters(), reference.parameters()):
+        torch.testing.assert_close(clipped.grad, expected.grad)

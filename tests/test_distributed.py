@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from keel.callbacks import GradNormMonitor
+from keel.callbacks.grad_norms import GradNormMonitor
 from keel.checkpoint import (
     LAST,
     SHARDED_META,

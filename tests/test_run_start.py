@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from keel.callbacks import StepProgressBar
+from keel.callbacks.progress import StepProgressBar
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.model import KeelLM

@@ -44,24 +44,13 @@ from torch import nn
 
 from keel.config import OptimConfig, load_config
 from keel.errors import ConfigError
+from keel.flops import device_peak_flops
 from keel.lit import make_optimizer
 from keel.model import SCHEMES, KeelLM, ModelConfig, flops_per_token, next_token_loss
 from keel.ops.chunked_ce import default_chunk
 from keel.parallel import compile_blocks
 
 REFERENCE_SCHEME = "preln"
-# Spec-sheet dense peaks (bf16 tensor core, fp32 without TF32: torch's default matmul precision), per device.
-# First substring of the CUDA device name that matches wins; unlisted devices are measured like a CPU.
-GPU_PEAK_FLOPS = (
-    ("H100 PCIe", 756e12, 51e12),
-    ("H100 NVL", 835e12, 60e12),
-    ("H100", 989e12, 67e12),
-    ("H200", 989e12, 67e12),
-    ("A100", 312e12, 19.5e12),
-    ("L40S", 362e12, 91.6e12),
-    ("L4", 121e12, 30.3e12),
-    ("RTX 4090", 165e12, 82.6e12),
-)
 MATMUL_SIZE, MATMUL_REPEATS = 2048, 10
 LOADER_BATCHES_PER_STEP = 10  # a loader segment reads this many batches per step of a step segment
 PEER_RECIPE = """\
@@ -112,13 +101,8 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, threads: int
 def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """(FLOP/s, where the figure comes from) that MFU is measured against; None: measured in every round (where no
     figure is given or known), because a shared or virtual machine's peak drifts by tens of percent in minutes."""
-    if args.peak_flops:
-        return args.peak_flops, "--peak-flops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, bf16, fp32 in GPU_PEAK_FLOPS:
-            if key in name:
-                return (bf16 if dtype == torch.bfloat16 else fp32), f"spec sheet, {name}"
+    if (peak := device_peak_flops(device, dtype, args.peak_flops or 0.0)) is not None:
+        return peak, "--peak-flops" if args.peak_flops else f"spec sheet, {device_name(device)}"
     size = f"{MATMUL_SIZE}x{MATMUL_SIZE}"
     return None, (f"measured each round: best of {MATMUL_REPEATS} {size} {args.dtype} matmuls, "
                   f"{max(args.threads)} threads; median over rounds")

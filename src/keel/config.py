@@ -5,32 +5,34 @@
 `conf/config.yaml` names the default choice of each group (`model`, `data`, `trainer`, `eval`); a
 `group=choice` override picks `conf/<group>/<choice>.yaml` (or a YAML path), merged into that section.
 `--config FILE` merges on top of `conf/config.yaml`, then dotlist overrides on top of both. The result is
-checked against the dataclasses below: unknown keys (with the closest valid ones), wrong types and bad
-values fail at start-up with the key named.
+checked against the dataclasses below (`callbacks.*`: each callback's own, keel.callbacks.configs): unknown
+keys (with the closest valid ones), wrong types and bad values fail at start-up with the key named.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from keel.callbacks.configs import CALLBACKS, CallbackConfig
 from keel.data.sources import get_source
 from keel.errors import ConfigError, require
 from keel.model import ModelConfig
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
 
 GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "gpu")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
-ON_NONFINITE = ("skip", "stop")
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
-STABILITY_SIGNALS = ("train", "val")
 SCHEDULES = ("cosine", "linear_warmup", "exp_warmup")
 
 
@@ -140,90 +142,18 @@ class RunConfig:
     seed: int = 1337
 
 
-@dataclass
-class GradNormsConfig:
-    """Per-layer gradient norms before clipping (keel.callbacks.grad_norms)."""
-
-    enabled: bool = True
-    every_n_steps: int = 10
-    heatmap_every_n_steps: int = 100  # depth x step image; 0 = never
-    activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) via keel.gradflow (one extra fwd+bwd); 0 = off
-    max_blocks: int = 32  # blocks with their own scalar tags (evenly spaced); 0 = all. The heatmap shows all
-
-    def __post_init__(self) -> None:
-        for key in ("every_n_steps", "heatmap_every_n_steps", "activation_every_n_steps", "max_blocks"):
-            require(getattr(self, key) >= 0, f"callbacks.grad_norms.{key}", "must be >= 0")
-        require(not self.enabled or self.every_n_steps >= 1, "callbacks.grad_norms.every_n_steps",
-                 "must be >= 1 (or set callbacks.grad_norms.enabled=false)")
-        require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
-                 "callbacks.grad_norms.heatmap_every_n_steps",
-                 f"must be a multiple of callbacks.grad_norms.every_n_steps={self.every_n_steps} (0 = never)")
+# callbacks.<name>: each registered callback's own config class (keel.callbacks.configs.CALLBACKS), in that order
+CallbacksConfig = make_dataclass("CallbacksConfig", [(c.name, c, field(default_factory=c)) for c in CALLBACKS])
+CallbacksConfig.__module__ = __name__  # make_dataclass's `module=` is Python >= 3.12; pickling needs it
 
 
 @dataclass
-class StabilityConfig:
-    """Non-finite steps, irrecoverable loss spikes and stagnation (keel.callbacks.stability)."""
+class EvalConfig(CallbackConfig):
+    """Downstream tasks during training (keel.callbacks.downstream_eval; docs/evaluation.md): configured by eval.*,
+    run among the registered callbacks by its priority."""
 
-    enabled: bool = True
-    on_nonfinite: str = "skip"  # skip: drop that step's update; stop: drop it and end the run (a failure)
-    max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
-    spike_margin: float = 1.0  # smoothed loss above its running minimum by this much (nats) ...
-    spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
-    stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
-    stagnation_min_delta: float = 0.01  # nats that count as an improvement
-    stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
-    stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
-    # what spikes and stagnation judge: train = EMA of the training-batch losses; val = the held-out loss of each
-    # validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps; the max-LR protocol's)
-    signal: str = "train"
-
-    def __post_init__(self) -> None:
-        require(self.signal in STABILITY_SIGNALS, "callbacks.stability.signal", f"allowed: {', '.join(STABILITY_SIGNALS)}")
-        require(self.on_nonfinite in ON_NONFINITE, "callbacks.stability.on_nonfinite", f"allowed: {', '.join(ON_NONFINITE)}")
-        for key in ("max_nonfinite", "spike_patience"):
-            require(getattr(self, key) >= 1, f"callbacks.stability.{key}", "must be >= 1")
-        require(self.spike_margin > 0, "callbacks.stability.spike_margin", "must be > 0")
-        require(self.stagnation_window >= 0, "callbacks.stability.stagnation_window", "must be >= 0 (0 = off)")
-        require(self.stagnation_min_delta >= 0, "callbacks.stability.stagnation_min_delta", "must be >= 0")
-
-
-@dataclass
-class ThroughputConfig:
-    """tokens/s, FLOP/s, MFU and data-wait share (keel.callbacks.throughput); logged every trainer.log_every_n_steps."""
-
-    enabled: bool = True
-    window: int = 20  # optimizer steps averaged
-    peak_flops: float = 0.0  # per device; 0 = look the GPU up (bf16/fp16 runs; CPU: no MFU)
-
-    def __post_init__(self) -> None:
-        require(self.window >= 2, "callbacks.throughput.window", "must be >= 2")
-        require(self.peak_flops >= 0, "callbacks.throughput.peak_flops", "must be >= 0 (0 = look up)")
-
-
-@dataclass
-class LayerImportanceConfig:
-    """Loss increase when each block is skipped, on a fixed validation batch (keel.callbacks.layer_importance)."""
-
-    enabled: bool = True
-    every_n_steps: int = 200
-    max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included); 0 = all
-
-    def __post_init__(self) -> None:
-        require(self.every_n_steps >= 1, "callbacks.layer_importance.every_n_steps", "must be >= 1")
-        require(self.max_blocks >= 0, "callbacks.layer_importance.max_blocks", "must be >= 0 (0 = all)")
-
-
-@dataclass
-class CallbacksConfig:
-    grad_norms: GradNormsConfig = field(default_factory=GradNormsConfig)
-    stability: StabilityConfig = field(default_factory=StabilityConfig)
-    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
-    layer_importance: LayerImportanceConfig = field(default_factory=LayerImportanceConfig)
-
-
-@dataclass
-class EvalConfig:
-    """Downstream tasks during training (keel.callbacks.downstream_eval; docs/evaluation.md)."""
+    name = "eval"
+    priority = 10  # after layer importance, before throughput
 
     enabled: bool = True
     every_n_steps: int = 100  # a multiple of trainer.val_every_n_steps: tasks run right after validation
@@ -241,6 +171,19 @@ class EvalConfig:
         require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
         require(not self.enabled or bool(self.tasks), "eval.tasks", "name a task, or set eval.enabled=false")
 
+    def key(self, field: str) -> str:
+        return f"eval.{field}"
+
+    def check(self, cfg: Config) -> None:
+        require(self.every_n_steps % cfg.trainer.val_every_n_steps == 0, self.key("every_n_steps"),
+                f"must be a multiple of trainer.val_every_n_steps={cfg.trainer.val_every_n_steps}, got "
+                f"{self.every_n_steps}: tasks run right after a validation, next to its loss")
+
+    def build(self, cfg: Config) -> Callback:
+        from keel.callbacks.downstream_eval import DownstreamEval  # imported only when used: lm-eval loads slowly
+
+        return DownstreamEval(cfg)
+
 
 @dataclass
 class Config:
@@ -253,6 +196,20 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     resume: str | None = None  # null = fresh run; auto = the run dir's last checkpoint if any; or a path
     init_from: str | None = None  # a checkpoint whose model weights start a fresh run (continued pretraining)
+
+    def __post_init__(self) -> None:
+        for section in self.callback_configs():
+            section.check(self)
+
+    def callback_configs(self) -> list[CallbackConfig]:
+        """The enabled callbacks' configs (callbacks.* and eval), in run order: priority, highest first."""
+        sections = [*(getattr(self.callbacks, c.name) for c in CALLBACKS), self.eval]
+        return sorted((s for s in sections if s.enabled), key=lambda s: -s.priority)
+
+    @property
+    def device_tokens_per_step(self) -> int:
+        """Tokens one device trains on per optimizer step (x the world size: the global batch, in tokens)."""
+        return self.trainer.micro_batch_size * self.trainer.grad_accum * self.model.seq_len
 
 
 def conf_dir() -> Path:

@@ -15,6 +15,7 @@ from torchmetrics import SumMetric
 from keel.config import Config, OptimConfig, from_dict, to_dict
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
+from keel.norms import grad_norms as parameter_grad_norms
 from keel.parallel import parallelize
 
 # model.* keys a resumed run may change: they set how the loss is computed, not what the model is
@@ -54,6 +55,7 @@ class KeelLitModule(L.LightningModule):
         # validation loss summed over tokens, and the tokens, over batches and processes; a NaN loss stays NaN
         # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
         self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
+        self._grad_norms: torch.Tensor | None = None  # this step's, once asked for (grad_norms())
 
     def configure_model(self) -> None:
         parallelize(self.model, self.cfg.trainer, getattr(self, "device_mesh", None))
@@ -61,15 +63,36 @@ class KeelLitModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.trainer.micro_batch_size * self.cfg.model.seq_len * self.trainer.world_size
-
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = next_token_loss(self.model, batch)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/tokens", float((self.global_step + 1) * self.tokens_per_step * self.cfg.trainer.grad_accum))
+        global_tokens_per_step = self.cfg.device_tokens_per_step * self.trainer.world_size
+        self.log("train/tokens", float((self.global_step + 1) * global_tokens_per_step))
         return loss
+
+    def on_after_backward(self) -> None:
+        self._grad_norms = None  # the gradients changed
+
+    def grad_norms(self) -> torch.Tensor:
+        """This step's full gradient norm of each parameter (0 without a gradient), in model.parameters() order:
+        computed once per optimizer step, after backward and AMP unscaling, and shared by the grad-norm logging,
+        the stability monitor (its L2 norm is the global norm) and clipping. A collective under FSDP: every rank
+        asks for it at the same point."""
+        if self._grad_norms is None:
+            self._grad_norms = parameter_grad_norms(list(self.model.parameters()))
+        return self._grad_norms
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """optim.grad_clip (Lightning's gradient_clip_val; norm clipping), with the global norm the callbacks
+        already computed: Lightning clips after the on_before_optimizer_step hooks."""
+        if not gradient_clip_val:
+            return
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            # fp16 loss scaling: Lightning's own path, which refuses fused AdamW (its gradients are still scaled here)
+            return self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        total = torch.linalg.vector_norm(self.grad_norms())
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, total)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         tokens = batch[:, 1:].numel()

@@ -15,9 +15,9 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from omegaconf import OmegaConf
 
-from keel.callbacks import (GracefulInterrupt, GradNormMonitor, LayerImportance, RunCheckpoint, SpeedMonitor,
-                            StabilityMonitor, StepProgressBar)
-from keel.callbacks.stability import describe
+from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
+from keel.callbacks.progress import StepProgressBar
+from keel.callbacks.stability import StabilityMonitor, describe
 from keel.checkpoint import (
     AtomicCheckpointIO,
     check_resumable,
@@ -30,7 +30,6 @@ from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dic
 from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
-from keel.model import flops_per_token
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
 from keel.summary import run_summary
@@ -51,6 +50,7 @@ def set_threads(cfg: Config) -> None:
 
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:
+    """The fixed callbacks (trainer.*), then the enabled configurable ones (callbacks.*, eval) in their run order."""
     callbacks: list[Callback] = [
         RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k),
         GracefulInterrupt(),
@@ -58,30 +58,7 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     ]
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
-    cb = cfg.callbacks
-    if cb.grad_norms.enabled:
-        if cb.grad_norms.activation_every_n_steps and (cfg.trainer.strategy == "fsdp" or cfg.trainer.compile):
-            raise ConfigError("callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile "
-                              "(keel.gradflow) needs unsharded, uncompiled blocks; set it to 0 with "
-                              "trainer.strategy=fsdp or trainer.compile=true")
-        callbacks.append(GradNormMonitor(cb.grad_norms.every_n_steps, cb.grad_norms.heatmap_every_n_steps,
-                                         cb.grad_norms.activation_every_n_steps, cb.grad_norms.max_blocks))
-    if cb.stability.enabled:
-        s = cb.stability
-        callbacks.append(StabilityMonitor(cfg.run.dir, s.on_nonfinite, s.max_nonfinite, s.spike_margin,
-                                          s.spike_patience, s.stagnation_window, s.stagnation_min_delta,
-                                          s.stop_on_failure, s.signal, s.stagnation_below))
-    if cb.layer_importance.enabled:
-        callbacks.append(LayerImportance(cb.layer_importance.every_n_steps, cb.layer_importance.max_blocks))
-    if cfg.eval.enabled:
-        from keel.callbacks.downstream_eval import DownstreamEval  # imported only when used: lm-eval loads slowly
-
-        callbacks.append(DownstreamEval(cfg))
-    if cb.throughput.enabled:  # last: its step timing then includes the other callbacks' work
-        tokens_per_step = cfg.trainer.micro_batch_size * cfg.model.seq_len * cfg.trainer.grad_accum
-        callbacks.append(SpeedMonitor(tokens_per_step, flops_per_token(cfg.model), cb.throughput.window,
-                                      cb.throughput.peak_flops))
-    return callbacks
+    return callbacks + [section.build(cfg) for section in cfg.callback_configs()]
 
 
 LOGGER_RUNS = "logger_runs.json"

@@ -34,11 +34,11 @@ def model_summary(model: KeelLM) -> list[str]:
 def run_plan(cfg: Config, params: int) -> list[str]:
     t = cfg.trainer
     world = t.devices * t.num_nodes
-    tokens_per_step = world * t.micro_batch_size * t.grad_accum * cfg.model.seq_len
-    tokens = t.max_steps * tokens_per_step
+    global_tokens_per_step = world * cfg.device_tokens_per_step
+    tokens = t.max_steps * global_tokens_per_step
     strategy = t.strategy if t.strategy != "auto" else ("ddp" if world > 1 else "single")
     return [
-        f"steps       {t.max_steps:,} x {tokens_per_step:,} tokens = {tokens:,} tokens "
+        f"steps       {t.max_steps:,} x {global_tokens_per_step:,} tokens = {tokens:,} tokens "
         f"({tokens / params:.3g} tokens/parameter, {tokens * flops_per_token(cfg.model):.3g} FLOPs)",
         f"batch       {batch_layout(t)} sequences of {cfg.model.seq_len} tokens",
         f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {strategy}, world size "

@@ -7,7 +7,8 @@ checkpoints (`checkpoint=PATH`, a bare PATH or `--checkpoint PATH`, any number) 
 --batches validation batches of their own data (or of --data-dir, tokenized alike) and drawn side by side.
 
 Writes under --out: redundancy.csv (a row per checkpoint and block), redundancy.md and redundancy.png.
-The block skipping is keel.callbacks.layer_importance's, which tracks the same quantity during training.
+The block skipping is keel.layer_skip's, shared with keel.callbacks.layer_importance, which tracks the same
+quantity during training.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from keel.callbacks.layer_importance import skip_losses
+from keel.layer_skip import skip_losses
 from keel.checkpoint import load_model
 from keel.data.loading import token_loader
 from keel.errors import ConfigError

@@ -24,3 +24,13 @@ def full_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         partial = torch.stack(torch._foreach_norm([tensors[i] for i in sharded]))
         out[sharded] = partial.full_tensor().float().to(device)
     return out
+
+
+def grad_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full gradient norm of each parameter (0 without a gradient), one fp32 vector in params' order; the
+    global norm is its L2 norm. A collective under FSDP: every rank calls it with the same parameters."""
+    with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+    norms = full_norms([params[i].grad for i in with_grad])
+    out = torch.zeros(len(params), dtype=torch.float32, device=norms.device)
+    out[with_grad] = norms
+    return out

@@ -1,0 +1,161 @@
+"""The configurable callbacks' options, one dataclass per callback (OLMo-core's `train/callbacks/` shape): the
+`callbacks.<name>.*` keys with their defaults and a one-line comment each, checked in its `__post_init__`; its run
+order; and how the callback is built from the whole config (importing the callback's module only then). CALLBACKS
+registers them: each puts its keys in the config and its callback in every run.
+
+The options live here, not in the callbacks' modules, because keel.config imports them and must not import Lightning
+(`keel data` starts without it); a callback's module holds the Lightning side.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from keel.errors import require
+from keel.model import flops_per_token
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
+
+    from keel.config import Config
+
+ON_NONFINITE = ("skip", "stop")
+SIGNALS = ("train", "val")
+
+
+@dataclass
+class CallbackConfig(ABC):
+    name: ClassVar[str]  # its key under callbacks.*
+    # run order among the configured callbacks: higher runs first (OLMo-core's convention); Lightning calls each
+    # hook on the callbacks in this order, after the fixed ones (checkpoint, interrupt, LR monitor, progress bar)
+    priority: ClassVar[int]
+
+    enabled: bool = True  # false: the callback is not built (its other keys are still checked)
+
+    def key(self, field: str) -> str:
+        """The option's full key, for error messages."""
+        return f"callbacks.{self.name}.{field}"
+
+    def check(self, cfg: Config) -> None:
+        """Checks against the rest of the config (run at load time, when enabled); none by default."""
+
+    @abstractmethod
+    def build(self, cfg: Config) -> Callback:
+        """The callback, for a run of cfg."""
+
+
+@dataclass
+class GradNormsConfig(CallbackConfig):
+    """Per-layer gradient norms before clipping (keel.callbacks.grad_norms)."""
+
+    name = "grad_norms"
+    priority = 40
+
+    every_n_steps: int = 10  # measure and log every this many optimizer steps
+    heatmap_every_n_steps: int = 100  # depth x step image; 0 = never
+    activation_every_n_steps: int = 0  # ||dL/dx_l|| * rms(x_l) via keel.gradflow (one extra fwd+bwd); 0 = off
+    max_blocks: int = 32  # blocks with their own scalar tags (evenly spaced); 0 = all. The heatmap shows all
+
+    def __post_init__(self) -> None:
+        for key in ("every_n_steps", "heatmap_every_n_steps", "activation_every_n_steps", "max_blocks"):
+            require(getattr(self, key) >= 0, self.key(key), "must be >= 0")
+        require(not self.enabled or self.every_n_steps >= 1, self.key("every_n_steps"),
+                f"must be >= 1 (or set {self.key('enabled')}=false)")
+        require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
+                self.key("heatmap_every_n_steps"),
+                f"must be a multiple of {self.key('every_n_steps')}={self.every_n_steps} (0 = never)")
+
+    def check(self, cfg: Config) -> None:
+        require(not self.activation_every_n_steps or (cfg.trainer.strategy != "fsdp" and not cfg.trainer.compile),
+                self.key("activation_every_n_steps"), "the activation-gradient profile (keel.gradflow) needs "
+                "unsharded, uncompiled blocks; set it to 0 with trainer.strategy=fsdp or trainer.compile=true")
+
+    def build(self, cfg: Config) -> Callback:
+        from keel.callbacks.grad_norms import GradNormMonitor
+
+        return GradNormMonitor(self)
+
+
+@dataclass
+class StabilityConfig(CallbackConfig):
+    """Non-finite steps, irrecoverable loss spikes and stagnation (keel.callbacks.stability)."""
+
+    name = "stability"
+    priority = 30
+
+    on_nonfinite: str = "skip"  # skip: drop that step's update; stop: drop it and end the run (a failure)
+    max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
+    spike_margin: float = 1.0  # smoothed loss above its running minimum by this much (nats) ...
+    spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
+    stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
+    stagnation_min_delta: float = 0.01  # nats that count as an improvement
+    stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
+    stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
+    # what spikes and stagnation judge: train = EMA of the training-batch losses; val = the held-out loss of each
+    # validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps; the max-LR protocol's)
+    signal: str = "train"
+
+    def __post_init__(self) -> None:
+        require(self.signal in SIGNALS, self.key("signal"), f"allowed: {', '.join(SIGNALS)}")
+        require(self.on_nonfinite in ON_NONFINITE, self.key("on_nonfinite"), f"allowed: {', '.join(ON_NONFINITE)}")
+        for key in ("max_nonfinite", "spike_patience"):
+            require(getattr(self, key) >= 1, self.key(key), "must be >= 1")
+        require(self.spike_margin > 0, self.key("spike_margin"), "must be > 0")
+        require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
+        require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
+
+    def build(self, cfg: Config) -> Callback:
+        from keel.callbacks.stability import StabilityMonitor
+
+        return StabilityMonitor(self, cfg.run.dir)
+
+
+@dataclass
+class ThroughputConfig(CallbackConfig):
+    """tokens/s, FLOP/s, MFU and data-wait share (keel.callbacks.throughput); every trainer.log_every_n_steps."""
+
+    name = "throughput"
+    priority = -100  # last: its step timing then includes the other callbacks' work
+
+    window: int = 20  # optimizer steps averaged
+    peak_flops: float = 0.0  # per device; 0 = look the GPU up (bf16/fp16 runs; CPU: no MFU)
+
+    def __post_init__(self) -> None:
+        require(self.window >= 2, self.key("window"), "must be >= 2")
+        require(self.peak_flops >= 0, self.key("peak_flops"), "must be >= 0 (0 = look up)")
+
+    def build(self, cfg: Config) -> Callback:
+        from keel.callbacks.throughput import SpeedMonitor
+
+        return SpeedMonitor(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
+
+
+@dataclass
+class LayerImportanceConfig(CallbackConfig):
+    """Loss increase when each block is skipped, on a fixed batch (keel.callbacks.layer_importance)."""
+
+    name = "layer_importance"
+    priority = 20
+
+    every_n_steps: int = 200  # measure every this many optimizer steps
+    max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included); 0 = all
+
+    def __post_init__(self) -> None:
+        require(self.every_n_steps >= 1, self.key("every_n_steps"), "must be >= 1")
+        require(self.max_blocks >= 0, self.key("max_blocks"), "must be >= 0 (0 = all)")
+
+    def build(self, cfg: Config) -> Callback:
+        from keel.callbacks.layer_importance import LayerImportance
+
+        return LayerImportance(self)
+
+
+# name -> options: the order of their keys under callbacks.*; the run order is each class's priority
+CALLBACKS: tuple[type[CallbackConfig], ...] = (
+    GradNormsConfig,
+    StabilityConfig,
+    ThroughputConfig,
+    LayerImportanceConfig,
+)

@@ -1,0 +1,41 @@
+"""Peak FLOP/s of a device: the one table `keel bench` and the throughput callback (perf/mfu) measure MFU against."""
+
+from __future__ import annotations
+
+import torch
+
+# Spec-sheet dense peaks (no sparsity) per device: (substring of torch.cuda.get_device_name(), bf16/fp16 tensor
+# core with fp32 accumulation, as PyTorch's half-precision matmuls use; fp32 without TF32, torch's default matmul
+# precision; None where the sheet gives none). The first match wins, so more specific names come first ("H100 PCIe"
+# before "H100", "L40S" before "L40" before "L4"). This merges the former tables of `keel bench` and the throughput
+# callback: they agreed wherever both listed a GPU, but bench's lacked L40 (an L40 matched its L4 row: 121e12
+# instead of 181e12), B200, A10 and RTX 3090, and matched names case-sensitively; the throughput table had no fp32.
+GPU_PEAK_FLOPS = (
+    ("h200", 989e12, 67e12),
+    ("h100 pcie", 756e12, 51e12),
+    ("h100 nvl", 835e12, 60e12),
+    ("h100", 989e12, 67e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("b200", 2250e12, None),
+    ("a100", 312e12, 19.5e12),
+    ("l40s", 362e12, 91.6e12),
+    ("l40", 181e12, 90.5e12),
+    ("l4", 121e12, 30.3e12),
+    ("a10", 125e12, 31.2e12),  # A10 and A10G (AWS publishes no separate A10G figure)
+    ("rtx 4090", 165e12, 82.6e12),
+    ("rtx 3090", 71e12, 35.6e12),
+)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device computing in dtype: `override` if > 0 (the user's figure), else the spec sheet's
+    for this GPU; None on CPU, for an unlisted GPU or a dtype its sheet gives no figure for."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    row = next((row for row in GPU_PEAK_FLOPS if row[0] in name), None)
+    if row is None:
+        return None
+    return row[1] if dtype in HALF_DTYPES else row[2] if dtype == torch.float32 else None

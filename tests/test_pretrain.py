@@ -55,6 +55,15 @@ def test_cli_config_errors_name_the_key(capsys):
     assert "depth: 3" in printed and "width: 1024" in printed
 
 
+
+def test_fp16_with_clipping_is_refused_at_load_time(capsys):
+    """fp16 loss scaling cannot unscale a fused AdamW's gradients before clipping: refused with the two ways on,
+    before any work (Lightning raised at the first step); without clipping it loads."""
+    assert cli_main(["pretrain", "--print-config", "trainer.precision=16-mixed"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.precision: 16-mixed" in err and "bf16-mixed" in err and "optim.grad_clip=0" in err
+    assert cli_main(["pretrain", "--print-config", "trainer.precision=16-mixed", "optim.grad_clip=0"]) == 0
+
 def test_training_logs_scalars_and_learns(tiny_data, tmp_path):
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, run, "trainer.max_steps=60", "trainer.val_every_n_steps=30", "trainer.val_batches=4",

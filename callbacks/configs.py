@@ -70,7 +70,8 @@ class GradNormsConfig(CallbackConfig):
     def check(self, cfg: Config) -> None:
         require(not self.activation_every_n_steps or (cfg.trainer.strategy != "fsdp" and not cfg.trainer.compile),
                 self.key("activation_every_n_steps"), "the activation-gradient profile (keel.gradflow) needs "
-                "unsharded, uncompiled blocks; set it to 0 with trainer.strategy=fsdp or trainer.compile=true")
+                "unsharded, uncompiled blocks: set trainer.compile=false (trainer=cpu compiles by default) and a strategy "
+                "other than fsdp, or set it to 0")
 
     def build(self, cfg: Config) -> Callback:
         from keel.callbacks.grad_norms import GradNormMonitor

@@ -27,6 +27,7 @@ QUIET_TRAINER = [
     "trainer.log_every_n_steps=1",
     "trainer.progress_bar=false",
     "trainer.threads=1",
+    "trainer.compile=false",  # trainer=cpu compiles by default; tests that are not about compile skip its start-up
 ]
 
 

@@ -53,7 +53,7 @@ LR, CLIP = 1e-2, 0.05  # CLIP below the gradient norm, so that clipping acts on 
 
 
 def _tiny_cfg(*extra: str):
-    return load_config(overrides=[*TINY_MODEL, "trainer.accelerator=cpu", *extra])
+    return load_config(overrides=[*TINY_MODEL, "trainer.accelerator=cpu", "trainer.compile=false", *extra])
 
 
 def _batches() -> torch.Tensor:

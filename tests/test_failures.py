@@ -398,13 +398,13 @@ def test_gradflow_refuses_sizes_that_will_not_fit_unless_forced(monkeypatch, cap
     assert json.loads(capsys.readouterr().out)["schemes"]["keel"]["summary"]
 
 
-def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_data, tmp_path, monkeypatch, capsys):
+def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_data, tmp_path, capsys):
     """torch.compile on CPU needs a C++ compiler at the first compiled step; without one the run is refused at
     start-up, saying how to go on, instead of failing inside the first step (trainer=cpu compiles by default)."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("keel-test-no-such-cxx",))
-    assert cli_main(["pretrain", *tiny_data, "trainer.compile=true", f"run.dir={tmp_path / 'run'}"]) == 2
+    with inductor_config.patch({"cpp.cxx": ("keel-test-no-such-cxx",)}):  # torch's own way (a monkeypatch hides it)
+        assert cli_main(["pretrain", *tiny_data, "trainer.compile=true", f"run.dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "trainer.compile=true" in err and "keel-test-no-such-cxx" in err and "trainer.compile=false" in err
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -199,8 +199,9 @@ class Config:
 
     def __post_init__(self) -> None:
         # fp16 loss scaling must unscale the gradients before clipping them, which torch does not do for the fused
-        # AdamW every run uses (Lightning would raise at the first step)
-        require(self.trainer.precision != "16-mixed" or not self.optim.grad_clip, "trainer.precision",
+        # AdamW every run uses (Lightning would raise at the first step); FSDP refuses fp16 altogether (check_trainer)
+        require(self.trainer.precision != "16-mixed" or not self.optim.grad_clip or self.trainer.strategy == "fsdp",
+                "trainer.precision",
                 "16-mixed (fp16 loss scaling) cannot clip gradients with keel's fused AdamW; use bf16-mixed (no loss "
                 "scaling, same memory), or optim.grad_clip=0 to train fp16 without clipping")
         for section in self.callback_configs():

@@ -84,7 +84,7 @@ SIZES = {
         bench_compile="off",
         pretrain_model=["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=32",
                         "model.vocab_size=512", "trainer.micro_batch_size=4", "trainer.threads=1"],
-        pretrain_runs={"trainer=cpu": ["trainer=cpu"],
+        pretrain_runs={"trainer=cpu": ["trainer=cpu", "trainer.compile=false"],
                        "trainer=fsdp devices=2": ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]},
         depth_model=dict(width=32, n_heads=2, seq_len=32, vocab_size=512),
         depth_start=2,

@@ -9,12 +9,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from keel.callbacks.progress import StepProgressBar
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.model import KeelLM
-from keel.pretrain import train
+from keel.pretrain import set_threads, train
 from keel.summary import run_summary
 
 from conftest import QUIET_TRAINER, TINY_MODEL
@@ -106,3 +107,17 @@ def test_threads_hold_in_every_ddp_process_and_rank_zero_alone_prints(tiny_data,
     assert [json.loads((run / f"threads{rank}.json").read_text()) for rank in (0, 1)] == [3, 3]
     assert done.stdout.count("parameters  ") == 1
     assert "strategy ddp, world size 2, 3 intra-op thread(s) per process" in done.stdout
+
+
+@pytest.mark.parametrize(("trainer", "cores", "expected"), [
+    (["trainer=gpu", "trainer.devices=8"], 64, 8),  # 8 GPU ranks on a node share its 64 cores
+    (["trainer=gpu"], 64, 64),
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.loader_workers=1"], 7, 3),
+    (["trainer=gpu", "trainer.devices=8"], 4, 1),
+])
+def test_automatic_threads_share_the_node_among_its_processes(trainer, cores, expected, monkeypatch, one_thread):
+    """trainer.threads=0: (cores - loader workers) / processes per node, GPU ranks too (torchrun's default of 1
+    is overridden, so it must not become every core in every rank)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    set_threads(load_config(overrides=[*trainer, "trainer.threads=0"]))
+    assert torch.get_num_threads() == expected and os.environ["OMP_NUM_THREADS"] == str(expected)

@@ -36,16 +36,16 @@ from keel.summary import run_summary
 
 
 def set_threads(cfg: Config) -> None:
-    """One intra-op thread per available core, shared among the processes on this node: more threads than
-    cores (e.g. loader workers or 2 ranks each taking every core) oversubscribes the CPU."""
+    """One intra-op thread per available core, shared among the processes on this node (trainer.devices of
+    them, CPU or GPU ranks alike): more threads than cores (e.g. loader workers, or 8 GPU ranks each taking every
+    core) oversubscribes the CPU."""
     threads = cfg.trainer.threads
     if threads == 0:
         cores = len(os.sched_getaffinity(0))
-        per_process = cfg.trainer.devices if resolve_accelerator(cfg.trainer) == "cpu" else 1
-        threads = max(1, (cores - cfg.data.loader_workers) // per_process)
+        threads = max(1, (cores - cfg.data.loader_workers) // cfg.trainer.devices)
     torch.set_num_threads(threads)
-    # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set;
-    # the ranks it starts inherit this
+    # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set, and
+    # torchrun sets it to 1; the ranks started after this inherit it
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 

@@ -51,6 +51,7 @@ def test_summary_states_the_model_and_the_plan(scheme, alpha):
     assert lines[2] == f"alpha       {alpha}"
     assert lines[4].startswith(f"steps       50 x 384 tokens = {tokens:,} tokens ({tokens / params:.3g} tokens/parameter")
     assert "precision 32-true, strategy single, world size 1" in lines[6]
+    assert lines[6].endswith("torch.compile per block (compiled during the first steps)")  # trainer=cpu's default
 
 
 def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):

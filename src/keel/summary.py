@@ -42,7 +42,8 @@ def run_plan(cfg: Config, params: int) -> list[str]:
         f"({tokens / params:.3g} tokens/parameter, {tokens * flops_per_token(cfg.model):.3g} FLOPs)",
         f"batch       {batch_layout(t)} sequences of {cfg.model.seq_len} tokens",
         f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {strategy}, world size "
-        f"{world}, {torch.get_num_threads()} intra-op thread(s) per process",
+        f"{world}, {torch.get_num_threads()} intra-op thread(s) per process"
+        + (", torch.compile per block (compiled during the first steps)" if t.compile else ""),
     ]
 
 

@@ -198,10 +198,13 @@ class Config:
     init_from: str | None = None  # a checkpoint whose model weights start a fresh run (continued pretraining)
 
     def __post_init__(self) -> None:
-        # fp16 loss scaling must unscale the gradients before clipping them, which torch does not do for the fused
-        # AdamW every run uses (Lightning would raise at the first step); FSDP refuses fp16 altogether (check_trainer)
-        require(self.trainer.precision != "16-mixed" or not self.optim.grad_clip or self.trainer.strategy == "fsdp",
-                "trainer.precision",
+        # fp16 loss scaling: not on FSDP shards at all; elsewhere it must unscale the gradients before clipping them,
+        # which torch does not do for the fused AdamW every run uses (Lightning would raise at the first step)
+        fp16 = self.trainer.precision == "16-mixed"
+        if fp16 and self.trainer.strategy == "fsdp":
+            raise ConfigError("trainer.precision=16-mixed: fp16 loss scaling does not work on FSDP shards; "
+                              "use trainer.precision=bf16-mixed (or 32-true)")
+        require(not fp16 or not self.optim.grad_clip, "trainer.precision",
                 "16-mixed (fp16 loss scaling) cannot clip gradients with keel's fused AdamW; use bf16-mixed (no loss "
                 "scaling, same memory), or optim.grad_clip=0 to train fp16 without clipping")
         for section in self.callback_configs():

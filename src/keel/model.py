@@ -70,7 +70,7 @@ class ModelConfig:
     loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        scheme_of(self)
+        scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
         require(self.ffn in FFN_KINDS, "model.ffn", f"unknown FFN {self.ffn!r}; allowed: {', '.join(FFN_KINDS)}")
         require(self.init in INIT_KINDS, "model.init", f"unknown init {self.init!r}; allowed: {', '.join(INIT_KINDS)}")
         require(

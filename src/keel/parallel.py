@@ -102,9 +102,6 @@ def check_trainer(trainer) -> None:
                           "use trainer=ddp or trainer=fsdp")
     if trainer.strategy == "fsdp" and world < 2 and resolve_accelerator(trainer) == "cpu":
         raise ConfigError("trainer.strategy=fsdp: FSDP shards over >= 2 processes; on CPU use trainer.devices=2 or trainer=cpu")
-    if trainer.strategy == "fsdp" and resolve_precision(trainer) == "16-mixed":
-        raise ConfigError("trainer.precision=16-mixed: fp16 loss scaling does not work on FSDP shards; "
-                          "use trainer.precision=bf16-mixed (or 32-true)")
     if trainer.compile and resolve_accelerator(trainer) == "cpu" and (missing := missing_cpp_compiler()):
         raise ConfigError(f"trainer.compile=true: torch.compile on CPU builds C++ kernels, and no C++ compiler was found "
                           f"({missing}); install one (e.g. apt install g++, xcode-select --install) or set "

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import Precision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import keel.norms
@@ -267,7 +266,6 @@ def test_clipping_with_the_shared_norm_matches_torch():
     cfg = load_config(overrides=TINY_MODEL)
     torch.manual_seed(0)
     module = KeelLitModule(cfg)
-    module.trainer = SimpleNamespace(precision_plugin=Precision())  # no fp16 loss scaler
     reference = copy.deepcopy(module.model)
     batch = torch.randint(cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
     for model in (module.model, reference):

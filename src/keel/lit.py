@@ -85,11 +85,8 @@ class KeelLitModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """optim.grad_clip (Lightning's gradient_clip_val; norm clipping), with the global norm the callbacks
         already computed: Lightning clips after the on_before_optimizer_step hooks."""
-        if not gradient_clip_val:
+        if not gradient_clip_val:  # fp16 loss scaling never clips: the config refuses it (fused AdamW, Config)
             return
-        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
-            # fp16 loss scaling: Lightning's own path, which refuses fused AdamW (its gradients are still scaled here)
-            return self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         total = torch.linalg.vector_norm(self.grad_norms())
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, total)

@@ -35,30 +35,64 @@ maxlr sweep: install
 redundancy: install
 	$(KEEL) redundancy $(ARGS)
 
-# The max-LR report of docs/experiments.md: Table 1 at two depths and the ablations, SEEDS each. At miniature
-# (default) it trains here; interrupted, rerun it to continue (finished runs are skipped). PAPER_SCALE=1 writes
-# the same grids at paper scale as SLURM arrays instead (PAPER_SBATCH: #SBATCH options, space-separated); gather
-# each with `keel maxlr collect DIR`. ARGS (options or overrides) go to every grid, e.g. data=fineweb_edu.
+# The max-LR report of docs/experiments.md, every grid resumable (rerun to continue; finished runs are skipped),
+# `make -j2 paper` runs two grids at once (each probe uses one thread). PAPER_SCALE=1 writes the two Table 1
+# grids at paper scale as SLURM arrays instead (PAPER_SBATCH: #SBATCH options, space-separated); gather each with
+# `keel maxlr collect DIR`. ARGS (options or overrides) go to every grid, e.g. data=fineweb_edu.
 SEEDS ?= 1,2,3,4,5
+TREND_SEEDS ?= 1,2,3
+WIDE_SEEDS ?= 1,2
 PAPER_OUT ?= runs/paper
-ABLATIONS := --schemes keel --alphas '1,sqrt(L),L/2,L,2L,L*L,L**0.25' \
-	--variant noinner=model.scheme=keel,model.keel_inner_norm=false --variant v2=model.scheme=keel,model.keel_first_block=v2
-ABLATION_PAIRS := keel-aL:keel-a1,keel-aL:keel-asqrtL,keel-aL:keel-aLdiv2,keel-aL:keel-a2L,keel-aL:keel-aLxL,keel-aL:keel-aLxx0.25,keel-aL:noinner,keel-aL:v2
+NARROW := model.n_heads=4 model.seq_len=128 trainer.micro_batch_size=8 trainer.threads=1
 ifeq ($(PAPER_SCALE),1)
 SHALLOW := model=paper_d64 trainer=gpu
 DEEP := --depths 256 model=paper_d64 trainer=gpu
 EMIT := --emit slurm $(foreach option,$(PAPER_SBATCH),--sbatch=$(option))
 else
 SHALLOW :=
-DEEP := --depths 48 model.width=32 model.n_heads=4 model.seq_len=128 trainer.micro_batch_size=8 trainer.threads=1
+DEEP := --depths 64 model.width=32 $(NARROW)
 EMIT :=
 endif
-paper: install
+MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
+PAPER_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024
+.PHONY: paper-data $(addprefix paper-,$(PAPER_GRIDS))
+paper: $(addprefix paper-,$(PAPER_GRIDS))
+	$(KEEL) paper-report $(PAPER_OUT)
+
+paper-data: install
 	$(KEEL) data $(filter data=% data.%,$(ARGS))
-	$(KEEL) maxlr --seeds $(SEEDS) --out $(PAPER_OUT)/table1-d16 $(EMIT) $(SHALLOW) $(ARGS)
-	$(KEEL) maxlr --schemes keel,preln,postln,deepnorm --seeds $(SEEDS) --out $(PAPER_OUT)/table1-deep $(EMIT) $(DEEP) $(ARGS)
-	$(KEEL) maxlr $(ABLATIONS) --seeds $(SEEDS) --out $(PAPER_OUT)/ablations $(EMIT) $(SHALLOW) $(ARGS)
-	$(if $(filter 1,$(PAPER_SCALE)),,$(KEEL) maxlr collect $(PAPER_OUT)/ablations --pairs $(ABLATION_PAIRS))
+
+# Table 1: every scheme at 16 blocks x 64; the four the paper runs deep at 64 blocks x 32
+paper-table1-d16: paper-data
+	$(MAXLR) --seeds $(SEEDS) $(EMIT) $(SHALLOW) $(ARGS)
+paper-table1-d64: paper-data
+	$(MAXLR) --schemes keel,preln,postln,deepnorm --seeds $(SEEDS) $(EMIT) $(DEEP) $(ARGS)
+# Trends: depth at width 32 (64 blocks: table1-d64), width at 16 blocks (64: table1-d16, 32: depth-d16),
+# 8x the tokens per step at 16 x 64
+paper-depth-d16: paper-data
+	$(MAXLR) --schemes keel,preln,postln --seeds $(TREND_SEEDS) --depths 16 model.width=32 $(NARROW) $(ARGS)
+paper-depth-d256: paper-data
+	$(MAXLR) --schemes keel,preln,postln --seeds $(WIDE_SEEDS) --depths 256 model.width=32 $(NARROW) $(ARGS)
+paper-width-w128: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) --depths 16 model.width=128 $(NARROW) $(ARGS)
+paper-width-w256: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(WIDE_SEEDS) --depths 16 model.width=256 $(NARROW) $(ARGS)
+paper-batch-8x: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) --depths 16 model.width=64 $(NARROW) trainer.micro_batch_size=64 $(ARGS)
+# The criterion's check: the ramp twice as slow (a real LR limit stays at its LR, an artefact moves with the step)
+paper-ramp-2x: paper-data
+	$(MAXLR) --schemes keel,preln --seeds 1,2 --steps 1120 --eval-every 40 callbacks.stability.spike_patience=80 $(ARGS)
+# HybridNorm with its authors' init (Megatron-scaled output projections) and a ramp from 1e-4
+paper-hybridnorm: paper-data
+	$(MAXLR) --schemes hybridnorm --variant hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron \
+		--seeds $(TREND_SEEDS) --start-lr 1e-4 --steps 720 $(ARGS)
+# Past 1000 layers: 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks, three schemes
+paper-deep1024: paper-data
+	$(KEEL) sweep --schemes keel,preln,postln --depths 1024 --lrs 0.01 --out $(PAPER_OUT)/deep1024 model.width=32 \
+		model.n_heads=4 model.seq_len=64 trainer.micro_batch_size=8 trainer.threads=1 trainer.max_steps=250 \
+		trainer.val_every_n_steps=25 trainer.val_batches=8 trainer.checkpoint_every_n_steps=50 eval.enabled=false \
+		callbacks.grad_norms.every_n_steps=25 callbacks.grad_norms.heatmap_every_n_steps=50 \
+		callbacks.stability.stop_on_failure=false trainer.progress_bar=false $(ARGS)
 
 bench: install
 	$(KEEL) bench $(ARGS)

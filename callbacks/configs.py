@@ -90,6 +90,9 @@ class StabilityConfig(CallbackConfig):
     max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
     spike_margin: float = 1.0  # smoothed loss above its running minimum by this much (nats) ...
     spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
+    # a loss at or below this level is never above its range, however far above its minimum (keel maxlr: the
+    # unigram loss, so that the runs go on until they lose what they learned); null = no floor
+    spike_floor: float | None = None
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
     stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always

@@ -3,8 +3,9 @@
     nonfinite    the step's loss or global gradient norm is NaN/inf. Its update is always dropped (the grads
                  are set to None, so AdamW leaves weights and moments alone; the LR schedule still advances).
                  on_nonfinite=skip tolerates up to max_nonfinite consecutive such steps; stop fails at the first.
-    spike        the smoothed loss stays above its running minimum by spike_margin nats for spike_patience steps
-                 (an irrecoverable spike; shorter excursions are logged as recovered spikes)
+    spike        the smoothed loss stays above its running minimum by spike_margin nats (and above spike_floor,
+                 when set) for spike_patience steps (an irrecoverable spike; shorter excursions are logged as
+                 recovered spikes)
     stagnation   the smoothed loss has not improved on its best by stagnation_min_delta for stagnation_window
                  steps (abnormally slow descent; off when the window is 0); with stagnation_below, only once the
                  loss has been at or below that level (a model still on its initial plateau is not judged)
@@ -205,7 +206,8 @@ class StabilityMonitor(Callback):
         """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
         self._best = min(self._best, value)
         self._excess = value - self._best
-        if self._excess > self.config.spike_margin:
+        floor = self.config.spike_floor
+        if self._excess > self.config.spike_margin and (floor is None or value > floor):
             if self._over == 0:
                 self.counts["spikes"] += 1
                 self._event(trainer, step, f"loss spike: {self.config.signal} loss {value:.3f} is {self._excess:.2f} "

@@ -110,7 +110,7 @@ def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     assert cli_main(["maxlr", "--depths", "48", "model.width=32", "--schemes", "keel", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (model["depth"], model["width"], model["n_heads"]) == (48, 32, 4)  # a model key: no miniature
-    for bad in (["--variant", "noinner"], ["--only", "nope"], ["--start-lr", "1"]):
+    for bad in (["--variant", "noinner"], ["--only", "nope"], ["--start-lr", "5"]):
         with pytest.raises(ConfigError):
             maxlr_main(["--out", str(out), *bad])
 

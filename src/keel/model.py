@@ -39,7 +39,7 @@ from keel.ops.rms_norm import rms_norm
 
 FFN_KINDS = ("gelu", "swiglu")
 KEEL_FIRST_BLOCK = ("v1", "v2")
-INIT_KINDS = ("normal", "unit")
+INIT_KINDS = ("normal", "unit", "megatron")
 
 
 @dataclass
@@ -54,7 +54,9 @@ class ModelConfig:
     seq_len: int = 256
     rope_theta: float = 1e4
     tie_embeddings: bool = False
-    init: str = "normal"  # normal: N(0, init_std^2); unit: Linear N(0, 1/fan_in), embedding N(0, 1)
+    # normal: N(0, init_std^2); unit: Linear N(0, 1/fan_in), embedding N(0, 1); megatron: N(0, init_std^2)
+    # truncated at 3 std, the output projections (attention out, FFN down) at init_std / sqrt(2 * depth)
+    init: str = "normal"
     init_std: float = 0.02
     norm_eps: float = 1e-5
     scheme: str = "keel"
@@ -358,11 +360,18 @@ class KeelLM(nn.Module):
         cfg = self.cfg
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                std = cfg.init_std if cfg.init == "normal" else module.in_features**-0.5
-                nn.init.normal_(module.weight, std=std)
+                std = module.in_features**-0.5 if cfg.init == "unit" else cfg.init_std
+                if cfg.init == "megatron":
+                    nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+                else:
+                    nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
-        nn.init.normal_(self.embed.weight, std=cfg.init_std if cfg.init == "normal" else 1.0)
+        nn.init.normal_(self.embed.weight, std=1.0 if cfg.init == "unit" else cfg.init_std)
+        if cfg.init == "megatron":  # the residual branches' last matrices, scaled down with depth (Shoeybi et al.)
+            for block in self.blocks:
+                for linear in (block.attn.branch.out, block.ffn.branch.down):
+                    linear.weight.mul_((2 * cfg.depth) ** -0.5)
         if cfg.scheme == "deepnorm":  # DeepNet: beta on both FFN matrices, v and out projections; never q, k
             beta = cfg.deepnorm_beta or (8 * cfg.depth) ** -0.25
             for block in self.blocks:

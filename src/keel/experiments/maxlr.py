@@ -79,14 +79,15 @@ MINIATURE = [
     "trainer.threads=1",  # at this width a second thread gains little on an idle CPU and loses much on a shared one
 ]
 MINIATURE_DEPTH = 16
-# The failure criterion (before the user's overrides, so callbacks.stability.* and trainer.val_batches tune it):
-# held-out loss on 8 fixed batches; a spike must last past the next evaluation; stagnation = 3 evaluations
-# without a 0.01-nat improvement (at the default --eval-every 20).
+# When a probe stops (before the user's overrides, so callbacks.stability.* and trainer.val_batches tune it): the
+# held-out loss on 8 fixed batches, 1 nat above its best and above the unigram loss (spike_floor, set per run),
+# past the next evaluation; or a non-finite step. `collect` judges the recorded curve with the report's criterion,
+# which is never looser, so stopping here loses nothing it needs.
 CRITERION = [
     "callbacks.stability.signal=val",
     "callbacks.stability.spike_margin=1.0",
     "callbacks.stability.spike_patience=40",
-    "callbacks.stability.stagnation_window=60",
+    "callbacks.stability.on_nonfinite=stop",
     "trainer.val_batches=8",
     # only what the protocol needs: no in-loop evaluation or per-layer diagnostics
     "eval.enabled=false",
@@ -173,6 +174,7 @@ def protocol(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"trainer.max_steps={args.steps}", f"trainer.val_every_n_steps={args.eval_every}",
         f"trainer.checkpoint_every_n_steps={args.checkpoint_every}",
         "callbacks.stability.enabled=true", "callbacks.stability.stop_on_failure=true",
+        "callbacks.stability.stagnation_window=0",  # the paper's criterion: divergence only, a plateau is no failure
         f"run.dir={run_dir}", "resume=auto",  # an interrupted probe continues; a finished one is skipped
     ]
 
@@ -422,10 +424,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--alphas", type=comma_list(str), default=[], help="Keel alphas: numbers or expressions in L")
     parser.add_argument("--variant", dest="variants", action="append", default=[],
                         help="NAME=KEY=VALUE[,KEY=VALUE...]: one more row (repeatable)")
-    parser.add_argument("--peak-lr", type=float, default=0.3, help="where the ramp ends")
+    parser.add_argument("--peak-lr", type=float, default=3.0, help="where the ramp ends")
     parser.add_argument("--start-lr", type=float, default=1e-3, help="where the exponential ramp starts")
     parser.add_argument("--ramp", choices=("exp", "linear"), default="exp")
-    parser.add_argument("--steps", type=int, default=400, help="steps of the ramp (= the whole run)")
+    parser.add_argument("--steps", type=int, default=560, help="steps of the ramp (= the whole run)")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (resume)")
     parser.add_argument("--margin", type=float, default=0.5,
@@ -444,6 +446,9 @@ def main(argv: list[str]) -> int:
     for key in ("steps", "eval_every", "checkpoint_every"):
         if getattr(args, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+    if stagnation := [item for item in args.overrides if item.startswith("callbacks.stability.stagnation")]:
+        raise ConfigError(f"{stagnation[0]}: keel maxlr judges divergence only (the paper's criterion: a model "
+                          "that stops improving has not failed); drop the override")
     out = Path(args.out)
     runs = build_grid(args)
     if unknown := [name for name in args.only if name not in {run.name for run in runs}]:
@@ -478,8 +483,8 @@ def main(argv: list[str]) -> int:
         key = unigram_key(cfg)
         if key not in unigrams:
             unigrams[key] = unigram_loss(cfg)
-        # models learn before they are judged: no stagnation verdict on the initial plateau
-        cfg.callbacks.stability.stagnation_below = unigrams[key] - args.margin
+        # a probe goes on until it has lost what it learned beyond token frequencies (or its best + 1 nat)
+        cfg.callbacks.stability.spike_floor = unigrams[key]
         wall_s = train_run(cfg, [LossByLR(cfg.run.dir)])
         cpu_s = time.process_time() - cpu_start  # this process's CPU, all threads: the cost on a shared machine
         (run_dir / COST).write_text(json.dumps({"wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1)}) + "\n")

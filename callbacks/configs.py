@@ -90,9 +90,10 @@ class StabilityConfig(CallbackConfig):
     max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
     spike_margin: float = 1.0  # smoothed loss above its running minimum by this much (nats) ...
     spike_patience: int = 20  # ... for this many steps = an irrecoverable spike
-    # a loss at or below this level is never above its range, however far above its minimum (keel maxlr: the
-    # unigram loss, so that the runs go on until they lose what they learned); null = no floor
-    spike_floor: float | None = None
+    # a loss above this level is above its range too, once its minimum has been spike_ceiling_margin below it
+    # (keel maxlr: the unigram loss - a model that falls back to token frequencies has diverged); null = none
+    spike_ceiling: float | None = None
+    spike_ceiling_margin: float = 0.5
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
     stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
@@ -107,6 +108,7 @@ class StabilityConfig(CallbackConfig):
         for key in ("max_nonfinite", "spike_patience"):
             require(getattr(self, key) >= 1, self.key(key), "must be >= 1")
         require(self.spike_margin > 0, self.key("spike_margin"), "must be > 0")
+        require(self.spike_ceiling_margin >= 0, self.key("spike_ceiling_margin"), "must be >= 0")
         require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
         require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
 

@@ -3,9 +3,9 @@
     nonfinite    the step's loss or global gradient norm is NaN/inf. Its update is always dropped (the grads
                  are set to None, so AdamW leaves weights and moments alone; the LR schedule still advances).
                  on_nonfinite=skip tolerates up to max_nonfinite consecutive such steps; stop fails at the first.
-    spike        the smoothed loss stays above its running minimum by spike_margin nats (and above spike_floor,
-                 when set) for spike_patience steps (an irrecoverable spike; shorter excursions are logged as
-                 recovered spikes)
+    spike        the smoothed loss stays above its running minimum by spike_margin nats (or above spike_ceiling,
+                 once the minimum has been spike_ceiling_margin below it) for spike_patience steps (an
+                 irrecoverable spike; shorter excursions are logged as recovered spikes)
     stagnation   the smoothed loss has not improved on its best by stagnation_min_delta for stagnation_window
                  steps (abnormally slow descent; off when the window is 0); with stagnation_below, only once the
                  loss has been at or below that level (a model still on its initial plateau is not judged)
@@ -206,8 +206,11 @@ class StabilityMonitor(Callback):
         """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
         self._best = min(self._best, value)
         self._excess = value - self._best
-        floor = self.config.spike_floor
-        if self._excess > self.config.spike_margin and (floor is None or value > floor):
+        bar = self._best + self.config.spike_margin
+        ceiling = self.config.spike_ceiling
+        if ceiling is not None and self._best <= ceiling - self.config.spike_ceiling_margin:
+            bar = min(bar, ceiling)
+        if value > bar:
             if self._over == 0:
                 self.counts["spikes"] += 1
                 self._event(trainer, step, f"loss spike: {self.config.signal} loss {value:.3f} is {self._excess:.2f} "
@@ -215,8 +218,9 @@ class StabilityMonitor(Callback):
             # train: consecutive steps above; val: steps since the last evaluation that was not above
             before, self._over = self._over, self._over + 1 if self.config.signal == "train" else step - self._good_step
             if before < self.config.spike_patience <= self._over:
-                self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.config.signal} loss above its "
-                           f"minimum {self._best:.3f} by > {self.config.spike_margin} for {self._over} steps")
+                self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.config.signal} loss above "
+                           f"{bar:.3f} (its minimum {self._best:.3f} + {self.config.spike_margin}"
+                           + (", capped at the ceiling" if bar == ceiling else "") + f") for {self._over} steps")
         else:
             if self._over:
                 self._event(trainer, step, f"loss spike recovered after {self._over} steps")

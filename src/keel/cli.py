@@ -16,6 +16,7 @@ COMMANDS = {
     "eval-data": ("keel.evaluation.offline", "local copies of lm-eval's task datasets: `keel eval-data fetch DIR`"),
     "compare": ("keel.evaluation.compare", "plot runs' loss and task curves side by side"),
     "maxlr": ("keel.experiments.maxlr", "max tolerable learning rate per scheme (paper Table 1)"),
+    "paper-report": ("keel.experiments.paper", "the report of `make paper`'s grids (docs/experiments.md)"),
     "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
     "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),
     "consolidate": ("keel.checkpoint", "turn a sharded (FSDP) checkpoint into one file"),

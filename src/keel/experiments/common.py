@@ -124,6 +124,20 @@ def _last_scalar(run_dir: Path, tag: str) -> tuple[int, float] | None:
     return last.step, last.value
 
 
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every TensorBoard scalar of a run (all its event files): tag -> [(step, value)] in step order, the last
+    value written for a step winning (a resumed run rewrites the steps after its checkpoint)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = {}
+    for tag in acc.Tags()["scalars"]:
+        by_step = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: (e.step, e.wall_time))}
+        scalars[tag] = sorted(by_step.items())
+    return scalars
+
+
 def _eval_scores(run_dir: Path) -> dict[str, float]:
     """The last in-loop evaluation's primary metric per task, from the downstream-eval callback's history."""
     path = run_dir / "eval_history.json"

@@ -1,0 +1,266 @@
+"""`keel paper-report [DIR]`: the report of docs/experiments.md from the grids `make paper` ran under DIR
+(default runs/paper), written to DIR/report.md with its figures.
+
+Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr_report); this puts them side by
+side: Table 1 at 16 and 64 blocks; the Keel / Pre-LN max-LR ratio against depth (width 32: depth-d16, table1-d64,
+depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, width-w256), with the batch point
+(batch-8x); the two-ramp check (ramp-2x against table1-d16, seed by seed); HybridNorm; and the 1,024-block runs
+(deep1024, a `keel sweep`): held-out loss, non-finite steps and per-block gradient norms against depth. A grid
+not run yet is listed as missing; the rest is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from keel.errors import ConfigError
+from keel.experiments.common import markdown_table, pyplot, read_scalars
+from keel.experiments.maxlr_report import collect, max_lr_value, sign_test
+from keel.experiments.sweep import MANIFEST
+
+DEPTH_TREND = {16: "depth-d16", 64: "table1-d64", 256: "depth-d256"}  # blocks -> grid, width 32
+WIDTH_TREND = {32: "depth-d16", 64: "table1-d16", 128: "width-w128", 256: "width-w256"}  # width -> grid, 16 blocks
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _cell(row: dict) -> str:
+    """One run in a table cell: max LR (failure kind), or >= peak, or n.r.; then the loss-optimal LR and loss."""
+    value = max_lr_value(row)
+    head = "n.r." if value is None else (f">= {value:.3g}" if not row["failure"] else f"{value:.3g}")
+    return f"{head} / {_fmt(row['loss_optimal_lr'])} ({_fmt(row['best_heldout'])})"
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def seed_table(rows: list[dict]) -> list[dict]:
+    """Per row (scheme): every seed's max LR / loss-optimal LR (best held-out), medians and ranges."""
+    table = []
+    seeds = sorted({r["seed"] for r in rows})
+    for label in dict.fromkeys(r["row"] for r in rows):
+        runs = {r["seed"]: r for r in rows if r["row"] == label}
+        values = [v for v in map(max_lr_value, runs.values()) if v is not None]
+        optimal = [r["loss_optimal_lr"] for r in runs.values() if r["loss_optimal_lr"] is not None]
+        entry = {"scheme": label}
+        entry |= {f"seed {seed}": _cell(runs[seed]) if seed in runs else "" for seed in seeds}
+        entry |= {
+            "resolved": f"{len(values)}/{len(runs)}",
+            "max LR median [range]": f"{_fmt(_median(values))} [{_fmt(min(values, default=None))}-"
+                                     f"{_fmt(max(values, default=None))}]",
+            "loss-optimal LR median [range]": f"{_fmt(_median(optimal))} [{_fmt(min(optimal, default=None))}-"
+                                              f"{_fmt(max(optimal, default=None))}]",
+            "best held-out median": _fmt(_median([r["best_heldout"] for r in runs.values()
+                                                  if r["best_heldout"] is not None])),
+        }
+        table.append(entry)
+    return table
+
+
+def sign_tests(rows: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
+    """Seed-by-seed sign tests of the max LR (a run with no failure counts as the peak; ties and unresolved seeds
+    are left out)."""
+    table = []
+    for a, b in pairs:
+        by = {(r["row"], r["seed"]): r for r in rows}
+        wins = losses = ties = other = 0
+        for seed in sorted({s for (label, s) in by if label == a} & {s for (label, s) in by if label == b}):
+            x, y = max_lr_value(by[a, seed]), max_lr_value(by[b, seed])
+            if x is None or y is None:
+                other += 1
+            elif math.isclose(x, y, rel_tol=1e-9) or (not by[a, seed]["failure"] and not by[b, seed]["failure"]):
+                ties += 1
+            elif x > y:
+                wins += 1
+            else:
+                losses += 1
+        table.append({"comparison": f"{a} vs {b}", f"{a} higher": wins, f"{b} higher": losses, "ties": ties,
+                      "not resolved": other, "sign test p": f"{sign_test(wins, losses):.3g}"})
+    return table
+
+
+def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float]:
+    """Per seed, a's max LR over b's, where both are resolved."""
+    by = {(r["row"], r["seed"]): r for r in rows}
+    out = []
+    for (label, seed), row in by.items():
+        if label == a and (b, seed) in by:
+            x, y = max_lr_value(row), max_lr_value(by[b, seed])
+            if x is not None and y is not None:
+                out.append(x / y)
+    return out
+
+
+def trend(grids: dict[str, list[dict]], axis: dict[int, str], name: str) -> tuple[list[dict], dict]:
+    """Per point of the axis: each scheme's median max LR and loss-optimal LR, and the Keel / Pre-LN ratio."""
+    table, points = [], {}
+    for value, grid in axis.items():
+        rows = [r for r in grids.get(grid, []) if (name != "blocks" or r["depth"] == value)]
+        if name == "width":
+            rows = [r for r in rows if r["width"] == value and r["depth"] == 16]
+        if not rows:
+            continue
+        entry = {name: value, "grid": grid}
+        for scheme in ("keel", "preln", "postln"):
+            runs = [r for r in rows if r["row"] == scheme]
+            if runs:
+                values = [v for v in map(max_lr_value, runs) if v is not None]
+                entry[f"{scheme} max LR"] = f"{_fmt(_median(values))} ({len(values)}/{len(runs)})"
+                entry[f"{scheme} loss-optimal"] = _fmt(_median([r["loss_optimal_lr"] for r in runs
+                                                                if r["loss_optimal_lr"] is not None]))
+        points[value] = ratios(rows)
+        entry["keel / preln (per seed)"] = ", ".join(f"{x:.2g}" for x in points[value]) or "-"
+        table.append(entry)
+    return table, points
+
+
+def plot_ratios(depth: dict, width: dict, batch: list[float], path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, points, label in ((axes[0], depth, "depth (blocks), width 32"), (axes[1], width, "width, 16 blocks")):
+        for x, values in points.items():
+            ax.plot([x] * len(values), values, "o", color="tab:blue", alpha=0.6)
+        xs = [x for x in points if points[x]]
+        ax.plot(xs, [statistics.median(points[x]) for x in xs], "-", color="tab:blue", label="median" if xs else None)
+        if label.startswith("width") and batch:
+            ax.plot([64] * len(batch), batch, "s", color="tab:red", alpha=0.7, label="8x tokens per step")
+        ax.axhline(1, color="grey", linewidth=1)
+        if xs:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("Keel max LR / Pre-LN max LR")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Keel's tolerable LR relative to Pre-LN (a point per seed; > 1: Keel tolerates more)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
+    """The same (scheme, seed) on the ramp of table1-d16 and on the ramp twice as slow: a real LR limit stays at
+    its LR; an event tied to the step would move to the LR the slower ramp reaches at that step."""
+    by = {(r["row"], r["seed"]): r for r in short}
+    table = []
+    for r in long:
+        if (r["row"], r["seed"]) in by:
+            s = by[r["row"], r["seed"]]
+            table.append({"scheme": r["row"], "seed": r["seed"], "max LR, 560 steps": _fmt(max_lr_value(s)),
+                          "onset step": s["onset_step"], "max LR, 1,120 steps": _fmt(max_lr_value(r)),
+                          "onset step ": r["onset_step"],
+                          "ratio": _fmt(max_lr_value(r) / max_lr_value(s))
+                          if max_lr_value(r) and max_lr_value(s) else "-",
+                          "loss-optimal LR, 560 / 1,120": f"{_fmt(s['loss_optimal_lr'])} / {_fmt(r['loss_optimal_lr'])}"})
+    return table
+
+
+def deep_runs(out: Path, plot_path: Path) -> list[dict]:
+    """The 1,024-block runs: held-out loss, non-finite steps, and each block's gradient norm at three steps."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    table = []
+    for run in manifest["runs"]:
+        run_dir = out / run["name"]
+        if not (run_dir / "tb").is_dir():
+            continue
+        scalars = read_scalars(run_dir)
+        stability = json.loads((run_dir / "stability.json").read_text()) if (run_dir / "stability.json").is_file() else {}
+        val = scalars.get("val/loss", [])
+        entry = {"run": run["name"], "steps": stability.get("steps"), "non-finite steps": stability.get("nonfinite_steps"),
+                 "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val)}
+        blocks = sorted(tag for tag in scalars if tag.startswith("grad/ffn/block_"))
+        steps = sorted({s for tag in blocks for s, _ in scalars[tag]})
+        shown = [steps[0], steps[len(steps) // 2], steps[-1]] if steps else []
+        for step in shown:
+            norms = [dict(scalars[tag]).get(step) for tag in blocks]
+            finite = [n for n in norms if n is not None and math.isfinite(n) and n > 0]
+            if finite:
+                entry[f"ffn grad norm max/min over blocks, step {step + 1}"] = f"{max(finite) / min(finite):.3g}"
+        if steps:
+            last = [dict(scalars[tag]).get(steps[-1]) for tag in blocks]
+            axes[0].plot([int(tag.rsplit("_", 1)[1]) for tag in blocks], last, label=run["name"])
+        axes[1].plot([s + 1 for s, _ in val], [v for _, v in val], "o-", label=run["name"])
+        table.append(entry)
+    axes[0].set(xlabel="block", ylabel="||grad|| of the FFN branch weights (last logged step)", yscale="log")
+    axes[1].set(xlabel="step", ylabel="held-out loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("1,024 blocks (L = 2,048) at LR 0.01", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(plot_path, dpi=120)
+    plt.close(fig)
+    return table
+
+
+def report(out: Path) -> str:
+    grids: dict[str, list[dict]] = {}
+    missing = []
+    for grid in ("table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
+                 "ramp-2x", "hybridnorm"):
+        if (out / grid / MANIFEST).is_file():
+            try:
+                grids[grid] = collect(out / grid)
+            except ConfigError as err:  # no finished run yet
+                missing.append(f"{grid} ({err})")
+        else:
+            missing.append(grid)
+    text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
+    if missing:
+        text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
+    text += ["Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
+             "loss-optimal LR (best held-out loss).", ""]
+    for grid, title in (("table1-d16", "Table 1, 16 blocks x 64"), ("table1-d64", "Table 1, 64 blocks x 32"),
+                        ("hybridnorm", "HybridNorm, ramp from 1e-4 over 720 steps")):
+        if grid in grids:
+            text += [f"## {title} ({grid})", "", markdown_table(seed_table(grids[grid]),
+                                                                list(seed_table(grids[grid])[0])), ""]
+            labels = {r["row"] for r in grids[grid]}
+            pairs = [p for p in (("keel", "preln"), ("keel", "postln")) if set(p) <= labels]
+            if pairs:
+                tests = sign_tests(grids[grid], pairs)
+                text += [markdown_table(tests, list(dict.fromkeys(k for t in tests for k in t))), ""]
+    depth_table, depth_points = trend(grids, DEPTH_TREND, "blocks")
+    width_table, width_points = trend(grids, WIDTH_TREND, "width")
+    batch = ratios(grids.get("batch-8x", []))
+    for title, table in (("Depth at width 32", depth_table), ("Width at 16 blocks", width_table)):
+        if table:
+            text += [f"## {title}", "", markdown_table(table, list(dict.fromkeys(k for t in table for k in t))), ""]
+    if "batch-8x" in grids:
+        b = trend({"batch-8x": grids["batch-8x"]}, {64: "batch-8x"}, "width")[0]
+        text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
+                 markdown_table(b, list(dict.fromkeys(k for t in b for k in t))), ""]
+    if any(depth_points.values()) or any(width_points.values()):
+        plot_ratios(depth_points, width_points, batch, out / "ratio.png")
+        text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
+    if "ramp-2x" in grids and "table1-d16" in grids:
+        table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
+        if table:
+            text += ["## Two ramp lengths (16 x 64)", "", markdown_table(table, list(table[0])), ""]
+    if (out / "deep1024" / MANIFEST).is_file():
+        table = deep_runs(out / "deep1024", out / "deep1024.png")
+        if table:
+            text += ["## 1,024 blocks", "", markdown_table(table, list(dict.fromkeys(k for t in table for k in t))),
+                     "", "![1,024 blocks](deep1024.png)", ""]
+    return "\n".join(text)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="keel paper-report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir", nargs="?", default="runs/paper")
+    out = Path(parser.parse_args(argv).dir)
+    text = report(out)
+    (out / "report.md").write_text(text)
+    print(text)
+    print(f"keel paper-report: wrote {out}/report.md")
+    return 0

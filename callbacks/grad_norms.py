@@ -76,7 +76,7 @@ class GradNormMonitor(Callback):
         self._params = list(model.parameters())  # the order of KeelLitModule.grad_norms()
         self._group_of = torch.tensor([group_of[id(p)] for p in self._params])
         self._depth = cfg.depth
-        self._ratio_blocks = bottom_middle_top(cfg.scheme, cfg.depth)
+        self._ratio_blocks = bottom_middle_top(cfg)
         self._shown = set(evenly_spaced(cfg.depth, self.config.max_blocks))
         hidden = {block_tag(prefix, kind, b) for b in range(cfg.depth) if b not in self._shown
                   for prefix in ("grad", "grad/gain") for kind in KINDS}

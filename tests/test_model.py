@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,18 @@ import torch.nn.functional as F
 from keel.errors import ConfigError
 from keel.gpu_check import sublayer_update_error, sublayers
 from keel.gradflow import measure
-from keel.model import SCHEMES, KeelLM, KVCache, ModelConfig, RMSNorm, needs_final_norm, sublayer_specs
+from keel.model import (
+    SCHEMES,
+    KeelLM,
+    KVCache,
+    ModelConfig,
+    RMSNorm,
+    Scheme,
+    SublayerSpec,
+    formulas,
+    needs_final_norm,
+    sublayer_specs,
+)
 from keel.ops.rms_norm import RMSNormFunction
 from keel.parallel import apply_activation_checkpointing, compile_blocks
 
@@ -375,6 +388,41 @@ def test_every_scheme_has_its_own_blocks_and_an_unknown_one_is_refused():
     for ask in (sublayer_specs, needs_final_norm, KeelLM):
         with pytest.raises(ConfigError, match="model.scheme: unknown scheme 'rezero'; allowed: keel, preln"):
             ask(cfg)
+
+
+def test_rendered_formulas_match_the_schemes_doc():
+    """docs/schemes.md's table of every scheme's sublayers at 16 blocks is what the code renders, entry by entry."""
+    doc = (Path(__file__).parents[1] / "docs" / "schemes.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (`.+\)) \|$", doc, re.MULTILINE))
+    assert set(rows) == set(SCHEMES)
+    for scheme, text in rows.items():
+        rendered = ", ".join(f"`{formula}` ({n})" for formula, n in formulas(ModelConfig(depth=16, scheme=scheme)))
+        assert rendered == text, scheme
+
+
+def test_a_scheme_is_one_entry(monkeypatch):
+    """Adding a scheme is one SCHEMES entry: with a toy one (Post-LN with alpha 2, a final norm, its own init and
+    bottom block) registered, the config accepts it, the model builds and trains a step, and every rule it
+    carries is the one used."""
+    from keel.gradflow import bottom_middle_top
+
+    def halve_head(model):
+        model.head.weight.mul_(0.5)
+
+    toy = SublayerSpec(norm_in=False, norm_out=True, alpha=2.0)
+    monkeypatch.setitem(SCHEMES, "toy", Scheme(lambda cfg: [(toy, toy)] * cfg.depth, init=halve_head,
+                                               bottom_block=lambda cfg: 1))
+    cfg = tiny(scheme="toy", init_std=0.02)
+    torch.manual_seed(0)
+    model = KeelLM(cfg)
+    torch.manual_seed(0)
+    plain = KeelLM(tiny(scheme="postln", init_std=0.02))
+    assert torch.allclose(model.head.weight, 0.5 * plain.head.weight)  # the common init, then the toy's
+    assert model.final_norm is not None and bottom_middle_top(cfg)[0] == 1
+    assert formulas(cfg) == [("Norm_out(2 x + F(x))", 2 * cfg.depth)]
+    idx = torch.randint(cfg.vocab_size, (2, cfg.seq_len))
+    model(idx, targets=idx).backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 # ---------------------------------------------------------------- extreme depth and activation checkpointing

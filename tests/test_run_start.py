@@ -14,7 +14,7 @@ import torch
 from keel.callbacks.progress import StepProgressBar
 from keel.cli import main as cli_main
 from keel.config import load_config
-from keel.model import KeelLM
+from keel.model import KeelLM, formulas
 from keel.pretrain import set_threads, train
 from keel.summary import run_summary
 
@@ -49,9 +49,10 @@ def test_summary_states_the_model_and_the_plan(scheme, alpha):
     assert lines[0].startswith(f"model       {scheme}: depth 4 blocks (L = 8 sublayers), width 64")
     assert lines[1] == f"parameters  {params:,} ({params - embedding:,} non-embedding)"
     assert lines[2] == f"alpha       {alpha}"
-    assert lines[4].startswith(f"steps       50 x 384 tokens = {tokens:,} tokens ({tokens / params:.3g} tokens/parameter")
-    assert "precision 32-true, strategy single, world size 1" in lines[6]
-    assert lines[6].endswith("torch.compile per block (compiled during the first steps)")  # trainer=cpu's default
+    assert lines[3] == "sublayers   " + ", ".join(f"{formula} ({n})" for formula, n in formulas(cfg.model))
+    assert lines[5].startswith(f"steps       50 x 384 tokens = {tokens:,} tokens ({tokens / params:.3g} tokens/parameter")
+    assert "precision 32-true, strategy single, world size 1" in lines[7]
+    assert lines[7].endswith("torch.compile per block (compiled during the first steps)")  # trainer=cpu's default
 
 
 def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):

@@ -29,7 +29,7 @@ from dataclasses import asdict, replace
 import torch
 
 from keel.errors import ConfigError
-from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm
+from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, scheme_of
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms")
 
@@ -99,14 +99,14 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
     return {"loss": float(loss.detach()), "sublayers": rows, "summary": summarize(model.cfg, rows)}
 
 
-def bottom_middle_top(scheme: str, depth: int) -> tuple[int, int, int]:
-    """The blocks that summary ratios compare; Keel's alpha = 1 block 0 is not "bottom" (see the module doc)."""
-    return (1 if scheme == "keel" and depth > 1 else 0), depth // 2, depth - 1
+def bottom_middle_top(cfg: ModelConfig) -> tuple[int, int, int]:
+    """The blocks that summary ratios compare; the scheme says which is "bottom" (Keel's alpha = 1 block 0 is not)."""
+    return scheme_of(cfg).bottom_block(cfg), cfg.depth // 2, cfg.depth - 1
 
 
 def summarize(cfg: ModelConfig, rows: list[dict]) -> dict:
     """bottom/top and middle/top ratios per block (see the module docstring for the definitions)."""
-    bottom, middle, top = bottom_middle_top(cfg.scheme, cfg.depth)
+    bottom, middle, top = bottom_middle_top(cfg)
     block_input = {key: [rows[2 * b][key] for b in range(cfg.depth)] for key in ("act_grad", "rel_act_grad")}
     block_weight = [math.hypot(rows[2 * b]["weight_grad"], rows[2 * b + 1]["weight_grad"]) for b in range(cfg.depth)]
     summary = {"bottom_block": bottom, "middle_block": middle, "top_block": top}

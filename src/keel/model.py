@@ -26,6 +26,7 @@ the branches' matmuls run in bf16 (autocast, or the weights' own dtype under bf1
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -136,6 +137,13 @@ class SublayerSpec:
     skip_from_norm_in: bool = False  # HybridNorm FFN: u + FFN(u), u = Norm(x)
     qkv_norm: bool = False  # HybridNorm attention: per-head RMSNorm of q, k, v
 
+    def formula(self) -> str:
+        """The sublayer as an equation in its input x, e.g. `Norm_out(32 x + F(Norm_in(x)))` (docs/schemes.md)."""
+        h = "Norm_in(x)" if self.norm_in else "x"
+        skip = h if self.skip_from_norm_in else "x"
+        total = f"{'' if self.alpha == 1 else f'{self.alpha:.3g} '}{skip} + {'F_qkvn' if self.qkv_norm else 'F'}({h})"
+        return f"Norm_out({total})" if self.norm_out else total
+
 
 BlockSpecs = list[tuple[SublayerSpec, SublayerSpec]]  # (attention, FFN) per block
 PRE = SublayerSpec(norm_in=True, norm_out=False)
@@ -170,23 +178,44 @@ def _hybridnorm_star(cfg: ModelConfig) -> BlockSpecs:
     return [(SublayerSpec(norm_in=True, norm_out=False, qkv_norm=True), PRE)] + _hybridnorm(cfg)[1:]
 
 
+@torch.no_grad()
+def _deepnorm_init(model: KeelLM) -> None:
+    """DeepNet's beta on both FFN matrices, the v and out projections; never q, k."""
+    beta = model.cfg.deepnorm_beta or (8 * model.cfg.depth) ** -0.25
+    for block in model.blocks:
+        attn = block.attn.branch
+        attn.qkv.weight[(attn.n_heads + attn.kv_heads) * attn.head_dim :].mul_(beta)
+        for linear in (attn.out, block.ffn.branch.up, block.ffn.branch.down):
+            linear.weight.mul_(beta)
+
+
 def _unless_last_normalized(cfg: ModelConfig) -> bool:
     return not sublayer_specs(cfg)[-1][1].norm_out
 
 
 @dataclass(frozen=True)
 class Scheme:
-    blocks: Callable[[ModelConfig], BlockSpecs]
+    """Everything scheme-specific: adding a scheme is one entry in SCHEMES (and its section in docs/schemes.md)."""
+
+    blocks: Callable[[ModelConfig], BlockSpecs]  # (attention, FFN) spec of every block
     final_norm: Callable[[ModelConfig], bool] = lambda cfg: True  # a norm before the head
+    init: Callable[[KeelLM], None] | None = None  # adjustments after the common init (model.init)
+    # the block that gradient ratios call "bottom" (keel.gradflow): the first that is like the others
+    bottom_block: Callable[[ModelConfig], int] = lambda cfg: 0
+    # the residual scale an --alphas axis sweeps: the ModelConfig field that sets it, and its value
+    alpha_field: str | None = None
+    alpha: Callable[[ModelConfig], float] | None = None
     variant_of: str | None = None  # a variant of another scheme, not one of Keel's and the paper's five baselines
 
 
 # Every scheme, one entry each (docs/schemes.md): model.scheme's allowed values, in this order everywhere.
 SCHEMES = {
-    "keel": Scheme(_keel, final_norm=_unless_last_normalized),
+    # block 0 has alpha = 1, unlike the rest: not "bottom"
+    "keel": Scheme(_keel, final_norm=_unless_last_normalized, bottom_block=lambda cfg: min(1, cfg.depth - 1),
+                   alpha_field="keel_alpha", alpha=lambda cfg: cfg.keel_alpha or float(cfg.L)),
     "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth),
     "postln": Scheme(lambda cfg: [(POST, POST)] * cfg.depth, final_norm=lambda cfg: cfg.postln_final_norm),
-    "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized),
+    "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized, init=_deepnorm_init),
     "hybridnorm": Scheme(_hybridnorm),
     "hybridnorm_star": Scheme(_hybridnorm_star, variant_of="hybridnorm"),
     "mixln": Scheme(_mixln),
@@ -194,9 +223,19 @@ SCHEMES = {
 PAPER_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.variant_of is None)
 
 
+def scheme_named(name: str) -> Scheme:
+    require(name in SCHEMES, "model.scheme", f"unknown scheme {name!r}; allowed: {', '.join(SCHEMES)}")
+    return SCHEMES[name]
+
+
 def scheme_of(cfg: ModelConfig) -> Scheme:
-    require(cfg.scheme in SCHEMES, "model.scheme", f"unknown scheme {cfg.scheme!r}; allowed: {', '.join(SCHEMES)}")
-    return SCHEMES[cfg.scheme]
+    return scheme_named(cfg.scheme)
+
+
+def formulas(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The scheme's distinct sublayer formulas in order of first use, each with how many sublayers use it."""
+    counts = Counter(spec.formula() for block in sublayer_specs(cfg) for spec in block)
+    return list(counts.items())
 
 
 def sublayer_specs(cfg: ModelConfig) -> BlockSpecs:
@@ -372,13 +411,8 @@ class KeelLM(nn.Module):
             for block in self.blocks:
                 for linear in (block.attn.branch.out, block.ffn.branch.down):
                     linear.weight.mul_((2 * cfg.depth) ** -0.5)
-        if cfg.scheme == "deepnorm":  # DeepNet: beta on both FFN matrices, v and out projections; never q, k
-            beta = cfg.deepnorm_beta or (8 * cfg.depth) ** -0.25
-            for block in self.blocks:
-                attn = block.attn.branch
-                attn.qkv.weight[(attn.n_heads + attn.kv_heads) * attn.head_dim :].mul_(beta)
-                for linear in (attn.out, block.ffn.branch.up, block.ffn.branch.down):
-                    linear.weight.mul_(beta)
+        if (scheme_init := scheme_of(cfg).init) is not None:
+            scheme_init(self)
 
     def forward(
         self, idx: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None

@@ -9,7 +9,7 @@ import torch
 
 from keel.checkpoint import batch_layout
 from keel.config import Config
-from keel.model import KeelLM, flops_per_token, sublayer_specs
+from keel.model import KeelLM, flops_per_token, formulas, sublayer_specs
 from keel.parallel import resolve_accelerator, resolve_precision
 
 
@@ -17,6 +17,11 @@ def alphas(cfg) -> str:
     """The residual scales of the scheme and how many sublayers use each, e.g. `1 (2 sublayers), 32 (30 sublayers)`."""
     counts = Counter(spec.alpha for block in sublayer_specs(cfg) for spec in block)
     return ", ".join(f"{alpha:.4g} ({n} sublayers)" for alpha, n in counts.items())
+
+
+def sublayers(cfg) -> str:
+    """The scheme's sublayer formulas with their counts, e.g. `x + F(Norm_in(x)) (2), Norm_out(32 x + ...) (30)`."""
+    return ", ".join(f"{formula} ({n})" for formula, n in formulas(cfg))
 
 
 def model_summary(model: KeelLM) -> list[str]:
@@ -27,6 +32,7 @@ def model_summary(model: KeelLM) -> list[str]:
         f"({c.kv_heads} KV), {c.ffn} FFN {c.ffn_hidden}, seq_len {c.seq_len}, vocab {c.vocab_size}",
         f"parameters  {params:,} ({model.num_params(embeddings=False):,} non-embedding)",
         f"alpha       {alphas(c)}",
+        f"sublayers   {sublayers(c)}",
         f"FLOPs/token {flops_per_token(c):.3g} (training: forward + backward)",
     ]
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from keel.config import Config, ModelConfig, from_dict
 from keel.errors import ConfigError
-from keel.model import Block, needs_final_norm, sublayer_specs
+from keel.model import Block, needs_final_norm, scheme_of, sublayer_specs
 
 
 def comma_list(cast: Callable[[str], Any]) -> Callable[[str], list]:
@@ -189,7 +189,7 @@ def run_row(run_dir: str | Path) -> dict[str, Any]:
     m = cfg.model
     row: dict[str, Any] = {
         "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.L, "width": m.width,
-        "alpha": (m.keel_alpha or m.L) if m.scheme == "keel" else None,
+        "alpha": alpha(m) if (alpha := scheme_of(m).alpha) is not None else None,
         "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
         "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
     }

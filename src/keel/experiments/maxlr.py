@@ -49,7 +49,7 @@ from keel.experiments.common import comma_list, resolve_alpha, slug, train_run, 
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
 from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
-from keel.model import PAPER_SCHEMES
+from keel.model import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
 MINIATURE = [
@@ -123,7 +123,8 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
                              else load_config(args.config, args.overrides).model.depth]
     rows: list[tuple[str, dict, list[str]]] = []
     for scheme in args.schemes:
-        for alpha in (args.alphas if scheme == "keel" and args.alphas else [None]):
+        alpha_field = scheme_named(scheme).alpha_field
+        for alpha in (args.alphas if alpha_field and args.alphas else [None]):
             name = scheme + (f"-a{slug(alpha)}" if alpha is not None else "")
             rows.append((name, {"scheme": scheme, **({"alpha": alpha} if alpha is not None else {})},
                          [f"model.scheme={scheme}"]))
@@ -134,7 +135,8 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
             for name, axes, overrides in rows:
                 run_overrides = [*overrides, f"model.depth={depth}", f"run.seed={seed}"]
                 if "alpha" in axes:
-                    run_overrides.append(f"model.keel_alpha={resolve_alpha(axes['alpha'], 2 * depth)!r}")
+                    field = scheme_named(axes["scheme"]).alpha_field
+                    run_overrides.append(f"model.{field}={resolve_alpha(axes['alpha'], 2 * depth)!r}")
                 runs.append(Run(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
                                 run_overrides))
     if len({run.name for run in runs}) < len(runs):

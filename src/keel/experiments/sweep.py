@@ -43,6 +43,7 @@ from keel.experiments.common import (
     write_table,
 )
 from keel.errors import ConfigError
+from keel.model import scheme_named
 
 MANIFEST = "sweep.json"
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
@@ -71,14 +72,15 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
     runs = []
     for scheme, depth, lr, seed in itertools.product(args.schemes or [None], args.depths or [None],
                                                      args.lrs or [None], args.seeds or [None]):
-        alphas = args.alphas if args.alphas and (scheme or base.scheme) == "keel" else [None]
+        alpha_field = scheme_named(scheme or base.scheme).alpha_field
+        alphas = args.alphas if args.alphas and alpha_field else [None]
         for alpha in alphas:
             values = {"scheme": scheme, "depth": depth, "width": widths.get(depth), "lr": lr,
                       "alpha": alpha, "seed": seed}
             axes = {axis: str(value) for axis, value in values.items() if value is not None}
             overrides = [f"{AXIS_KEYS[axis]}={value}" for axis, value in axes.items() if axis != "alpha"]
             if alpha is not None:
-                overrides.append(f"model.keel_alpha={resolve_alpha(alpha, 2 * (depth or base.depth))!r}")
+                overrides.append(f"model.{alpha_field}={resolve_alpha(alpha, 2 * (depth or base.depth))!r}")
             name = "-".join(AXIS_PREFIX[axis] + slug(value) for axis, value in axes.items()) or "base"
             runs.append(Run(name, axes, overrides))
     return runs

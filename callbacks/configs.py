@@ -133,9 +133,9 @@ class ThroughputConfig(CallbackConfig):
         require(self.peak_flops >= 0, self.key("peak_flops"), "must be >= 0 (0 = look up)")
 
     def build(self, cfg: Config) -> Callback:
-        from keel.callbacks.throughput import SpeedMonitor
+        from keel.callbacks.throughput import ThroughputMonitor
 
-        return SpeedMonitor(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
+        return ThroughputMonitor(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
 
 
 @dataclass

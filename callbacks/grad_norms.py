@@ -17,7 +17,7 @@ Optionally, every `activation_every_n_steps`, the activation-gradient profile ||
 step's batch (grad/act/..., measured by keel.gradflow.measure_model: one extra forward and backward).
 
 Lightning's `utilities.grad_norm` is not used: it gives per-parameter norms (we group by sublayer) and costs a
-collective per parameter on FSDP2 DTensors; here all norms are reduced together (keel.norms), from the per-parameter
+collective per parameter on FSDP2 DTensors; here all norms are reduced together (keel.tensor_norms), from the per-parameter
 norms the LightningModule computes once per step (KeelLitModule.grad_norms: shared with stability and clipping).
 """
 
@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
 from keel.callbacks.configs import GradNormsConfig
 from keel.gradflow import bottom_middle_top, measure_model
-from keel.norms import grad_norms
+from keel.tensor_norms import grad_norms
 
 KINDS = ("attn", "ffn")
 

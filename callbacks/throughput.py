@@ -12,7 +12,7 @@ Logged every trainer.log_every_n_steps, over the last `window` optimizer steps (
     perf/step_ms                  mean wall time of an optimizer step, waiting included
     time/throughput_ms            this callback's own time per step
 
-The windowed arithmetic is Lightning's `Throughput`. Lightning's `ThroughputMonitor` callback is not used: it
+The windowed arithmetic is Lightning's `Throughput`. Lightning's own `ThroughputMonitor` callback is not used: it
 needs a `flops_per_batch` attribute on the LightningModule (ours come from the config), does not measure data
 wait, and its peak table does not recognise an H200 and lists with-sparsity peaks for some GPUs (Keel's: keel.flops).
 """
@@ -48,7 +48,7 @@ def peak_flops(trainer: L.Trainer, configured: float) -> float | None:
     return peak
 
 
-class SpeedMonitor(Callback):
+class ThroughputMonitor(Callback):
     def __init__(
         self, device_tokens_per_step: int, flops_per_token: float, config: ThroughputConfig | None = None
     ) -> None:

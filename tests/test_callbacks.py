@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import keel.norms
+import keel.tensor_norms
 from keel.callbacks.grad_norms import GradNormMonitor
 from keel.config import load_config
 from keel.errors import ConfigError
@@ -242,18 +242,18 @@ def test_callbacks_run_fixed_first_then_by_priority(tmp_path):
     cfg = load_config(overrides=[*NO_EXTRAS, f"run.dir={tmp_path}"])
     assert [type(cb).__name__ for cb in build_callbacks(cfg, None)] == [
         "RunCheckpoint", "GracefulInterrupt", "LearningRateMonitor", "StepProgressBar",
-        "GradNormMonitor", "StabilityMonitor", "LayerImportance", "SpeedMonitor",  # throughput last
+        "GradNormMonitor", "StabilityMonitor", "LayerImportance", "ThroughputMonitor",  # throughput last
     ]
     cfg = load_config(overrides=[*NO_EXTRAS, f"run.dir={tmp_path}", "trainer.progress_bar=false",
                                  "callbacks.stability.enabled=false", "callbacks.layer_importance.enabled=false"])
-    assert [type(cb).__name__ for cb in build_callbacks(cfg, None)][3:] == ["GradNormMonitor", "SpeedMonitor"]
+    assert [type(cb).__name__ for cb in build_callbacks(cfg, None)][3:] == ["GradNormMonitor", "ThroughputMonitor"]
 
 
 def test_gradient_norms_are_computed_once_per_step(tiny_data, tmp_path, monkeypatch):
     """Grad-norm logging (every step here), the stability check and clipping share one computation per step."""
     calls = []
-    full_norms = keel.norms.full_norms
-    monkeypatch.setattr(keel.norms, "full_norms", lambda tensors: calls.append(len(tensors)) or full_norms(tensors))
+    full_norms = keel.tensor_norms.full_norms
+    monkeypatch.setattr(keel.tensor_norms, "full_norms", lambda tensors: calls.append(len(tensors)) or full_norms(tensors))
     cfg = tiny_config(tiny_data, tmp_path / "run", "trainer.max_steps=4", "trainer.grad_accum=2",
                       "callbacks.grad_norms.every_n_steps=1", "optim.grad_clip=0.5")
     train(cfg)

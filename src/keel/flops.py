@@ -7,9 +7,7 @@ import torch
 # Spec-sheet dense peaks (no sparsity) per device: (substring of torch.cuda.get_device_name(), bf16/fp16 tensor
 # core with fp32 accumulation, as PyTorch's half-precision matmuls use; fp32 without TF32, torch's default matmul
 # precision; None where the sheet gives none). The first match wins, so more specific names come first ("H100 PCIe"
-# before "H100", "L40S" before "L40" before "L4"). This merges the former tables of `keel bench` and the throughput
-# callback: they agreed wherever both listed a GPU, but bench's lacked L40 (an L40 matched its L4 row: 121e12
-# instead of 181e12), B200, A10 and RTX 3090, and matched names case-sensitively; the throughput table had no fp32.
+# before "H100", "L40S" before "L40" before "L4"). `keel bench`, gpu-check and the throughput callback all read it.
 GPU_PEAK_FLOPS = (
     ("h200", 989e12, 67e12),
     ("h100 pcie", 756e12, 51e12),

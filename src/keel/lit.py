@@ -15,7 +15,7 @@ from torchmetrics import SumMetric
 from keel.config import Config, OptimConfig, from_dict, to_dict
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
-from keel.norms import grad_norms as parameter_grad_norms
+from keel import tensor_norms
 from keel.parallel import parallelize
 
 # model.* keys a resumed run may change: they set how the loss is computed, not what the model is
@@ -79,7 +79,7 @@ class KeelLitModule(L.LightningModule):
         the stability monitor (its L2 norm is the global norm) and clipping. A collective under FSDP: every rank
         asks for it at the same point."""
         if self._grad_norms is None:
-            self._grad_norms = parameter_grad_norms(list(self.model.parameters()))
+            self._grad_norms = tensor_norms.grad_norms(list(self.model.parameters()))
         return self._grad_norms
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from keel.errors import require
-from keel.model import flops_per_token
+from keel.flops import flops_per_token
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback

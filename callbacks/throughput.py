@@ -4,7 +4,7 @@ Logged every trainer.log_every_n_steps, over the last `window` optimizer steps (
 
     perf/tokens_per_s             all ranks together
     perf/tokens_per_s_per_device
-    perf/flops_per_token          training FLOPs per token, from the config (keel.model.flops_per_token)
+    perf/flops_per_token          training FLOPs per token, from the config (keel.flops.flops_per_token)
     perf/flops_per_s              achieved, per device
     perf/mfu                      flops_per_s / peak FLOP/s of one device (GPU only; see peak_flops())
     perf/data_wait_frac           time from one step's end to the next step's start, over the total: data

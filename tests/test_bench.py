@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from keel.cli import main as cli_main
-from keel.flops import device_peak_flops
-from keel.model import ModelConfig, flops_per_token
+from keel.flops import device_peak_flops, flops_per_token
+from keel.model import ModelConfig
 from keel.ops.chunked_ce import DEFAULT_CHUNK
 
 TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--seq-len", "32", "--vocab", "512", "--batch", "4",

@@ -22,13 +22,11 @@ bare step of its model, the loader to the fastest step (the training it must kee
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import importlib.util
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,15 +41,23 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from keel.config import OptimConfig, load_config
+from keel.devices import (
+    MATMUL_REPEATS,
+    MATMUL_SIZE,
+    device_name,
+    measured_matmul_flops,
+    reset_peak_resident,
+    resident_bytes,
+    synchronize,
+)
 from keel.errors import ConfigError
-from keel.flops import device_peak_flops
+from keel.flops import device_peak_flops, flops_per_token
 from keel.lit import make_optimizer
-from keel.model import SCHEMES, KeelLM, ModelConfig, flops_per_token, next_token_loss
+from keel.model import SCHEMES, KeelLM, ModelConfig, next_token_loss
 from keel.ops.chunked_ce import default_chunk
 from keel.parallel import compile_blocks
 
 REFERENCE_SCHEME = "preln"
-MATMUL_SIZE, MATMUL_REPEATS = 2048, 10
 LOADER_BATCHES_PER_STEP = 10  # a loader segment reads this many batches per step of a step segment
 PEER_RECIPE = """\
 litgpt is not importable here. It pins older huggingface_hub and psutil than Keel's environment has, so give it a
@@ -63,41 +69,6 @@ throwaway venv that also sees Keel's packages (docs/bench.md, "Peer: litgpt"):
     /tmp/peer/bin/python -m keel.cli bench --peer litgpt ..."""
 
 
-# ------------------------------------------------------------------------------------------------------- devices
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x {len(os.sched_getaffinity(0))} cores"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
-    """The best FLOP/s of MATMUL_REPEATS square matmuls: what this device reaches on the easiest possible work."""
-    torch.set_num_threads(threads)
-    a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype) for _ in range(2))
-    a @ b  # first call: allocation, kernel selection
-    best = float("inf")
-    for _ in range(MATMUL_REPEATS):
-        synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * MATMUL_SIZE**3 / best
-
-
 def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """(FLOP/s, where the figure comes from) that MFU is measured against; None: measured in every round (where no
     figure is given or known), because a shared or virtual machine's peak drifts by tens of percent in minutes."""
@@ -106,25 +77,6 @@ def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     size = f"{MATMUL_SIZE}x{MATMUL_SIZE}"
     return None, (f"measured each round: best of {MATMUL_REPEATS} {size} {args.dtype} matmuls, "
                   f"{max(args.threads)} threads; median over rounds")
-
-
-def _proc_status_bytes(key: str) -> int:
-    """VmRSS (resident now) or VmHWM (peak resident since the last reset) of this process, in bytes."""
-    status = Path("/proc/self/status").read_text()
-    return int(status.split(f"{key}:")[1].split()[0]) * 1024
-
-
-def _reset_cpu_peak() -> int | None:
-    """Hand freed heap back to the OS (glibc) and restart the kernel's peak-RSS count; the RSS now, or None where
-    Linux's /proc/self/clear_refs is not available."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)  # else pages another variant freed would be reused unseen
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _proc_status_bytes("VmRSS")
-    except OSError:
-        return None
 
 
 # ------------------------------------------------------------------------------------------------------ variants
@@ -195,11 +147,11 @@ class TrainStep:
             self()
             synchronize(self.device)
             return self.state_bytes() + torch.cuda.max_memory_allocated(self.device) - start
-        start = _reset_cpu_peak()
+        start = reset_peak_resident()
         if start is None:
             return None
         self()
-        return self.state_bytes() + _proc_status_bytes("VmHWM") - start
+        return self.state_bytes() + resident_bytes(peak=True) - start
 
     def timed(self, steps: int) -> float:
         """Tokens/s over `steps` steps."""

@@ -1,8 +1,14 @@
-"""Peak FLOP/s of a device: the one table `keel bench` and the throughput callback (perf/mfu) measure MFU against."""
+"""FLOPs: a model's training FLOPs per token, and the peak FLOP/s of a device - the one table `keel bench` and the
+throughput callback (perf/mfu) measure MFU against."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from keel.model import ModelConfig
 
 # Spec-sheet dense peaks (no sparsity) per device: (substring of torch.cuda.get_device_name(), bf16/fp16 tensor
 # core with fp32 accumulation, as PyTorch's half-precision matmuls use; fp32 without TF32, torch's default matmul
@@ -37,3 +43,13 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override: float 
     if row is None:
         return None
     return row[1] if dtype in HALF_DTYPES else row[2] if dtype == torch.float32 else None
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style: 6 * matmul params
+    (head included, embedding lookup excluded) + 12 * blocks * width * seq_len for attention scores."""
+    hd, kv = cfg.head_dim, cfg.kv_heads
+    attn = cfg.width * (cfg.n_heads + 2 * kv) * hd + cfg.width * cfg.width
+    ffn = cfg.width * cfg.ffn_hidden * (3 if cfg.ffn == "swiglu" else 2)
+    matmul_params = cfg.depth * (attn + ffn) + cfg.width * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * cfg.depth * cfg.width * cfg.seq_len

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import sysconfig
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from keel.devices import device_name
 from keel.errors import ConfigError
 from keel.model import KeelLM, ModelConfig, next_token_loss
 
@@ -178,7 +178,7 @@ def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
 def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, int]:
     """(peak memory, parameters) of one bf16-autocast training step (micro-batch of 1 sequence, activation
     checkpointing, fused AdamW) of a freshly built model: CUDA's max allocated, or the peak RSS on CPU."""
-    from keel.bench import _proc_status_bytes, _reset_cpu_peak
+    from keel.devices import reset_peak_resident, resident_bytes
     from keel.config import OptimConfig
     from keel.lit import make_optimizer
     from keel.parallel import apply_activation_checkpointing
@@ -186,7 +186,7 @@ def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        _reset_cpu_peak()
+        reset_peak_resident()
     with torch.device(device):
         model = KeelLM(cfg)
     apply_activation_checkpointing(model)
@@ -200,7 +200,7 @@ def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device), params
-    return _proc_status_bytes("VmHWM"), params
+    return resident_bytes(peak=True), params
 
 
 def depth(device: str, sizes: Sizes, out: Path) -> dict:
@@ -398,10 +398,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or platform.machine()} CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keel gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -429,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             sections[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
         sections[name]["seconds"] = time.perf_counter() - section_start
         print(f"keel gpu-check: {name} {'ok' if sections[name]['ok'] else 'FAILED'}", file=sys.stderr)
-    result = {"device": args.device, "device_name": _device_name(args.device), "torch": torch.__version__,
+    result = {"device": args.device, "device_name": device_name(torch.device(args.device)), "torch": torch.__version__,
               "seconds": time.perf_counter() - start, "ok": all(s["ok"] for s in sections.values()),
               "sections": sections}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")

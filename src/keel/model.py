@@ -74,37 +74,23 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
-        require(self.ffn in FFN_KINDS, "model.ffn", f"unknown FFN {self.ffn!r}; allowed: {', '.join(FFN_KINDS)}")
-        require(self.init in INIT_KINDS, "model.init", f"unknown init {self.init!r}; allowed: {', '.join(INIT_KINDS)}")
-        require(
-            self.keel_first_block in KEEL_FIRST_BLOCK,
-            "model.keel_first_block",
-            f"unknown rule {self.keel_first_block!r}; allowed: {', '.join(KEEL_FIRST_BLOCK)}",
-        )
+        for key, noun, allowed in (("ffn", "FFN", FFN_KINDS), ("init", "init", INIT_KINDS),
+                                   ("keel_first_block", "rule", KEEL_FIRST_BLOCK)):
+            value = getattr(self, key)
+            require(value in allowed, f"model.{key}", f"unknown {noun} {value!r}; allowed: {', '.join(allowed)}")
         require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
-                 f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
+                f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
             require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        require(
-            self.width % self.n_heads == 0,
-            "model.width",
-            f"width {self.width} must be divisible by model.n_heads={self.n_heads}",
-        )
+        require(self.width % self.n_heads == 0, "model.width",
+                f"width {self.width} must be divisible by model.n_heads={self.n_heads}")
         require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
-        require(
-            1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0,
-            "model.n_kv_heads",
-            f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}",
-        )
-        require(self.ffn_mult > 0, "model.ffn_mult", f"must be > 0, got {self.ffn_mult}")
-        require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
-        require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
-        require(self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
-        require(
-            self.loss_chunk is None or self.loss_chunk >= 0,
-            "model.loss_chunk",
-            f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}",
-        )
+        require(1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0, "model.n_kv_heads",
+                f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}")
+        for key in ("ffn_mult", "init_std", "norm_eps", "rope_theta"):
+            require(getattr(self, key) > 0, f"model.{key}", f"must be > 0, got {getattr(self, key)}")
+        require(self.loss_chunk is None or self.loss_chunk >= 0, "model.loss_chunk",
+                f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}")
         require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
@@ -490,12 +476,3 @@ def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:
     the model's loss head (model.loss_chunk): by default without the full (B, T, vocab) logits."""
     return model(batch[:, :-1], targets=batch[:, 1:])
 
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style: 6 * matmul params
-    (head included, embedding lookup excluded) + 12 * blocks * width * seq_len for attention scores."""
-    hd, kv = cfg.head_dim, cfg.kv_heads
-    attn = cfg.width * (cfg.n_heads + 2 * kv) * hd + cfg.width * cfg.width
-    ffn = cfg.width * cfg.ffn_hidden * (3 if cfg.ffn == "swiglu" else 2)
-    matmul_params = cfg.depth * (attn + ffn) + cfg.width * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.depth * cfg.width * cfg.seq_len

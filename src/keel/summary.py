@@ -9,7 +9,8 @@ import torch
 
 from keel.checkpoint import batch_layout
 from keel.config import Config
-from keel.model import KeelLM, flops_per_token, formulas, sublayer_specs
+from keel.flops import flops_per_token
+from keel.model import KeelLM, formulas, sublayer_specs
 from keel.parallel import resolve_accelerator, resolve_precision
 
 

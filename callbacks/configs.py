@@ -4,13 +4,15 @@ order; and how the callback is built from the whole config (importing the callba
 registers them: each puts its keys in the config and its callback in every run.
 
 The options live here, not in the callbacks' modules, because keel.config imports them and must not import Lightning
-(`keel data` starts without it); a callback's module holds the Lightning side.
+(`keel data` starts without it); a callback's module holds the Lightning side, named by `callback` and imported only
+when the callback is built, so that every import points one way: the callback's module imports its options.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
+import importlib
+from abc import ABC
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from keel.errors import require
@@ -31,8 +33,13 @@ class CallbackConfig(ABC):
     # run order among the configured callbacks: higher runs first (OLMo-core's convention); Lightning calls each
     # hook on the callbacks in this order, after the fixed ones (checkpoint, interrupt, LR monitor, progress bar)
     priority: ClassVar[int]
+    callback: ClassVar[str]  # "module:Class" of its Lightning side
 
     enabled: bool = True  # false: the callback is not built (its other keys are still checked)
+
+    def callback_class(self) -> type[Callback]:
+        module, _, name = self.callback.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def key(self, field: str) -> str:
         """The option's full key, for error messages."""
@@ -41,9 +48,9 @@ class CallbackConfig(ABC):
     def check(self, cfg: Config) -> None:
         """Checks against the rest of the config (run at load time, when enabled); none by default."""
 
-    @abstractmethod
     def build(self, cfg: Config) -> Callback:
-        """The callback, for a run of cfg."""
+        """The callback, for a run of cfg (by default: its class called with these options)."""
+        return self.callback_class()(self)
 
 
 @dataclass
@@ -52,6 +59,7 @@ class GradNormsConfig(CallbackConfig):
 
     name = "grad_norms"
     priority = 40
+    callback = "keel.callbacks.grad_norms:GradNormMonitor"
 
     every_n_steps: int = 10  # measure and log every this many optimizer steps
     heatmap_every_n_steps: int = 100  # depth x step image; 0 = never
@@ -73,11 +81,6 @@ class GradNormsConfig(CallbackConfig):
                 "unsharded, uncompiled blocks: set trainer.compile=false (trainer=cpu compiles by default) and a strategy "
                 "other than fsdp, or set it to 0")
 
-    def build(self, cfg: Config) -> Callback:
-        from keel.callbacks.grad_norms import GradNormMonitor
-
-        return GradNormMonitor(self)
-
 
 @dataclass
 class StabilityConfig(CallbackConfig):
@@ -85,6 +88,7 @@ class StabilityConfig(CallbackConfig):
 
     name = "stability"
     priority = 30
+    callback = "keel.callbacks.stability:StabilityMonitor"
 
     on_nonfinite: str = "skip"  # skip: drop that step's update; stop: drop it and end the run (a failure)
     max_nonfinite: int = 5  # under skip: this many consecutive non-finite steps = a failure
@@ -113,9 +117,7 @@ class StabilityConfig(CallbackConfig):
         require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
 
     def build(self, cfg: Config) -> Callback:
-        from keel.callbacks.stability import StabilityMonitor
-
-        return StabilityMonitor(self, cfg.run.dir)
+        return self.callback_class()(self, cfg.run.dir)
 
 
 @dataclass
@@ -124,6 +126,7 @@ class ThroughputConfig(CallbackConfig):
 
     name = "throughput"
     priority = -100  # last: its step timing then includes the other callbacks' work
+    callback = "keel.callbacks.throughput:ThroughputMonitor"
 
     window: int = 20  # optimizer steps averaged
     peak_flops: float = 0.0  # per device; 0 = look the GPU up (bf16/fp16 runs; CPU: no MFU)
@@ -133,9 +136,7 @@ class ThroughputConfig(CallbackConfig):
         require(self.peak_flops >= 0, self.key("peak_flops"), "must be >= 0 (0 = look up)")
 
     def build(self, cfg: Config) -> Callback:
-        from keel.callbacks.throughput import ThroughputMonitor
-
-        return ThroughputMonitor(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
+        return self.callback_class()(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
 
 
 @dataclass
@@ -144,6 +145,7 @@ class LayerImportanceConfig(CallbackConfig):
 
     name = "layer_importance"
     priority = 20
+    callback = "keel.callbacks.layer_importance:LayerImportance"
 
     every_n_steps: int = 200  # measure every this many optimizer steps
     max_blocks: int = 16  # evenly spaced subset for deep models (first and last always included); 0 = all
@@ -152,10 +154,42 @@ class LayerImportanceConfig(CallbackConfig):
         require(self.every_n_steps >= 1, self.key("every_n_steps"), "must be >= 1")
         require(self.max_blocks >= 0, self.key("max_blocks"), "must be >= 0 (0 = all)")
 
-    def build(self, cfg: Config) -> Callback:
-        from keel.callbacks.layer_importance import LayerImportance
 
-        return LayerImportance(self)
+@dataclass
+class EvalConfig(CallbackConfig):
+    """Downstream tasks during training (keel.callbacks.downstream_eval; docs/evaluation.md): configured by eval.*,
+    run among the registered callbacks by its priority."""
+
+    name = "eval"
+    priority = 10  # after layer importance, before throughput
+    callback = "keel.callbacks.downstream_eval:DownstreamEval"  # imported only when built: lm-eval loads slowly
+
+    enabled: bool = True
+    every_n_steps: int = 100  # a multiple of trainer.val_every_n_steps: tasks run right after validation
+    tasks: list[str] = field(default_factory=lambda: ["keel_next_line", "keel_last_token"])  # names, tags or groups
+    limit: int | None = 100  # first documents of each task per evaluation; null = all
+    num_fewshot: int | None = None  # null: each task's own default
+    batch_size: int = 16  # sequences per forward pass
+    data_dir: str | None = None  # local standard-suite files (`keel eval-data fetch DIR`); null: the HF hub/cache
+    include_path: str | None = None  # a directory of extra lm-eval task YAMLs
+
+    def __post_init__(self) -> None:
+        for key in ("every_n_steps", "batch_size"):
+            require(getattr(self, key) >= 1, f"eval.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.limit is None or self.limit >= 1, "eval.limit", "must be >= 1 or null (all documents)")
+        require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
+        require(not self.enabled or bool(self.tasks), "eval.tasks", "name a task, or set eval.enabled=false")
+
+    def key(self, field: str) -> str:
+        return f"eval.{field}"
+
+    def check(self, cfg: Config) -> None:
+        require(self.every_n_steps % cfg.trainer.val_every_n_steps == 0, self.key("every_n_steps"),
+                f"must be a multiple of trainer.val_every_n_steps={cfg.trainer.val_every_n_steps}, got "
+                f"{self.every_n_steps}: tasks run right after a validation, next to its loss")
+
+    def build(self, cfg: Config) -> Callback:
+        return self.callback_class()(cfg)
 
 
 # name -> options: the order of their keys under callbacks.*; the run order is each class's priority

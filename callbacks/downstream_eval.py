@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from scipy.stats import spearmanr
 
-from keel.callbacks._logging import log_scalars
+from keel.callbacks.reporting import log_scalars
 from keel.config import Config
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import load_tasks, primary_metric, run_tasks

@@ -30,7 +30,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
+from keel.callbacks.reporting import Heatmap, due, evenly_spaced, finished_step, log_scalars
 from keel.callbacks.configs import GradNormsConfig
 from keel.gradflow import bottom_middle_top, measure_model
 from keel.tensor_norms import grad_norms

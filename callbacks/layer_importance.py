@@ -21,7 +21,7 @@ import time
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks._logging import Heatmap, due, evenly_spaced, finished_step, log_scalars
+from keel.callbacks.reporting import Heatmap, due, evenly_spaced, finished_step, log_scalars
 from keel.callbacks.configs import LayerImportanceConfig
 from keel.layer_skip import skip_losses
 

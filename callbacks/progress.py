@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from keel.callbacks._logging import finished_step
+from keel.callbacks.reporting import finished_step
 
 
 class StepProgressBar(TQDMProgressBar):

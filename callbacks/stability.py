@@ -49,7 +49,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from keel.callbacks._logging import due, log_scalars, log_text
+from keel.callbacks.reporting import due, log_scalars, log_text
 from keel.callbacks.configs import StabilityConfig
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch

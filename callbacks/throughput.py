@@ -28,7 +28,7 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from keel.callbacks._logging import due, finished_step, log_scalars
+from keel.callbacks.reporting import due, finished_step, log_scalars
 from keel.callbacks.configs import ThroughputConfig
 from keel.flops import device_peak_flops
 

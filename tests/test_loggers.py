@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from keel.callbacks._logging import Heatmap, log_text
+from keel.callbacks.reporting import Heatmap, log_text
 from keel.errors import ConfigError
 from keel.pretrain import build_loggers, train
 

@@ -15,18 +15,15 @@ import difflib
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from keel.callbacks.configs import CALLBACKS, CallbackConfig
+from keel.callbacks.configs import CALLBACKS, CallbackConfig, EvalConfig
 from keel.data.sources import get_source
 from keel.errors import ConfigError, require
 from keel.model import ModelConfig
-
-if TYPE_CHECKING:
-    from lightning.pytorch.callbacks import Callback
 
 GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
@@ -145,44 +142,6 @@ class RunConfig:
 # callbacks.<name>: each registered callback's own config class (keel.callbacks.configs.CALLBACKS), in that order
 CallbacksConfig = make_dataclass("CallbacksConfig", [(c.name, c, field(default_factory=c)) for c in CALLBACKS])
 CallbacksConfig.__module__ = __name__  # make_dataclass's `module=` is Python >= 3.12; pickling needs it
-
-
-@dataclass
-class EvalConfig(CallbackConfig):
-    """Downstream tasks during training (keel.callbacks.downstream_eval; docs/evaluation.md): configured by eval.*,
-    run among the registered callbacks by its priority."""
-
-    name = "eval"
-    priority = 10  # after layer importance, before throughput
-
-    enabled: bool = True
-    every_n_steps: int = 100  # a multiple of trainer.val_every_n_steps: tasks run right after validation
-    tasks: list[str] = field(default_factory=lambda: ["keel_next_line", "keel_last_token"])  # names, tags or groups
-    limit: int | None = 100  # first documents of each task per evaluation; null = all
-    num_fewshot: int | None = None  # null: each task's own default
-    batch_size: int = 16  # sequences per forward pass
-    data_dir: str | None = None  # local standard-suite files (`keel eval-data fetch DIR`); null: the HF hub/cache
-    include_path: str | None = None  # a directory of extra lm-eval task YAMLs
-
-    def __post_init__(self) -> None:
-        for key in ("every_n_steps", "batch_size"):
-            require(getattr(self, key) >= 1, f"eval.{key}", f"must be >= 1, got {getattr(self, key)}")
-        require(self.limit is None or self.limit >= 1, "eval.limit", "must be >= 1 or null (all documents)")
-        require(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot", "must be >= 0 or null")
-        require(not self.enabled or bool(self.tasks), "eval.tasks", "name a task, or set eval.enabled=false")
-
-    def key(self, field: str) -> str:
-        return f"eval.{field}"
-
-    def check(self, cfg: Config) -> None:
-        require(self.every_n_steps % cfg.trainer.val_every_n_steps == 0, self.key("every_n_steps"),
-                f"must be a multiple of trainer.val_every_n_steps={cfg.trainer.val_every_n_steps}, got "
-                f"{self.every_n_steps}: tasks run right after a validation, next to its loss")
-
-    def build(self, cfg: Config) -> Callback:
-        from keel.callbacks.downstream_eval import DownstreamEval  # imported only when used: lm-eval loads slowly
-
-        return DownstreamEval(cfg)
 
 
 @dataclass

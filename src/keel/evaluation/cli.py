@@ -21,7 +21,7 @@ from lm_eval.utils import setup_logging
 
 import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
 from keel.errors import ConfigError
-from keel.evaluation.offline import hub_or_local, resolve_tasks
+from keel.evaluation.local_tasks import hub_or_local, resolve_tasks
 from keel.evaluation.suite import TASKS_DIR
 
 RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}

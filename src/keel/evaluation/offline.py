@@ -14,49 +14,24 @@ files: same prompts, same metrics, same process_docs, hence the same scores as w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from keel.errors import ConfigError
 from keel.evaluation import standard
+from keel.evaluation.local_tasks import task_yaml
+from keel.evaluation.suite import task_manager
 
 # The standard downstream suite, by lm-eval's task names: `keel eval-data fetch`'s default.
 STANDARD_TASKS = ("arc_easy", "arc_challenge", "boolq", "hellaswag", "lambada_openai", "openbookqa", "piqa",
                   "winogrande", "gsm8k")
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 HUB_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
-
-
-def task_yaml(data_dir: str | os.PathLike, task: str) -> Path:
-    return Path(data_dir) / task / f"{task}.yaml"
-
-
-def resolve_tasks(tasks: Sequence[str], data_dir: str | None) -> list[str]:
-    """Each task name, or the path of its local copy's YAML where data_dir holds one (lm-eval loads both)."""
-    return [str(task_yaml(data_dir, name)) if data_dir and task_yaml(data_dir, name).is_file() else name
-            for name in tasks]
-
-
-@contextlib.contextmanager
-def hub_or_local(data_dir_key: str, data_dir: str | None) -> Iterator[None]:
-    """A dataset neither in data_dir nor reachable on the hub becomes a ConfigError that names both ways out."""
-    try:
-        yield
-    except ConnectionError as err:  # what `datasets` raises when the hub cannot be reached (offline mode too)
-        where = f"{data_dir_key}={data_dir} has no copy of it" if data_dir else f"{data_dir_key} is not set"
-        raise ConfigError(
-            f"{err}. A task's documents come either from a local directory or from the Hugging Face hub, and "
-            f"neither is available: {where}, and the hub cannot be reached. Provide one of the two: "
-            f"{data_dir_key}=DIR (a directory written by `keel eval-data fetch DIR`, which holds DIR/<task>/), "
-            "or access to the hub (or a Hugging Face cache that already holds the dataset, with "
-            "HF_DATASETS_OFFLINE=1)"
-        ) from err
 
 
 def _function_tag(dumper: yaml.SafeDumper, fn: types.FunctionType) -> yaml.Node:
@@ -109,8 +84,6 @@ def write_local_task(config: dict, dataset, out_dir: str | os.PathLike) -> Path:
 def lm_eval_configs(tasks: Sequence[str]) -> dict[str, dict]:
     """lm-eval's own config of each task, includes and !functions resolved (indexing its tasks takes ~15 s)."""
     from lm_eval.tasks._yaml_loader import load_yaml
-
-    from keel.evaluation.suite import task_manager  # imports this module
 
     index = task_manager(tasks).task_index
     unknown = [name for name in tasks if name not in index or index[name].yaml_path is None]

@@ -16,7 +16,7 @@ from lm_eval.defaults import DEFAULT_OTHER_SEED
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
-from keel.evaluation.offline import hub_or_local, resolve_tasks
+from keel.evaluation.local_tasks import hub_or_local, resolve_tasks
 
 TASKS_DIR = Path(__file__).parent / "tasks"  # generated/ and standard/ task YAMLs
 STDERR = "_stderr"

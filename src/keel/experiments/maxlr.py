@@ -42,7 +42,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks._logging import finished_step
+from keel.callbacks.reporting import finished_step
 from keel.config import load_config, to_yaml
 from keel.errors import ConfigError
 from keel.experiments.common import comma_list, resolve_alpha, slug, train_run, unigram_loss

@@ -1,0 +1,72 @@
+"""The package's import structure: every dependency points one way (no cycle among keel's modules, imports inside
+functions included, `if TYPE_CHECKING:` blocks left out), every module imports on its own in dependency order, and
+no module imports another's private name."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = {"keel": ROOT / "src" / "keel", "keel.callbacks": ROOT / "callbacks"}  # as pyproject's package-dir
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [part for part in path.relative_to(root).with_suffix("").parts if part != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, name) for every `from keel... import name` / `import keel...` outside TYPE_CHECKING blocks; name is
+    None for a plain import. A name that is itself a module counts as that module."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("keel"):
+            found += [(f"{node.module}.{a.name}", None) if f"{node.module}.{a.name}" in known else (node.module, a.name)
+                      for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.startswith("keel")]
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {module for module, _ in imports(path, known) if module in known and module != name}
+            for name, path in known.items()}
+
+
+def test_no_import_cycle():
+    try:
+        order = list(TopologicalSorter(graph()).static_order())
+    except CycleError as err:
+        raise AssertionError(f"import cycle: {' -> '.join(err.args[1])}") from None
+    assert set(order) == set(modules())
+
+
+def test_every_module_imports_in_dependency_order():
+    order = [name for name in TopologicalSorter(graph()).static_order() if not name.startswith("keel.conf")]
+    script = "import importlib\nfor name in %r:\n    importlib.import_module(name)\n" % order
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_no_private_name_is_imported_across_modules():
+    known = modules()
+    private = [f"{path.relative_to(ROOT)}: {module}.{name}" for path in known.values()
+               for module, name in imports(path, known) if name and name.startswith("_")]
+    private += [f"{path.relative_to(ROOT)}: {module}" for path in known.values()
+                for module, _ in imports(path, known) if module.rsplit(".", 1)[-1].startswith("_")
+                and module not in {m for m in known if Path(known[m]).parent == path.parent}]
+    assert not private, private

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import lightning as L
 import numpy as np
-from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import Logger
+
+from keel.loggers import kind_of
 
 
 def due(step: int, every: int) -> bool:
@@ -45,22 +47,12 @@ def rich_loggers(trainer: L.Trainer) -> list[Logger]:
     """Rank 0's loggers that show text and figures (none on other ranks)."""
     if not trainer.is_global_zero:
         return []
-    return [logger for logger in trainer.loggers if isinstance(logger, (TensorBoardLogger, WandbLogger, MLFlowLogger))]
-
-
-def artifact_name(tag: str, step: int, suffix: str) -> str:
-    """MLflow keeps text and figures as files: one per tag and step."""
-    return f"{tag}/step_{step:06d}{suffix}"
+    return [logger for logger in trainer.loggers if (kind := kind_of(logger)) is not None and kind.shows_media()]
 
 
 def log_text(trainer: L.Trainer, tag: str, text: str, step: int) -> None:
     for logger in rich_loggers(trainer):
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_text(tag, text, global_step=step)
-        elif isinstance(logger, WandbLogger):
-            logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)
-        else:
-            logger.experiment.log_text(logger.run_id, text, artifact_name(tag, step, ".txt"))
+        kind_of(logger).log_text(logger, tag, text, step)
 
 
 def log_figure(loggers: list[Logger], tag: str, fig, step: int) -> None:
@@ -68,12 +60,7 @@ def log_figure(loggers: list[Logger], tag: str, fig, step: int) -> None:
     import matplotlib.pyplot as plt
 
     for logger in loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_figure(tag, fig, global_step=step, close=False)
-        elif isinstance(logger, WandbLogger):
-            logger.log_image(key=tag, images=[fig], step=step)
-        else:
-            logger.experiment.log_figure(logger.run_id, fig, artifact_name(tag, step, ".png"))
+        kind_of(logger).log_figure(logger, tag, fig, step)
     plt.close(fig)
 
 

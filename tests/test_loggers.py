@@ -8,9 +8,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from lightning.pytorch.loggers import CSVLogger
 
 from keel.callbacks.reporting import Heatmap, log_text
 from keel.errors import ConfigError
+from keel.loggers import LOGGERS, LoggerKind
 from keel.pretrain import build_loggers, train
 
 from test_pretrain import CrashAtStep, scalars, tiny_config
@@ -97,3 +99,36 @@ def test_unknown_or_missing_logger_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb_logger, "_WANDB_AVAILABLE", False)  # as without the package
     with pytest.raises(ConfigError, match=r"trainer.loggers: wandb needs its package: pip install 'keel\[wandb\]'"):
         build_loggers(tiny_config([], tmp_path, "trainer.loggers=[wandb]"))
+
+
+class ToyLogger(CSVLogger):
+    """A logger of a kind the registry does not know yet: CSV's files, plus text kept in memory."""
+
+    texts: list[tuple[str, str, int]] = []
+    closed = False
+
+
+class Toy(LoggerKind):
+    name, logger_class = "toy", "test_loggers:ToyLogger"
+
+    def build(self, run_dir, run_name, run_id):
+        return ToyLogger(save_dir=run_dir, name="toy")
+
+    def log_text(self, logger, tag, text, step):
+        logger.texts.append((tag, text, step))
+
+    def close(self, logger):
+        type(logger).closed = True
+
+
+def test_a_logger_is_one_record(tiny_data, tmp_path, monkeypatch):
+    """Adding a logger is one LOGGERS record: with a toy one registered, trainer.loggers accepts its name, a run
+    sends it scalars and text (the stability monitor's events), and it is closed at the end."""
+    monkeypatch.setitem(LOGGERS, "toy", Toy())
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[toy,tensorboard]", "callbacks.stability.spike_margin=1e-9",
+                      "callbacks.stability.stop_on_failure=false"))
+    with open(run / "toy" / "version_0" / "metrics.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f) if row["train/loss"]] == ["0", "1", "2", "3"]
+    assert ToyLogger.texts and all(tag == "stability/events" for tag, _, _ in ToyLogger.texts)
+    assert ToyLogger.closed

@@ -23,13 +23,13 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from keel.callbacks.configs import CALLBACKS, CallbackConfig, EvalConfig
 from keel.data.sources import get_source
 from keel.errors import ConfigError, require
+from keel.loggers import LOGGERS
 from keel.model import ModelConfig
 
 GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "gpu")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
-LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
 SCHEDULES = ("cosine", "linear_warmup", "exp_warmup")
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
 from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
@@ -30,6 +29,7 @@ from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dic
 from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
+from keel.loggers import LOGGERS, kind_of
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
 from keel.summary import run_summary
@@ -65,52 +65,29 @@ LOGGER_RUNS = "logger_runs.json"
 
 
 def build_loggers(cfg: Config) -> list[Logger]:
-    """trainer.loggers, each Lightning's own, writing under run.dir. W&B and MLflow are optional extras and read
-    their usual environment (WANDB_MODE=offline, WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME); a
-    resumed run continues their runs (ids in <run.dir>/logger_runs.json)."""
-    run_dir, name = cfg.run.dir, Path(cfg.run.dir).name
-    runs_file = Path(run_dir) / LOGGER_RUNS
+    """trainer.loggers, each Lightning's own (keel.loggers), writing under run.dir; a resumed run continues the
+    runs of those that keep one (ids in <run.dir>/logger_runs.json)."""
+    runs_file = Path(cfg.run.dir) / LOGGER_RUNS
     runs = json.loads(runs_file.read_text()) if resolve_resume(cfg) and runs_file.is_file() else {}
-    make = {
-        "tensorboard": lambda: TensorBoardLogger(save_dir=run_dir, name="tb", version="", default_hp_metric=False),
-        # a version directory per start: CSVLogger would overwrite the metrics.csv of the run it resumes
-        "csv": lambda: CSVLogger(save_dir=run_dir, name="csv"),
-        "wandb": lambda: WandbLogger(save_dir=run_dir, name=name, project=os.environ.get("WANDB_PROJECT", "keel"),
-                                     id=runs.get("wandb", uuid.uuid4().hex[:12]), resume="allow"),
-        "mlflow": lambda: mlflow_logger(run_dir, name, runs.get("mlflow")),
-    }
     loggers = []
-    for kind in cfg.trainer.loggers:
+    for name in cfg.trainer.loggers:
         try:
-            loggers.append(make[kind]())
+            loggers.append(LOGGERS[name].build(cfg.run.dir, Path(cfg.run.dir).name, runs.get(name)))
         except ModuleNotFoundError:
-            raise ConfigError(f"trainer.loggers: {kind} needs its package: pip install 'keel[{kind}]' (or pip install "
-                              f"{kind}), or remove {kind} from trainer.loggers") from None
+            raise ConfigError(f"trainer.loggers: {name} needs its package: pip install 'keel[{name}]' (or pip install "
+                              f"{name}), or remove {name} from trainer.loggers") from None
     return loggers
 
 
-def mlflow_logger(run_dir: str, name: str, run_id: str | None) -> MLFlowLogger:
-    """To MLFLOW_TRACKING_URI if set, else to a SQLite database and artifact folder in the run dir (MLflow 3
-    refuses its file store, Lightning's default)."""
-    experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel")
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=os.environ["MLFLOW_TRACKING_URI"],
-                            run_id=run_id)
-    local = Path(run_dir).resolve()
-    local.mkdir(parents=True, exist_ok=True)
-    return MLFlowLogger(experiment_name=experiment, run_name=name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
-                        artifact_location=str(local / "mlartifacts"), run_id=run_id)
-
-
 def log_config(cfg: Config, loggers: list[Logger]) -> None:
-    """On rank 0: the config as every logger's hyperparameters, and the W&B and MLflow run ids, for build_loggers
-    to continue those runs on resume."""
+    """On rank 0: the config as every logger's hyperparameters, and the run ids that build_loggers continues on
+    resume."""
+    runs = {}
     for logger in loggers:
-        if isinstance(logger, MLFlowLogger) and logger.experiment.get_run(logger.run_id).data.params:
-            continue  # a continued MLflow run: its params cannot change; it keeps those it started with
-        logger.log_hyperparams(to_dict(cfg))
-    runs = {"wandb": logger.version for logger in loggers if isinstance(logger, WandbLogger)}
-    runs |= {"mlflow": logger.run_id for logger in loggers if isinstance(logger, MLFlowLogger)}
+        kind = kind_of(logger)
+        kind.log_config(logger, to_dict(cfg))
+        if (run_id := kind.run_id(logger)) is not None:
+            runs[kind.name] = run_id
     if runs:
         (Path(cfg.run.dir) / LOGGER_RUNS).write_text(json.dumps(runs))
 
@@ -171,12 +148,9 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
     return f"model weights of {cfg.init_from} (step {checkpoint.get('global_step')}); new optimizer, schedule, data"
 
 
-def finish_wandb(trainer: L.Trainer) -> None:
-    """Close the W&B run: Lightning leaves it open, and the next run in this process would log into it."""
-    if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
-        import wandb
-
-        wandb.finish()
+def close_loggers(trainer: L.Trainer) -> None:
+    for logger in trainer.loggers:
+        kind_of(logger).close(logger)
 
 
 def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
@@ -212,7 +186,7 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
     try:
         trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
     finally:
-        finish_wandb(trainer)
+        close_loggers(trainer)
     interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
     if interrupt.stopped_at is not None:
         raise Interrupted(f"interrupted: stopped after step {interrupt.stopped_at} with a checkpoint in "

@@ -28,12 +28,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from scipy.stats import spearmanr
 
+from keel.artifacts import EVAL_HISTORY
 from keel.callbacks.reporting import log_scalars
 from keel.config import Config
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import load_tasks, primary_metric, run_tasks
 
-HISTORY = "eval_history.json"
+HISTORY = EVAL_HISTORY
 MIN_POINTS_FOR_SPEARMAN = 3
 
 

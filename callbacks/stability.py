@@ -50,6 +50,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks.reporting import due, log_scalars, log_text
+from keel.artifacts import STABILITY
 from keel.callbacks.configs import StabilityConfig
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
@@ -278,4 +279,4 @@ class StabilityMonitor(Callback):
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         steps = trainer.global_step
-        (self.run_dir / "stability.json").write_text(json.dumps(self.summary(steps), indent=1) + "\n")
+        (self.run_dir / STABILITY).write_text(json.dumps(self.summary(steps), indent=1) + "\n")

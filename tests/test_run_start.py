@@ -123,3 +123,13 @@ def test_automatic_threads_share_the_node_among_its_processes(trainer, cores, ex
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     set_threads(load_config(overrides=[*trainer, "trainer.threads=0"]))
     assert torch.get_num_threads() == expected and os.environ["OMP_NUM_THREADS"] == str(expected)
+
+
+def test_dataclass_defaults_are_the_default_yamls():
+    """Config() and the composed default config (conf/config.yaml's group choices) agree key for key: a default
+    lives in one place as far as anyone can tell."""
+    from dataclasses import asdict
+
+    from keel.config import Config, to_dict
+
+    assert to_dict(load_config()) == asdict(Config())

@@ -164,15 +164,10 @@ def resolve_resume(cfg: Config) -> str | None:
     return cfg.resume
 
 
-def global_batch(trainer) -> int:
-    """Sequences per optimizer step, over every process."""
-    return trainer.devices * trainer.num_nodes * trainer.micro_batch_size * trainer.grad_accum
-
-
 def batch_layout(trainer) -> str:
     """Processes x sequences per process per micro-batch x micro-batches per step = the global batch."""
-    processes, micro, accum = trainer.devices * trainer.num_nodes, trainer.micro_batch_size, trainer.grad_accum
-    return f"{processes} process(es) x {micro} sequences x {accum} micro-batch(es) = {global_batch(trainer)}"
+    return (f"{trainer.world_size} process(es) x {trainer.micro_batch_size} sequences x {trainer.grad_accum} "
+            f"micro-batch(es) = {trainer.global_batch}")
 
 
 def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
@@ -182,11 +177,11 @@ def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
     weights and optimizer state are re-sharded on load, and litdata re-plans the rest of the epoch's sample
     stream over the new processes, so no sequence is repeated or skipped (docs/distributed.md, "Elastic resume")."""
     saved = from_dict(checkpoint["keel"]["config"]).trainer
-    if global_batch(saved) != global_batch(trainer):
+    if saved.global_batch != trainer.global_batch:
         raise ConfigError(
             f"resume: {path} was trained with {batch_layout(saved)} sequences per step; this config has "
             f"{batch_layout(trainer)}. A resume keeps the global batch trainer.devices x trainer.num_nodes x "
-            f"trainer.micro_batch_size x trainer.grad_accum = {global_batch(saved)} (any split of it: e.g. half the "
+            f"trainer.micro_batch_size x trainer.grad_accum = {saved.global_batch} (any split of it: e.g. half the "
             "processes and twice trainer.grad_accum); set them so, or start a new run (resume=null, or another run.dir)"
         )
     if Path(path).is_dir() and trainer.strategy != "fsdp":

@@ -35,11 +35,12 @@ SCHEDULES = ("cosine", "linear_warmup", "exp_warmup")
 
 @dataclass
 class TrainerConfig:
-    accelerator: str = "auto"  # auto | cpu | gpu
+    # the defaults are conf/trainer/cpu.yaml's (trainer=cpu, the default group choice)
+    accelerator: str = "cpu"  # auto | cpu | gpu
     devices: int = 1  # processes per node
     num_nodes: int = 1
     strategy: str = "auto"  # auto (one device, or DDP over several) | single | ddp | fsdp
-    precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU
+    precision: str = "32-true"  # auto: bf16-mixed on GPU, 32-true on CPU
     max_steps: int = 400
     micro_batch_size: int = 8  # sequences per device per step
     grad_accum: int = 1
@@ -48,11 +49,26 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 100
     keep_last_k: int = 2  # step-numbered checkpoints kept besides last.ckpt (the newest k); 0 = last.ckpt only
-    compile: bool = False  # torch.compile each block
+    compile: bool = True  # torch.compile each block
     activation_checkpointing: bool = False  # recompute each block in backward
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
     progress_bar: bool = True  # counts optimizer steps (its ETA holds with grad_accum > 1)
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, wandb, mlflow
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run: trainer.devices per node x trainer.num_nodes."""
+        return self.devices * self.num_nodes
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, over every process."""
+        return self.world_size * self.micro_batch_size * self.grad_accum
+
+    @property
+    def resolved_strategy(self) -> str:
+        """What runs: single, ddp or fsdp (auto = one device, or DDP over several)."""
+        return self.strategy if self.strategy != "auto" else ("ddp" if self.world_size > 1 else "single")
 
     def __post_init__(self) -> None:
         require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
@@ -153,7 +169,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    resume: str | None = None  # null = fresh run; auto = the run dir's last checkpoint if any; or a path
+    resume: str | None = "auto"  # null = fresh run; auto = the run dir's last checkpoint if any; or a path
     init_from: str | None = None  # a checkpoint whose model weights start a fresh run (continued pretraining)
 
     def __post_init__(self) -> None:

@@ -35,7 +35,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
+from keel.artifacts import read_scalars
+from keel.config import conf_dir
 from keel.devices import device_name
 from keel.errors import ConfigError
 from keel.model import KeelLM, ModelConfig, next_token_loss
@@ -57,7 +60,9 @@ class Sizes:
 
 
 BENCH_RUN = ["--steps", "10", "--warmup", "3", "--repeats", "3"]
-PAPER_BLOCK = dict(width=1024, n_heads=16, n_kv_heads=8, ffn="swiglu", ffn_mult=3.0, seq_len=2048, vocab_size=50304)
+# the paper's block (conf/model/paper_d64.yaml) at any depth
+PAPER_BLOCK = {key: value for key, value in yaml.safe_load((conf_dir() / "model" / "paper_d64.yaml").read_text()).items()
+               if key not in ("scheme", "depth")}
 SIZES = {
     "cuda": Sizes(
         bench={
@@ -134,14 +139,6 @@ def bench(device: str, sizes: Sizes, out: Path) -> dict:
     return {"ok": all(c["ok"] for c in configs.values()), "configs": configs}
 
 
-def _scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {event.step: event.value for event in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
-
-
 def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
     """Each trainer config: PRETRAIN_STEPS steps, then resume=auto for RESUME_STEPS more."""
     if error := _failed(_keel("data", *data, timeout=600)):
@@ -158,7 +155,7 @@ def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
         if error:
             runs[label] = {"ok": False, "error": error}
             continue
-        losses = _scalars(run_dir, "train/loss")
+        losses = dict(read_scalars(run_dir, ["train/loss"]).get("train/loss", []))
         ordered = [losses[step] for step in sorted(losses)]
         first, last = sum(ordered[:10]) / 10, sum(ordered[PRETRAIN_STEPS - 10 : PRETRAIN_STEPS]) / 10
         checks = {
@@ -168,7 +165,7 @@ def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
             # the resumed steps continue the curve: no jump back to an untrained loss
             "resumed where it stopped": max(ordered[PRETRAIN_STEPS:]) < first,
         }
-        speed = _scalars(run_dir, "perf/tokens_per_s")
+        speed = dict(read_scalars(run_dir, ["perf/tokens_per_s"]).get("perf/tokens_per_s", []))
         runs[label] = {"ok": all(checks.values()), "checks": checks, "loss_first10": first, "loss_last10": last,
                        "loss_resumed": ordered[PRETRAIN_STEPS:], "seconds_50_steps": seconds,
                        "tokens_per_s": speed[max(speed)] if speed else None}

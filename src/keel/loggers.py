@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from keel.artifacts import TENSORBOARD
+
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
 
@@ -63,7 +65,7 @@ class TensorBoard(LoggerKind):
     name, logger_class = "tensorboard", "lightning.pytorch.loggers:TensorBoardLogger"
 
     def build(self, run_dir, run_name, run_id):
-        return self.cls()(save_dir=run_dir, name="tb", version="", default_hp_metric=False)
+        return self.cls()(save_dir=run_dir, name=TENSORBOARD, version="", default_hp_metric=False)
 
     def log_text(self, logger, tag, text, step):
         logger.experiment.add_text(tag, text, global_step=step)

@@ -46,7 +46,7 @@ INIT_KINDS = ("normal", "unit", "megatron")
 @dataclass
 class ModelConfig:
     vocab_size: int = 4096
-    depth: int = 8  # blocks; L = 2 * depth sublayers
+    depth: int = 16  # blocks; L = 2 * depth sublayers
     width: int = 128
     n_heads: int = 4
     n_kv_heads: int | None = None  # GQA; None = n_heads

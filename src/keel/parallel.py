@@ -91,7 +91,7 @@ def resolve_precision(trainer) -> str:
 
 def check_trainer(trainer) -> None:
     """Refuse combinations that cannot run, saying what to change, before any process starts."""
-    world = trainer.devices * trainer.num_nodes
+    world = trainer.world_size
     if trainer.accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=gpu: no CUDA GPU is visible; use trainer=cpu (or trainer.accelerator=cpu)")
     if resolve_accelerator(trainer) == "gpu" and trainer.devices > torch.cuda.device_count():
@@ -155,12 +155,12 @@ def build_strategy(trainer):
     """The Lightning strategy for trainer.strategy: auto = one device, or DDP over several; nccl between
     GPUs, gloo between CPU processes."""
     check_trainer(trainer)
-    world = trainer.devices * trainer.num_nodes
-    if trainer.strategy == "single" or (trainer.strategy == "auto" and world == 1):
+    if trainer.resolved_strategy == "single":
         return "auto"
     backend = "nccl" if resolve_accelerator(trainer) == "gpu" else "gloo"
     if trainer.strategy == "fsdp":
         return FSDP2Strategy(
-            data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=True, process_group_backend=backend
+            data_parallel_size=trainer.world_size, tensor_parallel_size=1, save_distributed_checkpoint=True,
+            process_group_backend=backend,
         )
     return DDPStrategy(process_group_backend=backend)

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import Logger
 from omegaconf import OmegaConf
 
+from keel.artifacts import LOGGER_RUNS
 from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
 from keel.callbacks.progress import StepProgressBar
 from keel.callbacks.stability import StabilityMonitor, describe
@@ -59,9 +60,6 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
     return callbacks + [section.build(cfg) for section in cfg.callback_configs()]
-
-
-LOGGER_RUNS = "logger_runs.json"
 
 
 def build_loggers(cfg: Config) -> list[Logger]:

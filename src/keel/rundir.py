@@ -13,12 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+from keel.artifacts import CONFIG
 from keel.checkpoint import remove_path
 from keel.config import Config, from_dict, to_dict, to_yaml
 from keel.errors import ConfigError
 
 LOCK = ".keel.lock"
-CONFIG = "config.yaml"
 IGNORED_ON_RESUME = ("resume", "run.dir")  # where a run is and how it was started: not its recipe
 
 

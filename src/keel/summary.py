@@ -40,16 +40,14 @@ def model_summary(model: KeelLM) -> list[str]:
 
 def run_plan(cfg: Config, params: int) -> list[str]:
     t = cfg.trainer
-    world = t.devices * t.num_nodes
-    global_tokens_per_step = world * cfg.device_tokens_per_step
+    global_tokens_per_step = t.world_size * cfg.device_tokens_per_step
     tokens = t.max_steps * global_tokens_per_step
-    strategy = t.strategy if t.strategy != "auto" else ("ddp" if world > 1 else "single")
     return [
         f"steps       {t.max_steps:,} x {global_tokens_per_step:,} tokens = {tokens:,} tokens "
         f"({tokens / params:.3g} tokens/parameter, {tokens * flops_per_token(cfg.model):.3g} FLOPs)",
         f"batch       {batch_layout(t)} sequences of {cfg.model.seq_len} tokens",
-        f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {strategy}, world size "
-        f"{world}, {torch.get_num_threads()} intra-op thread(s) per process"
+        f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {t.resolved_strategy}, world size "
+        f"{t.world_size}, {torch.get_num_threads()} intra-op thread(s) per process"
         + (", torch.compile per block (compiled during the first steps)" if t.compile else ""),
     ]
 

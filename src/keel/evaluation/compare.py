@@ -13,6 +13,8 @@ import argparse
 import math
 from pathlib import Path
 
+from keel.artifacts import TENSORBOARD, read_scalars
+
 LOSS_TAG = "val/loss"
 TRAIN_LOSS_TAG = "train/loss"
 DETRENDED_TAG = "train/loss minus its moving average"
@@ -22,18 +24,9 @@ NOT_SCORES = ("eval/disagree/", "eval/spearman/")  # the callback's own flags, n
 
 def read_curves(run_dir: Path, train_loss: bool = False) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value), ...]} of the loss and task scalars (and train/loss) in a run's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    events.Reload()
-    tags = [
-        tag
-        for tag in events.Tags()["scalars"]
-        if tag == LOSS_TAG or (tag.startswith(TASK_PREFIX) and not tag.startswith(NOT_SCORES))
-        or (train_loss and tag == TRAIN_LOSS_TAG)
-    ]
-    # A resumed run's event files may repeat steps: the last value written for a step wins.
-    return {tag: sorted({e.step: e.value for e in events.Scalars(tag)}.items()) for tag in tags}
+    return {tag: curve for tag, curve in read_scalars(run_dir).items()
+            if tag == LOSS_TAG or (tag.startswith(TASK_PREFIX) and not tag.startswith(NOT_SCORES))
+            or (train_loss and tag == TRAIN_LOSS_TAG)}
 
 
 def detrended(curve: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
@@ -94,7 +87,7 @@ def main(argv: list[str]) -> int:
         parser.error("--window must be >= 3 steps")
     runs = {}
     for run_dir in args.runs:
-        if not (run_dir / "tb").is_dir():
+        if not (run_dir / TENSORBOARD).is_dir():
             parser.error(f"{run_dir} has no tb/ directory: not a keel run directory")
         runs[str(run_dir)] = curves = read_curves(run_dir, args.train_loss)
         if args.train_loss:

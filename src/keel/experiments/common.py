@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from keel.artifacts import CONFIG, EVAL_HISTORY, read_scalars, read_stability
 from keel.config import Config, ModelConfig, from_dict
 from keel.errors import ConfigError
 from keel.model import Block, needs_final_norm, scheme_of, sublayer_specs
@@ -110,37 +111,9 @@ def train_run(cfg: Config, extra_callbacks: Sequence = ()) -> float:
     return time.perf_counter() - start
 
 
-def _last_scalar(run_dir: Path, tag: str) -> tuple[int, float] | None:
-    """(step, value) of a TensorBoard scalar's last event over every event file of the run, or None."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not (run_dir / "tb").is_dir():
-        return None
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
-        return None
-    last = max(acc.Scalars(tag), key=lambda event: (event.step, event.wall_time))
-    return last.step, last.value
-
-
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every TensorBoard scalar of a run (all its event files): tag -> [(step, value)] in step order, the last
-    value written for a step winning (a resumed run rewrites the steps after its checkpoint)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    scalars = {}
-    for tag in acc.Tags()["scalars"]:
-        by_step = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: (e.step, e.wall_time))}
-        scalars[tag] = sorted(by_step.items())
-    return scalars
-
-
 def _eval_scores(run_dir: Path) -> dict[str, float]:
     """The last in-loop evaluation's primary metric per task, from the downstream-eval callback's history."""
-    path = run_dir / "eval_history.json"
+    path = run_dir / EVAL_HISTORY
     if not path.is_file():
         return {}
     history = json.loads(path.read_text())
@@ -177,7 +150,7 @@ def unigram_loss(cfg: Config) -> float:
 
 
 def load_run_config(run_dir: str | Path) -> Config:
-    return from_dict(OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml")))
+    return from_dict(OmegaConf.to_container(OmegaConf.load(Path(run_dir) / CONFIG)))
 
 
 def run_row(run_dir: str | Path) -> dict[str, Any]:
@@ -193,14 +166,11 @@ def run_row(run_dir: str | Path) -> dict[str, Any]:
         "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
         "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
     }
-    stability = run_dir / "stability.json"
-    if stability.is_file():
-        s = json.loads(stability.read_text())
+    if (s := read_stability(run_dir)) is not None:
         row |= {"steps": s["steps"], "failed": s["failed"], "failure": s["kind"], "onset_step": s["step"],
                 "max_tolerable_lr": s["max_tolerable_lr"], "max_lr_seen": s["max_lr_seen"]}
-    val = _last_scalar(run_dir, "val/loss")
-    if val is not None:
-        row |= {"val_step": val[0], "val_loss": val[1]}
+    if val := read_scalars(run_dir, ["val/loss"]).get("val/loss"):
+        row |= {"val_step": val[-1][0], "val_loss": val[-1][1]}
     return row | _eval_scores(run_dir)
 
 

@@ -44,6 +44,7 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.callbacks.reporting import finished_step
 from keel.config import load_config, to_yaml
+from keel.artifacts import read_stability
 from keel.errors import ConfigError
 from keel.experiments.common import comma_list, resolve_alpha, slug, train_run, unigram_loss
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
@@ -246,7 +247,7 @@ def main(argv: list[str]) -> int:
         wall_s = train_run(cfg, [LossByLR(cfg.run.dir)])
         cpu_s = time.process_time() - cpu_start  # this process's CPU, all threads: the cost on a shared machine
         (run_dir / COST).write_text(json.dumps({"wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1)}) + "\n")
-        state = json.loads((run_dir / "stability.json").read_text())
+        state = read_stability(run_dir)
         verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]
                    else f"ran the ramp to {state['max_lr_seen']:.3g}")
         print(f"keel maxlr: {i}/{len(todo)} {run.name}: {verdict} ({state['steps']} steps, {wall_s:.0f} s wall, "

@@ -38,6 +38,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from keel.artifacts import CONFIG, read_stability
 from keel.config import Config
 from keel.errors import ConfigError
 from keel.experiments.common import comma_list, load_run_config, markdown_table, pyplot, run_row, unigram_loss, \
@@ -119,7 +120,7 @@ def max_lr_value(row: dict) -> float | None:
 
 def probe_verdict(run_dir: Path, cfg: Config, unigram: float, margin: float, spike_margin: float | None = None,
                   relative_only: bool = False) -> Verdict:
-    state = json.loads((run_dir / "stability.json").read_text())
+    state = read_stability(run_dir)
     nonfinite = (state["step"], state["max_tolerable_lr"]) if state["kind"] == "nonfinite" else None
     stability = cfg.callbacks.stability
     return judge(state.get("heldout", []), unigram, margin, spike_margin or stability.spike_margin,
@@ -218,7 +219,7 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
     rows, pending = [], []
     for run in manifest["runs"]:
         run_dir = out / run["name"]
-        if not (run_dir / "config.yaml").is_file() or not finished(run_dir, load_run_config(run_dir).trainer.max_steps):
+        if not (run_dir / CONFIG).is_file() or not finished(run_dir, load_run_config(run_dir).trainer.max_steps):
             pending.append(run["name"])
             continue
         cfg = load_run_config(run_dir)
@@ -261,11 +262,8 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
 
 def finished(run_dir: Path, max_steps: int) -> bool:
     """A probe is done once it failed (the verdict is kept in stability.json) or ran every step."""
-    path = run_dir / "stability.json"
-    if not path.is_file():
-        return False
-    state = json.loads(path.read_text())
-    return state["failed"] or state["steps"] >= max_steps
+    state = read_stability(run_dir)
+    return state is not None and (state["failed"] or state["steps"] >= max_steps)
 
 
 def unigram_key(cfg: Config) -> tuple:
@@ -284,7 +282,7 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
     for ax, depth in zip(axes[0], depths):
         seen = set()
         for r in (r for r in rows if r["depth"] == depth):
-            heldout = json.loads((out / r["run"] / "stability.json").read_text()).get("heldout", [])
+            heldout = read_stability(out / r["run"]).get("heldout", [])
             points = [(lr, loss) for _, lr, loss in heldout if lr and math.isfinite(loss)]
             if not points:  # failed before its first evaluation
                 continue

@@ -18,7 +18,8 @@ import statistics
 from pathlib import Path
 
 from keel.errors import ConfigError
-from keel.experiments.common import markdown_table, pyplot, read_scalars
+from keel.artifacts import TENSORBOARD, read_scalars, read_stability
+from keel.experiments.common import markdown_table, pyplot
 from keel.experiments.maxlr_report import collect, max_lr_value, sign_test
 from keel.experiments.sweep import MANIFEST
 
@@ -170,10 +171,10 @@ def deep_runs(out: Path, plot_path: Path) -> list[dict]:
     table = []
     for run in manifest["runs"]:
         run_dir = out / run["name"]
-        if not (run_dir / "tb").is_dir():
+        if not (run_dir / TENSORBOARD).is_dir():
             continue
         scalars = read_scalars(run_dir)
-        stability = json.loads((run_dir / "stability.json").read_text()) if (run_dir / "stability.json").is_file() else {}
+        stability = read_stability(run_dir) or {}
         val = scalars.get("val/loss", [])
         entry = {"run": run["name"], "steps": stability.get("steps"), "non-finite steps": stability.get("nonfinite_steps"),
                  "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val)}

@@ -30,6 +30,7 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from keel.artifacts import CONFIG
 from keel.config import load_config
 from keel.experiments.common import (
     comma_list,
@@ -114,7 +115,7 @@ def collect(out: Path) -> list[dict]:
     rows = []
     for run in runs:
         run_dir = out / run["name"]
-        row = run_row(run_dir) if (run_dir / "config.yaml").is_file() else {"run": run["name"], "status": "not started"}
+        row = run_row(run_dir) if (run_dir / CONFIG).is_file() else {"run": run["name"], "status": "not started"}
         if "alpha" in run["axes"]:
             row["alpha_expr"] = run["axes"]["alpha"]
         if "row" in run["axes"]:  # a keel maxlr grid: the scheme or variant the run belongs to

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from keel.errors import ConfigError
 from keel.gpu_check import sublayer_update_error, sublayers
 from keel.gradflow import measure
+from keel.decoding import generate
 from keel.model import (
     SCHEMES,
     KeelLM,
@@ -513,16 +514,16 @@ def test_generate_with_cache_matches_full_recompute(overrides):
     torch.manual_seed(0)
     model = KeelLM(tiny(init="unit", **overrides))
     prompt = torch.randint(64, (2, 4))
-    greedy = model.generate(prompt, 8)
+    greedy = generate(model, prompt, 8)
     assert greedy.shape == (2, 12) and torch.equal(greedy[:, :4], prompt)
-    assert torch.equal(greedy, model.generate(prompt, 8, use_cache=False))
+    assert torch.equal(greedy, generate(model, prompt, 8, use_cache=False))
     sampled = [
-        model.generate(prompt, 8, temperature=0.8, top_k=5, use_cache=cached, generator=torch.Generator().manual_seed(1))
+        generate(model, prompt, 8, temperature=0.8, top_k=5, use_cache=cached, generator=torch.Generator().manual_seed(1))
         for cached in (True, False)
     ]
     assert torch.equal(*sampled)
     stop = int(greedy[0, 6])  # row 0 emits it as its third new token
-    stopped = [model.generate(prompt, 8, stop_tokens=(stop,), use_cache=cached) for cached in (True, False)]
+    stopped = [generate(model, prompt, 8, stop_tokens=(stop,), use_cache=cached) for cached in (True, False)]
     assert torch.equal(*stopped)
     first_stop = (stopped[0][0, 4:] == stop).nonzero()[0, 0]
     assert (stopped[0][0, 4 + first_stop :] == stop).all()  # a stopped row keeps emitting the stop token
@@ -532,7 +533,7 @@ def test_generate_left_crops_a_long_prompt():
     torch.manual_seed(0)
     model = KeelLM(tiny(init="unit"))  # seq_len 16
     prompt = torch.randint(64, (2, 14))
-    out = model.generate(prompt, 6)  # only the last 16 - 6 = 10 prompt tokens fit
+    out = generate(model, prompt, 6)  # only the last 16 - 6 = 10 prompt tokens fit
     assert out.shape == (2, 20) and torch.equal(out[:, :14], prompt)
-    assert torch.equal(out[:, 4:], model.generate(prompt[:, 4:], 6))
-    assert torch.equal(out, model.generate(prompt, 6, use_cache=False))
+    assert torch.equal(out[:, 4:], generate(model, prompt[:, 4:], 6))
+    assert torch.equal(out, generate(model, prompt, 6, use_cache=False))

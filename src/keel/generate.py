@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from keel.checkpoint import load_model
 from keel.data.tokenizer import eos_id_of
+from keel.decoding import stream
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
@@ -44,7 +45,7 @@ def sample(model: KeelLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
     prompt_ids = [eos, *tokenizer.encode(prompt, add_special_tokens=False).ids]
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
-    tokens = model.stream(torch.tensor([prompt_ids], device=device), max_new_tokens, temperature, top_k,
+    tokens = stream(model, torch.tensor([prompt_ids], device=device), max_new_tokens, temperature, top_k,
                           stop_tokens=(eos,), generator=generator)
     new_ids = (token for token in (int(nxt[0]) for nxt in tokens) if token != eos)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")

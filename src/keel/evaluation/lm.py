@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from keel.checkpoint import load_model
 from keel.data.tokenizer import eos_id_of
+from keel.decoding import generate
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
@@ -167,7 +168,7 @@ class KeelEvalLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, if do_sample) continuation through KeelLM.generate's KV cache, one request at
+        """Greedy (or sampled, if do_sample) continuation through keel.decoding.generate's KV cache, one request at
         a time (the model takes no padding mask), cut at the first stop sequence of the decoded text."""
         results = []
         for context, gen_kwargs in tqdm(
@@ -178,7 +179,8 @@ class KeelEvalLM(TemplateLM):
             max_new = min(kwargs["max_gen_toks"], self.max_length // 2)
             ids = self.tok_encode(context) or [self.prefix_token_id]
             with self._inference():
-                out = self.model.generate(
+                out = generate(
+                    self.model,
                     torch.tensor([ids], device=self._device),
                     max_new,
                     temperature=kwargs.get("temperature", 1.0) if kwargs["do_sample"] else 0.0,

@@ -20,7 +20,7 @@ from pathlib import Path
 from keel.errors import ConfigError
 from keel.artifacts import TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import markdown_table, pyplot
-from keel.experiments.maxlr_report import collect, max_lr_value, sign_test
+from keel.experiments.maxlr_report import collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
 
 DEPTH_TREND = {16: "depth-d16", 64: "table1-d64", 256: "depth-d256"}  # blocks -> grid, width 32
@@ -66,25 +66,9 @@ def seed_table(rows: list[dict]) -> list[dict]:
 
 
 def sign_tests(rows: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
-    """Seed-by-seed sign tests of the max LR (a run with no failure counts as the peak; ties and unresolved seeds
-    are left out)."""
-    table = []
-    for a, b in pairs:
-        by = {(r["row"], r["seed"]): r for r in rows}
-        wins = losses = ties = other = 0
-        for seed in sorted({s for (label, s) in by if label == a} & {s for (label, s) in by if label == b}):
-            x, y = max_lr_value(by[a, seed]), max_lr_value(by[b, seed])
-            if x is None or y is None:
-                other += 1
-            elif math.isclose(x, y, rel_tol=1e-9) or (not by[a, seed]["failure"] and not by[b, seed]["failure"]):
-                ties += 1
-            elif x > y:
-                wins += 1
-            else:
-                losses += 1
-        table.append({"comparison": f"{a} vs {b}", f"{a} higher": wins, f"{b} higher": losses, "ties": ties,
-                      "not resolved": other, "sign test p": f"{sign_test(wins, losses):.3g}"})
-    return table
+    """Seed-by-seed sign tests of the max LR at each depth of rows (keel.experiments.maxlr_report.compare)."""
+    return [test for depth in dict.fromkeys(r["depth"] for r in rows) for a, b in pairs
+            if (test := compare(rows, a, b, depth)) is not None]
 
 
 def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float]:
@@ -122,6 +106,14 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, str], name: str) -> tupl
     return table, points
 
 
+def save(fig, title: str, path: Path) -> None:
+    plt = pyplot()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_ratios(depth: dict, width: dict, batch: list[float], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -140,10 +132,7 @@ def plot_ratios(depth: dict, width: dict, batch: list[float], path: Path) -> Non
         ax.set_ylabel("Keel max LR / Pre-LN max LR")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Keel's tolerable LR relative to Pre-LN (a point per seed; > 1: Keel tolerates more)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, "Keel's tolerable LR relative to Pre-LN (a point per seed; > 1: Keel tolerates more)", path)
 
 
 def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
@@ -196,10 +185,7 @@ def deep_runs(out: Path, plot_path: Path) -> list[dict]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("1,024 blocks (L = 2,048) at LR 0.01", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(plot_path, dpi=120)
-    plt.close(fig)
+    save(fig, "1,024 blocks (L = 2,048) at LR 0.01", plot_path)
     return table
 
 

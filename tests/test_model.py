@@ -537,3 +537,16 @@ def test_generate_left_crops_a_long_prompt():
     assert out.shape == (2, 20) and torch.equal(out[:, :14], prompt)
     assert torch.equal(out[:, 4:], generate(model, prompt[:, 4:], 6))
     assert torch.equal(out, generate(model, prompt, 6, use_cache=False))
+
+
+def test_megatron_init_scales_the_branch_outputs_and_truncates():
+    """model.init=megatron: every matrix N(0, init_std^2) cut at 3 std; attention out and FFN down further scaled
+    by 1/sqrt(2 x depth) (HybridNorm's authors' recipe)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(width=256, n_heads=4, seq_len=16, vocab_size=64, depth=8, init="megatron", scheme="hybridnorm")
+    model = KeelLM(cfg)
+    block = model.blocks[3]
+    for weight, std in ((block.attn.branch.qkv.weight, 0.02), (block.ffn.branch.up.weight, 0.02),
+                        (block.attn.branch.out.weight, 0.02 / 4), (block.ffn.branch.down.weight, 0.02 / 4)):
+        assert weight.abs().max() <= 3 * std + 1e-7
+        assert weight.std().item() == pytest.approx(std * 0.986, rel=0.03)  # a normal cut at 3 std keeps 98.6% of it

@@ -89,7 +89,7 @@ paper-hybridnorm: paper-data
 # Past 1000 layers: 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks, three schemes
 paper-deep1024: paper-data
 	$(KEEL) sweep --schemes keel,preln,postln --depths 1024 --lrs 0.01 --out $(PAPER_OUT)/deep1024 model.width=32 \
-		model.n_heads=4 model.seq_len=64 trainer.micro_batch_size=8 trainer.threads=1 trainer.max_steps=250 \
+		model.n_heads=4 model.seq_len=64 trainer.micro_batch_size=8 trainer.threads=1 trainer.max_steps=200 \
 		trainer.val_every_n_steps=25 trainer.val_batches=8 trainer.checkpoint_every_n_steps=50 eval.enabled=false \
 		callbacks.grad_norms.every_n_steps=25 callbacks.grad_norms.heatmap_every_n_steps=50 \
 		callbacks.stability.stop_on_failure=false trainer.progress_bar=false $(ARGS)

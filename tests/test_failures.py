@@ -245,6 +245,40 @@ def test_copied_run_dir_continues_from_its_newest_checkpoint_and_keeps_history(t
     assert sorted(p.name for p in (back / "checkpoints").iterdir()) == [LAST, "step000007.ckpt"]
 
 
+class NaNWeightsAt(Callback):
+    """Every weight becomes NaN at the start of the given step, as after an update that diverged."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for param in pl_module.parameters():
+                    param.fill_(float("nan"))
+
+
+def test_nonfinite_weights_never_replace_or_prune_the_last_finite_checkpoint(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=2",
+                      "trainer.keep_last_k=1", "trainer.val_every_n_steps=12", "trainer.val_batches=1")
+    trainer = train(cfg, [NaNWeightsAt(3)])  # saves at 2 (finite), then 4, 6 ... and the final one (NaN)
+    assert pretrain.failure_exit_code(cfg, trainer) == 1  # the stability monitor stopped it: `keel pretrain` exits 1
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "nonfinite.ckpt", "step000002.ckpt"]
+    for name in (LAST, "step000002.ckpt"):  # the last finite checkpoint, whole
+        finite = read_checkpoint(checkpoints / name)
+        assert finite["global_step"] == 2 and all(t.isfinite().all() for t in finite["state_dict"].values())
+    nonfinite = read_checkpoint(checkpoints / "nonfinite.ckpt")
+    assert nonfinite["global_step"] == trainer.global_step > 2
+    assert not all(t.isfinite().all() for t in nonfinite["state_dict"].values())
+    said = [line for line in capsys.readouterr().err.splitlines() if "the weights are not finite" in line]
+    assert said and said[-1] == (
+        f"keel pretrain: step {trainer.global_step}: the weights are not finite (NaN or inf): saved as "
+        f"{checkpoints / 'nonfinite.ckpt'}, not as a step-numbered checkpoint nor over last.ckpt; "
+        f"{checkpoints / LAST} keeps step 2, the last finite checkpoint")
+
+
 def test_orphan_temporary_files_are_removed_at_start_up(tiny_data, tmp_path, capsys):
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"

@@ -297,8 +297,8 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
         if path.stat().st_size == 0:
             raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); resume from "
                               "another checkpoint (resume=PATH) or start afresh (resume=null)")
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        try:  # without the weights, mapped: only the entries used are read
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=not weights)
         except Exception as err:
             raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {describe_error(err)}") from None
     else:

@@ -198,10 +198,16 @@ def test_consolidate_and_broken_sharded_checkpoints(tmp_path, capsys):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ConfigError, match=f"corrupt: shard file {shard.name} is missing or truncated"):
         read_checkpoint(sharded)
+    for name in (SHARDED_META, ".metadata"):  # one of the two missing: a save was interrupted
+        kept = (sharded / name).read_bytes()
+        (sharded / name).unlink()
+        with pytest.raises(ConfigError, match=rf"incomplete sharded checkpoint \(no {name}\)"):
+            read_checkpoint(sharded)
+        (sharded / name).write_bytes(kept)
     for name in (SHARDED_META, ".metadata"):
         (sharded / name).unlink()
-        with pytest.raises(ConfigError, match=rf"incomplete sharded checkpoint \(no .*{name}"):
-            read_checkpoint(sharded)
+    with pytest.raises(ConfigError, match="is not a checkpoint: it has no .metadata nor meta.pt"):
+        read_checkpoint(sharded)
 
 
 def test_sharded_commit_survives_a_crash_between_renames(tmp_path, monkeypatch):

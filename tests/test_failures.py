@@ -431,6 +431,19 @@ def test_malformed_override_is_a_clear_error(capsys):
     assert "override 'model.depth=[2': cannot parse its value as YAML" in err and "Traceback" not in err
 
 
+def test_a_directory_that_is_no_checkpoint_is_called_so_with_the_checkpoint_meant(tiny_run, tmp_path, capsys):
+    last = tiny_run / "checkpoints" / LAST
+    for directory in (tiny_run, tiny_run / "checkpoints"):
+        assert cli_main(["generate", f"checkpoint={directory}", "--prompt", "def "]) == 2
+        assert capsys.readouterr().err == (f"keel generate: config error: checkpoint: {directory} is not a checkpoint: "
+                                           f"it has no .metadata nor meta.pt; did you mean {last}?\n")
+    assert cli_main(["consolidate", str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
+    assert capsys.readouterr().err == (f"keel consolidate: config error: checkpoint: {tmp_path} is not a checkpoint: it "
+                                       "has no .metadata nor meta.pt (a checkpoint is a .ckpt file or an FSDP "
+                                       "checkpoint directory holding both)\n")
+    assert not (tmp_path / "out.ckpt").exists() and read_checkpoint(last, weights=False)["global_step"] == 30
+
+
 def test_empty_checkpoint_says_why(tiny_data, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

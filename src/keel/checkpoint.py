@@ -266,6 +266,11 @@ def _sharded_weights(reader) -> dict[str, torch.Tensor]:
 
 def _read_sharded(path: Path, weights: bool) -> dict:
     missing = [name for name in (DCP_METADATA, SHARDED_META) if not (path / name).is_file()]
+    if len(missing) == 2:  # nothing of a sharded checkpoint: a run dir, its checkpoints/ or another directory
+        meant = next((last for last in (path / "checkpoints" / LAST, path / LAST) if last.exists()), None)
+        raise ConfigError(f"checkpoint: {path} is not a checkpoint: it has no {DCP_METADATA} nor {SHARDED_META}"
+                          + (f"; did you mean {meant}?" if meant else " (a checkpoint is a .ckpt file or an FSDP "
+                             "checkpoint directory holding both)"))
     if missing:
         raise ConfigError(f"checkpoint: {path} is an incomplete sharded checkpoint (no {', '.join(missing)}): "
                           "its save was interrupted; resume from another checkpoint")

@@ -444,6 +444,20 @@ def test_a_directory_that_is_no_checkpoint_is_called_so_with_the_checkpoint_mean
     assert not (tmp_path / "out.ckpt").exists() and read_checkpoint(last, weights=False)["global_step"] == 30
 
 
+def test_compare_of_a_run_without_validation_says_so(tiny_data, tmp_path, capsys):
+    short, empty = tmp_path / "short", tmp_path / "empty"
+    train(tiny_config(tiny_data, short, "trainer.max_steps=2", "trainer.val_every_n_steps=4"))  # train/loss only
+    (empty / "tb").mkdir(parents=True)  # no events at all
+    for run in (short, empty):
+        assert cli_main(["compare", str(run), "--out", str(tmp_path / "compare.png")]) == 2
+        assert capsys.readouterr().err == (
+            f"keel compare: config error: compare: {run} has nothing to compare: its tb/ events hold no val/loss or "
+            "eval/ scalars (validation runs every trainer.val_every_n_steps steps: a run stopped before the first "
+            "has none)\n")
+    assert not (tmp_path / "compare.png").exists()
+    assert read_checkpoint(short / "checkpoints" / LAST, weights=False)["global_step"] == 2  # the run is untouched
+
+
 def test_empty_checkpoint_says_why(tiny_data, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

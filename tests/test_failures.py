@@ -438,8 +438,8 @@ def test_a_directory_that_is_no_checkpoint_is_called_so_with_the_checkpoint_mean
         assert capsys.readouterr().err == (f"keel generate: config error: checkpoint: {directory} is not a checkpoint: "
                                            f"it has no .metadata nor meta.pt; did you mean {last}?\n")
     assert cli_main(["consolidate", str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
-    assert capsys.readouterr().err == (f"keel consolidate: config error: checkpoint: {tmp_path} is not a checkpoint: it "
-                                       "has no .metadata nor meta.pt (a checkpoint is a .ckpt file or an FSDP "
+    assert capsys.readouterr().err == (f"keel consolidate: config error: checkpoint: {tmp_path} is not a checkpoint: "
+                                       "it has no .metadata nor meta.pt (a checkpoint is a .ckpt file or an FSDP "
                                        "checkpoint directory holding both)\n")
     assert not (tmp_path / "out.ckpt").exists() and read_checkpoint(last, weights=False)["global_step"] == 30
 

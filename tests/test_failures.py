@@ -458,6 +458,18 @@ def test_compare_of_a_run_without_validation_says_so(tiny_data, tmp_path, capsys
     assert read_checkpoint(short / "checkpoints" / LAST, weights=False)["global_step"] == 2  # the run is untouched
 
 
+def test_a_config_file_whose_top_level_is_a_list_is_a_clear_error(tmp_path, capsys):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- optim.lr: 0.001\n- trainer.max_steps: 10\n")
+    refusal = (f"config error: {listed}: its top level is a list; a config file maps keys to settings "
+               "(e.g. a line `optim:`, then `  lr: 0.001`)\n")
+    for command in (["pretrain", "--print-config", "--config", str(listed)], ["pretrain", f"model={listed}"],
+                    ["data", "--config", str(listed), f"data.dir={tmp_path / 'data'}"]):
+        assert cli_main(command) == 2  # was ListConfig.pop()'s TypeError
+        assert capsys.readouterr() == ("", f"keel {command[0]}: {refusal}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.yaml"]  # nothing written
+
+
 def test_empty_checkpoint_says_why(tiny_data, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -128,6 +128,7 @@ class RunCheckpoint(ModelCheckpoint):
             self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)), "best_k_models": {}})
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """Every save (step-numbered, last.ckpt) comes here: non-finite weights go to nonfinite.ckpt instead."""
         if weights_finite(trainer):
             super()._save_checkpoint(trainer, filepath)
             self._last_finite_step = trainer.global_step
@@ -136,10 +137,10 @@ class RunCheckpoint(ModelCheckpoint):
             return
         nonfinite = Path(self.dirpath) / NONFINITE
         super()._save_checkpoint(trainer, str(nonfinite))
-        last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-        kept = ("no finite checkpoint was written in this run" if self._last_finite_step is None else
-                f"{last} keeps step {self._last_finite_step}, the last finite checkpoint")
         if trainer.is_global_zero:
+            last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+            kept = ("no finite checkpoint was written in this run" if self._last_finite_step is None else
+                    f"{last} keeps step {self._last_finite_step}, the last finite checkpoint")
             say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as a "
                 f"step-numbered checkpoint nor over last.ckpt; {kept}")
 

@@ -4,6 +4,8 @@ Ctrl-C into a clean stop that writes one.
     <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end of training, and
                                              when training raises (one process); always overwritten in place
     <run.dir>/checkpoints/step000400.ckpt    the same saves, step-numbered: the newest trainer.keep_last_k kept
+    <run.dir>/checkpoints/nonfinite.ckpt     a save whose weights are not finite, instead of the two above (which
+                                             keep the last finite state); overwritten in place
 
 Each file (or FSDP directory) is written whole before it replaces anything (AtomicCheckpointIO,
 FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only after the new one is complete.
@@ -20,10 +22,18 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.tensor import DTensor
 
 from keel.rundir import say
 
 STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
+NONFINITE = "nonfinite.ckpt"
+
+
+def weights_finite(trainer: L.Trainer) -> bool:
+    """Whether every weight is finite, in every process (each checks its own shards under FSDP)."""
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in trainer.lightning_module.parameters())
+    return trainer.strategy.reduce_boolean_decision(all(bool(t.isfinite().all()) for t in local), all=True)
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -33,6 +43,8 @@ class RunCheckpoint(ModelCheckpoint):
     - the step-numbered history is pruned by what is in the directory, so a copied dir, another keep_last_k or
       a resume from an older checkpoint keep exactly the newest k of this run's timeline;
     - the final state is saved at the end of training, whatever the cadence;
+    - non-finite weights are saved as nonfinite.ckpt only: they never replace last.ckpt nor enter the history,
+      whose pruning would then delete the last finite checkpoint;
     - an exception in a single-process run saves the state of the last completed step (several processes
       would have to agree mid-step, which a failing one cannot).
     """
@@ -51,6 +63,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._start_step = 0
         self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
+        self._last_finite_step: int | None = None  # of the last save of this run with finite weights
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -113,6 +126,23 @@ class RunCheckpoint(ModelCheckpoint):
         # A copied or renamed run dir: the same files, elsewhere. Lightning would reset (and version last.ckpt).
         super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": str(Path(self.dirpath) / (
             self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)), "best_k_models": {}})
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """Every save (step-numbered, last.ckpt) comes here: non-finite weights go to nonfinite.ckpt instead."""
+        if weights_finite(trainer):
+            super()._save_checkpoint(trainer, filepath)
+            self._last_finite_step = trainer.global_step
+            return
+        if self._last_global_step_saved == trainer.global_step:  # the step-numbered and last.ckpt saves: once
+            return
+        nonfinite = Path(self.dirpath) / NONFINITE
+        super()._save_checkpoint(trainer, str(nonfinite))
+        if trainer.is_global_zero:
+            last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+            kept = ("no finite checkpoint was written in this run" if self._last_finite_step is None else
+                    f"{last} keeps step {self._last_finite_step}, the last finite checkpoint")
+            say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as a "
+                f"step-numbered checkpoint nor over last.ckpt; {kept}")
 
     def save_now(self, trainer: L.Trainer) -> None:
         """The current state as the next step-numbered checkpoint and last.ckpt."""

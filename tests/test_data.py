@@ -158,6 +158,20 @@ def test_given_tokenizer_file_is_used_verbatim(built, tmp_path):
     assert open_dataset(cfg).eos_id == 0
 
 
+def test_truncated_tokenizer_file_is_refused_naming_it(built, tmp_path, capsys):
+    truncated = tmp_path / "tokenizer.json"
+    whole = (built.dir / "tokenizer.json").read_bytes()
+    truncated.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    out = tmp_path / "shards"
+    assert cli.main(["data", "data=text_files", f"data.paths=[{built.root}/corpus/*.txt]", f"data.dir={out}",
+                     f"data.val_fraction={VAL_FRACTION}", f"data.tokenizer={truncated}"]) == 2  # was a bare Exception
+    [said] = capsys.readouterr().err.splitlines()
+    assert said.startswith(f"keel data: config error: data.tokenizer: {truncated} is not a tokenizer.json the "
+                           "tokenizers library can read (EOF while parsing")  # serde's reason, with its position
+    assert said.endswith("); give a complete tokenizer.json, or null to train a BPE on the corpus")
+    assert not out.exists()
+
+
 def test_empty_glob_is_refused_naming_it(tmp_path, capsys):
     write_corpus(tmp_path / "corpus")
     glob_ = f"{tmp_path}/nothing/*.txt"

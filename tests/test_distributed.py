@@ -156,12 +156,16 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
 
 
 def _sharded_checkpoint(path: Path, *overrides: str):
-    """A sharded checkpoint laid out as the FSDP strategy writes it (one process standing in for the ranks)."""
+    """A sharded checkpoint laid out as the FSDP strategy writes it (one process standing in for the ranks): the
+    weights and the optimizer state as tensors, the optimizer's param_groups as byte entries (pickles)."""
     from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     cfg = _tiny_cfg(*overrides)
     model = KeelLM(cfg.model)
-    save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, checkpoint_id=path, no_dist=True)
+    optimizer = get_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
+    save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "optimizer_0": optimizer},
+         checkpoint_id=path, no_dist=True)
     torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": None}, "global_step": 3}, path / SHARDED_META)
     return model, cfg
 
@@ -194,10 +198,16 @@ def test_consolidate_and_broken_sharded_checkpoints(tmp_path, capsys):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ConfigError, match=f"corrupt: shard file {shard.name} is missing or truncated"):
         read_checkpoint(sharded)
+    for name in (SHARDED_META, ".metadata"):  # one of the two missing: a save was interrupted
+        kept = (sharded / name).read_bytes()
+        (sharded / name).unlink()
+        with pytest.raises(ConfigError, match=rf"incomplete sharded checkpoint \(no {name}\)"):
+            read_checkpoint(sharded)
+        (sharded / name).write_bytes(kept)
     for name in (SHARDED_META, ".metadata"):
         (sharded / name).unlink()
-        with pytest.raises(ConfigError, match=rf"incomplete sharded checkpoint \(no .*{name}"):
-            read_checkpoint(sharded)
+    with pytest.raises(ConfigError, match="is not a checkpoint: it has no .metadata nor meta.pt"):
+        read_checkpoint(sharded)
 
 
 def test_sharded_commit_survives_a_crash_between_renames(tmp_path, monkeypatch):

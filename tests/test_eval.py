@@ -27,7 +27,7 @@ from keel.evaluation.offline import lm_eval_configs, write_local_task
 from keel.evaluation.suite import primary_metric
 from keel.pretrain import train
 
-from conftest import QUIET_TRAINER, SHARED_DATA, shared_data
+from conftest import QUIET_TRAINER, SHARED_DATA, shared_data, write_sharded
 
 EVAL_MODEL = ["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=64", "model.vocab_size=512"]
 STANDARD_TASKS = ["keel_arc_easy", "keel_arc_challenge", "keel_boolq", "keel_gsm8k", "keel_hellaswag",
@@ -366,15 +366,19 @@ def test_keel_standard_tasks_without_data_dir_say_where_to_point_it():
 
 
 def test_keel_eval_runs_a_local_task_and_writes_lm_evals_results(checkpoint, tmp_path):
-    out = tmp_path / "results"
-    # no corpus_dir given: the generated task finds its documents through the checkpoint's data.dir
-    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "keel_next_line", "--limit", "8",
-                     "--device", "cpu", "--output_path", str(out)]) == 0
-    [results_file] = out.rglob("results_*.json")
-    results = json.loads(results_file.read_text())
-    assert get_model("keel") is KeelEvalLM and results["config"]["model"] == "keel"
-    assert results["n-samples"]["keel_next_line"]["effective"] == 8
-    assert 0 <= results["results"]["keel_next_line"]["acc_mutual_info,none"] <= 1
+    accuracy = {}
+    # the checkpoint file, and the same laid out as FSDP writes it (a directory: it used to raise IsADirectoryError)
+    for layout, path in (("file", checkpoint), ("sharded", write_sharded(checkpoint, tmp_path / "sharded.ckpt"))):
+        out = tmp_path / layout
+        # no corpus_dir given: the generated task finds its documents through the checkpoint's data.dir
+        assert cli_main(["eval", "--model_args", f"checkpoint={path}", "--tasks", "keel_next_line", "--limit", "8",
+                         "--device", "cpu", "--output_path", str(out)]) == 0
+        [results_file] = out.rglob("results_*.json")
+        results = json.loads(results_file.read_text())
+        assert get_model("keel") is KeelEvalLM and results["config"]["model"] == "keel"
+        assert results["n-samples"]["keel_next_line"]["effective"] == 8
+        accuracy[layout] = results["results"]["keel_next_line"]["acc_mutual_info,none"]
+    assert 0 <= accuracy["file"] == accuracy["sharded"] <= 1
 
 
 # ----------------------------------------------------------------------------------------- in-loop evaluation

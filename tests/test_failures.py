@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -10,13 +11,17 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint
+from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint, read_dcp_metadata
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
 from keel import pretrain
@@ -44,63 +49,98 @@ class Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
-@pytest.fixture
-def hostile_checkpoint(tmp_path) -> tuple[Path, Path]:
-    """A real sharded checkpoint whose .metadata has been replaced by a payload; (the directory, the marker)."""
-    from torch.distributed.checkpoint import FileSystemReader
+POISONED_ENTRY = "optimizer_0.param_groups.0.lr"  # a byte entry (a pickle) of every FSDP checkpoint
 
-    path, marker = tmp_path / "downloaded.ckpt", tmp_path / "payload-ran"
-    _sharded_checkpoint(path)
-    (path / DCP_METADATA).write_bytes(pickle.dumps(Payload(marker)))
+
+def poison_metadata(path: Path, payload: Payload) -> str:
+    (path / DCP_METADATA).write_bytes(pickle.dumps(payload))
     with pytest.raises(Exception):  # torch's own reader runs it (then fails on what it returned)
         FileSystemReader(path).read_metadata()
+    return f"{DCP_METADATA} refused"
+
+
+def poison_byte_entry(path: Path, payload: Payload) -> str:
+    """Point POISONED_ENTRY at the payload, torch.save'd at the end of its .distcp file; .metadata stays clean
+    (re-pickled with the entry's new offset and length)."""
+    metadata = read_dcp_metadata(path)
+    info = metadata.storage_data[MetadataIndex(POISONED_ENTRY)]
+    shard, saved = path / info.relative_path, io.BytesIO()
+    torch.save(payload, saved)
+    info.offset, info.length = shard.stat().st_size, len(saved.getvalue())
+    with open(shard, "ab") as f:
+        f.write(saved.getvalue())
+    (path / DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    # torch's own load of the optimizer's param_groups, as the FSDP strategy's resume does, runs it
+    dcp_load({"optimizer_0": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=path, no_dist=True,
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    return f"{info.relative_path} refused: its entry {POISONED_ENTRY}"
+
+
+@dataclass
+class Hostile:
+    path: Path  # a real sharded checkpoint with a payload inside
+    marker: Path  # the file the payload writes
+    refusal: str  # what the message says after the checkpoint's path
+
+    def refused(self, err: str, path: Path | None = None) -> None:
+        assert any(f"{path or self.path}/{self.refusal}" in line and "builtins.exec" in line
+                   for line in err.splitlines()), err  # in one line
+        assert not self.marker.exists(), "the payload ran"
+
+
+@pytest.fixture(params=[poison_metadata, poison_byte_entry], ids=["in .metadata", "in a byte entry"])
+def hostile_checkpoint(request, tmp_path) -> Hostile:
+    """A real sharded checkpoint whose .metadata, or one of whose byte entries, torch would unpickle into a
+    payload: shown to run under torch's own reader, then its marker is removed."""
+    path, marker = tmp_path / "downloaded.ckpt", tmp_path / "payload-ran"
+    _sharded_checkpoint(path)
+    refusal = request.param(path, Payload(marker))
     assert marker.read_text() == "ran"  # the payload is live
     marker.unlink()
-    return path, marker
-
-
-def refused(err: str, path: Path, marker: Path) -> None:
-    assert f"{path / DCP_METADATA} refused" in err and "builtins.exec" in err, err
-    assert not marker.exists(), "the payload ran"
+    return Hostile(path, marker, refusal)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_payload_in_sharded_metadata_is_refused_by_read_consolidate_and_eval(hostile_checkpoint, tmp_path, capsys):
-    path, marker = hostile_checkpoint
+def test_payload_in_sharded_checkpoint_is_refused_by_read_consolidate_eval_and_generate(hostile_checkpoint, tmp_path,
+                                                                                         capsys):
+    path = hostile_checkpoint.path
     for weights in (True, False):
         with pytest.raises(ConfigError) as err:
             read_checkpoint(path, weights=weights)
-        refused(str(err.value), path, marker)
+        hostile_checkpoint.refused(str(err.value))
     assert cli_main(["consolidate", str(path), str(tmp_path / "out.ckpt")]) == 2
-    refused(capsys.readouterr().err, path, marker)
+    hostile_checkpoint.refused(capsys.readouterr().err)
     assert not (tmp_path / "out.ckpt").exists()
     assert cli_main(["eval", "--model_args", f"checkpoint={path}", "--tasks", "keel_next_line", "--device", "cpu"]) == 2
-    refused(capsys.readouterr().err, path, marker)
+    hostile_checkpoint.refused(capsys.readouterr().err)
+    assert cli_main(["generate", f"checkpoint={path}", "--prompt", "def "]) == 2
+    hostile_checkpoint.refused(capsys.readouterr().err)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_payload_in_sharded_metadata_is_refused_on_resume(hostile_checkpoint, tiny_data, tmp_path):
-    path, marker = hostile_checkpoint
-    with pytest.raises(ConfigError) as err:
-        train(tiny_config(tiny_data, tmp_path / "run", f"resume={path}"))
-    refused(str(err.value), path, marker)
+def test_payload_in_sharded_checkpoint_is_refused_on_resume_and_init_from(hostile_checkpoint, tiny_data, tmp_path):
+    path = hostile_checkpoint.path
+    for source in (f"resume={path}", f"init_from={path}"):
+        with pytest.raises(ConfigError) as err:
+            train(tiny_config(tiny_data, tmp_path / "run", source))
+        hostile_checkpoint.refused(str(err.value))
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before training
     run = tmp_path / "auto"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(path, run / "checkpoints" / LAST)  # resume=auto finds a directory last.ckpt
     with pytest.raises(ConfigError) as err:
         train(tiny_config(tiny_data, run, "resume=auto"))
-    refused(str(err.value), run / "checkpoints" / LAST, marker)
+    hostile_checkpoint.refused(str(err.value), run / "checkpoints" / LAST)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_the_fsdp_strategy_checks_metadata_before_torch_loads_it(hostile_checkpoint):
+def test_the_fsdp_strategy_checks_the_checkpoint_before_torch_loads_it(hostile_checkpoint):
     from keel.parallel import FSDP2Strategy
 
-    path, marker = hostile_checkpoint
     strategy = FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=1, save_distributed_checkpoint=True)
     with pytest.raises(ConfigError) as err:
-        strategy.load_checkpoint(path)
-    refused(str(err.value), path, marker)
+        strategy.load_checkpoint(hostile_checkpoint.path)
+    hostile_checkpoint.refused(str(err.value))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -203,6 +243,40 @@ def test_copied_run_dir_continues_from_its_newest_checkpoint_and_keeps_history(t
                                 "trainer.keep_last_k=1", *every))
     assert trainer.global_step == 7
     assert sorted(p.name for p in (back / "checkpoints").iterdir()) == [LAST, "step000007.ckpt"]
+
+
+class NaNWeightsAt(Callback):
+    """Every weight becomes NaN at the start of the given step, as after an update that diverged."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                for param in pl_module.parameters():
+                    param.fill_(float("nan"))
+
+
+def test_nonfinite_weights_never_replace_or_prune_the_last_finite_checkpoint(tiny_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_data, run, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=2",
+                      "trainer.keep_last_k=1", "trainer.val_every_n_steps=12", "trainer.val_batches=1")
+    trainer = train(cfg, [NaNWeightsAt(3)])  # saves at 2 (finite), then 4, 6 ... and the final one (NaN)
+    assert pretrain.failure_exit_code(cfg, trainer) == 1  # the stability monitor stopped it: `keel pretrain` exits 1
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "nonfinite.ckpt", "step000002.ckpt"]
+    for name in (LAST, "step000002.ckpt"):  # the last finite checkpoint, whole
+        finite = read_checkpoint(checkpoints / name)
+        assert finite["global_step"] == 2 and all(t.isfinite().all() for t in finite["state_dict"].values())
+    nonfinite = read_checkpoint(checkpoints / "nonfinite.ckpt")
+    assert nonfinite["global_step"] == trainer.global_step > 2
+    assert not all(t.isfinite().all() for t in nonfinite["state_dict"].values())
+    said = [line for line in capsys.readouterr().err.splitlines() if "the weights are not finite" in line]
+    assert said and said[-1] == (
+        f"keel pretrain: step {trainer.global_step}: the weights are not finite (NaN or inf): saved as "
+        f"{checkpoints / 'nonfinite.ckpt'}, not as a step-numbered checkpoint nor over last.ckpt; "
+        f"{checkpoints / LAST} keeps step 2, the last finite checkpoint")
 
 
 def test_orphan_temporary_files_are_removed_at_start_up(tiny_data, tmp_path, capsys):
@@ -355,6 +429,45 @@ def test_malformed_override_is_a_clear_error(capsys):
     assert cli_main(["pretrain", "--print-config", "model.depth=[2"]) == 2
     err = capsys.readouterr().err
     assert "override 'model.depth=[2': cannot parse its value as YAML" in err and "Traceback" not in err
+
+
+def test_a_directory_that_is_no_checkpoint_is_called_so_with_the_checkpoint_meant(tiny_run, tmp_path, capsys):
+    last = tiny_run / "checkpoints" / LAST
+    for directory in (tiny_run, tiny_run / "checkpoints"):
+        assert cli_main(["generate", f"checkpoint={directory}", "--prompt", "def "]) == 2
+        assert capsys.readouterr().err == (f"keel generate: config error: checkpoint: {directory} is not a checkpoint: "
+                                           f"it has no .metadata nor meta.pt; did you mean {last}?\n")
+    assert cli_main(["consolidate", str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
+    assert capsys.readouterr().err == (f"keel consolidate: config error: checkpoint: {tmp_path} is not a checkpoint: "
+                                       "it has no .metadata nor meta.pt (a checkpoint is a .ckpt file or an FSDP "
+                                       "checkpoint directory holding both)\n")
+    assert not (tmp_path / "out.ckpt").exists() and read_checkpoint(last, weights=False)["global_step"] == 30
+
+
+def test_compare_of_a_run_without_validation_says_so(tiny_data, tmp_path, capsys):
+    short, empty = tmp_path / "short", tmp_path / "empty"
+    train(tiny_config(tiny_data, short, "trainer.max_steps=2", "trainer.val_every_n_steps=4"))  # train/loss only
+    (empty / "tb").mkdir(parents=True)  # no events at all
+    for run in (short, empty):
+        assert cli_main(["compare", str(run), "--out", str(tmp_path / "compare.png")]) == 2
+        assert capsys.readouterr().err == (
+            f"keel compare: config error: compare: {run} has nothing to compare: its tb/ events hold no val/loss or "
+            "eval/ scalars (validation runs every trainer.val_every_n_steps steps: a run stopped before the first "
+            "has none)\n")
+    assert not (tmp_path / "compare.png").exists()
+    assert read_checkpoint(short / "checkpoints" / LAST, weights=False)["global_step"] == 2  # the run is untouched
+
+
+def test_a_config_file_whose_top_level_is_a_list_is_a_clear_error(tmp_path, capsys):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- optim.lr: 0.001\n- trainer.max_steps: 10\n")
+    refusal = (f"config error: {listed}: its top level is a list; a config file maps keys to settings "
+               "(e.g. a line `optim:`, then `  lr: 0.001`)\n")
+    for command in (["pretrain", "--print-config", "--config", str(listed)], ["pretrain", f"model={listed}"],
+                    ["data", "--config", str(listed), f"data.dir={tmp_path / 'data'}"]):
+        assert cli_main(command) == 2  # was ListConfig.pop()'s TypeError
+        assert capsys.readouterr() == ("", f"keel {command[0]}: {refusal}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.yaml"]  # nothing written
 
 
 def test_empty_checkpoint_says_why(tiny_data, tmp_path):

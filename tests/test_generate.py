@@ -70,3 +70,8 @@ def test_generate_errors_name_the_option(tiny_run, capsys):
     assert "--max-new-tokens must be in [1, 31] (the model's seq_len is 32)" in capsys.readouterr().err
     assert cli_main(["generate", "checkpoint=/nonexistent.ckpt"]) == 2
     assert "no file or directory at /nonexistent.ckpt" in capsys.readouterr().err
+    for temperature in ("nan", "-1"):  # nan used to end in torch.multinomial's RuntimeError
+        assert cli_main(["generate", str(checkpoint), "--temperature", temperature]) == 2
+        assert capsys.readouterr() == ("", "keel generate: config error: generate: --temperature and --top-k must be "
+                                       ">= 0 (0 = greedy / all tokens), got "
+                                       f"--temperature {float(temperature)} --top-k 50\n")

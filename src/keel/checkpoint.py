@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from keel.config import Config, from_dict
 from keel.errors import ConfigError
@@ -79,6 +79,58 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
         return metadata
+
+
+class _WeightsOnlyBytesPlanner(DefaultLoadPlanner):
+    """Unpickles a checkpoint's byte entries (its non-tensor state: the optimizer's param_groups, ...) with torch's
+    weights-only unpickler, where DefaultLoadPlanner uses weights_only=False. What it refuses is listed in
+    `refused`, not raised: torch.distributed.checkpoint would wrap the exception in its own."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(flatten_state_dict=False)
+        self.path = path
+        self.refused: list[str] = []
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except Exception:
+            file = self.path / self.metadata.storage_data[read_item.storage_index].relative_path
+            self.refused.append(f"{file} refused: its entry {read_item.dest_index.fqn} {_why_not_weights_only(value)}")
+
+
+def _why_not_weights_only(value: io.BytesIO) -> str:
+    value.seek(0)
+    try:  # torch's own error is a page of advice; this names the globals it refuses
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
+    except Exception as err:
+        return f"is not a torch.save object ({describe_error(err)})"
+    if not unsafe:
+        return "cannot be read by torch.load(weights_only=True)"
+    return f"refers to {', '.join(unsafe)}, which torch.load(weights_only=True) does not allow"
+
+
+def refuse_payloads(path: Path) -> None:
+    """Refuse a sharded checkpoint that would run code when torch.distributed.checkpoint loads it: its `.metadata`
+    (read_dcp_metadata) and each of its byte entries, which torch would unpickle with weights_only=False, must pass
+    torch's weights-only allow-list. Every reader of a sharded checkpoint calls this first."""
+    reader = SafeFileSystemReader(path)
+    entries = {fqn: None for fqn, entry in reader.read_metadata().state_dict_metadata.items()
+               if isinstance(entry, BytesStorageMetadata)}
+    planner = _WeightsOnlyBytesPlanner(Path(path))
+    _load_in_this_process(entries, reader, planner)
+    if planner.refused:
+        others = f" (and {len(planner.refused) - 1} other entries)" if len(planner.refused) > 1 else ""
+        raise ConfigError(f"checkpoint: {planner.refused[0]}{others}; it may have been made to run code when loaded: "
+                          "do not use this checkpoint")
+
+
+def _load_in_this_process(state_dict: dict, reader, planner=None) -> None:
+    from torch.distributed.checkpoint import load
+
+    with warnings.catch_warnings():  # reading in one process is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def describe_error(err: BaseException) -> str:
@@ -194,7 +246,6 @@ def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
 
 def _sharded_weights(reader) -> dict[str, torch.Tensor]:
     """The full model state_dict (`model.<param>`), assembled in this process from every rank's shards."""
-    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     prefix = "state_dict."  # DCP flattens Lightning's {"state_dict": {...}} to dotted keys
@@ -204,14 +255,17 @@ def _sharded_weights(reader) -> dict[str, torch.Tensor]:
         for key, entry in entries.items()
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # reading in one process is the point here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load({"state_dict": weights}, storage_reader=reader, no_dist=True)
+    _load_in_this_process({"state_dict": weights}, reader)
     return weights
 
 
 def _read_sharded(path: Path, weights: bool) -> dict:
     missing = [name for name in (DCP_METADATA, SHARDED_META) if not (path / name).is_file()]
+    if len(missing) == 2:  # nothing of a sharded checkpoint: a run dir, its checkpoints/ or another directory
+        meant = next((last for last in (path / "checkpoints" / LAST, path / LAST) if last.exists()), None)
+        raise ConfigError(f"checkpoint: {path} is not a checkpoint: it has no {DCP_METADATA} nor {SHARDED_META}"
+                          + (f"; did you mean {meant}?" if meant else " (a checkpoint is a .ckpt file or an FSDP "
+                             "checkpoint directory holding both)"))
     if missing:
         raise ConfigError(f"checkpoint: {path} is an incomplete sharded checkpoint (no {', '.join(missing)}): "
                           "its save was interrupted; resume from another checkpoint")
@@ -221,6 +275,7 @@ def _read_sharded(path: Path, weights: bool) -> dict:
             shard = path / info.relative_path
             if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
                 raise ConfigError(f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or truncated")
+        refuse_payloads(path)
         checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
         if weights:
             checkpoint["state_dict"] = _sharded_weights(reader)
@@ -242,8 +297,8 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
         if path.stat().st_size == 0:
             raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); resume from "
                               "another checkpoint (resume=PATH) or start afresh (resume=null)")
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        try:  # without the weights, mapped: only the entries used are read
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=not weights)
         except Exception as err:
             raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {describe_error(err)}") from None
     else:

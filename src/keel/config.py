@@ -236,9 +236,13 @@ def _explain(err: OmegaConfBaseException) -> ConfigError:
 
 def _read_yaml(path: Path) -> DictConfig:
     try:
-        return OmegaConf.load(path)
+        loaded = OmegaConf.load(path)
     except Exception as err:  # yaml's own errors carry line numbers
         raise ConfigError(f"{path}: cannot parse YAML: {err}") from err
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: its top level is a list; a config file maps keys to settings "
+                          "(e.g. a line `optim:`, then `  lr: 0.001`)")
+    return loaded
 
 
 def _parse_overrides(dotlist: list[str]) -> DictConfig:

@@ -64,8 +64,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if args.temperature < 0 or args.top_k < 0:
-        raise ConfigError("generate: --temperature and --top-k must be >= 0 (0 = greedy / all tokens)")
+    if not args.temperature >= 0 or args.top_k < 0:  # `not >=`: argparse's float takes nan, which compares false
+        raise ConfigError(f"generate: --temperature and --top-k must be >= 0 (0 = greedy / all tokens), got "
+                          f"--temperature {args.temperature} --top-k {args.top_k}")
     model, cfg, tokenizer_json = load_model(args.checkpoint.removeprefix("checkpoint="), args.device)
     if not 1 <= args.max_new_tokens < cfg.model.seq_len:
         raise ConfigError(f"generate: --max-new-tokens must be in [1, {cfg.model.seq_len - 1}] "

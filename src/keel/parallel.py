@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from keel.checkpoint import commit_dir, read_dcp_metadata, staging_path
+from keel.checkpoint import commit_dir, refuse_payloads, staging_path
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
@@ -130,8 +130,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 through Lightning's ModelParallelStrategy (data parallel over every process, no tensor parallel;
     `parallelize` shards the model in configure_model). Its distributed checkpoints - a directory of per-rank
     shards plus rank 0's meta.pt - are written to a staging directory first, then swapped in whole, so a
-    crash mid-save leaves the previous checkpoint readable; their `.metadata` is checked for code before torch
-    reads it."""
+    crash mid-save leaves the previous checkpoint readable; their `.metadata` and byte entries are checked for code
+    before torch reads them."""
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         path = Path(self.broadcast(str(filepath)))
@@ -146,8 +146,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir():  # torch would unpickle .metadata as it is: refuse a payload first
-            read_dcp_metadata(path)
+        if path.is_dir():  # torch would unpickle .metadata and the byte entries as they are: refuse a payload first
+            refuse_payloads(path)
         return super().load_checkpoint(path, weights_only)
 
 

@@ -30,7 +30,12 @@ def load_tokenizer(name: str) -> tuple[Tokenizer, bytes]:
     """A tokenizer.json path (bytes kept verbatim, so the file's hash identifies it) or a Hugging Face hub name."""
     if os.path.isfile(name):
         raw = Path(name).read_bytes()
-        return Tokenizer.from_str(raw.decode()), raw
+        try:
+            return Tokenizer.from_str(raw.decode()), raw
+        except Exception as err:  # the tokenizers library raises a bare Exception (serde's reason)
+            raise ConfigError(f"data.tokenizer: {name} is not a tokenizer.json the tokenizers library can read "
+                              f"({' '.join(str(err).split())}); give a complete tokenizer.json, or null to train a BPE "
+                              "on the corpus") from None
     try:
         tokenizer = Tokenizer.from_pretrained(name)
     except Exception as err:

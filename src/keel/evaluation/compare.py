@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from keel.artifacts import TENSORBOARD, read_scalars
+from keel.errors import ConfigError
 
 LOSS_TAG = "val/loss"
 TRAIN_LOSS_TAG = "train/loss"
@@ -90,6 +91,10 @@ def main(argv: list[str]) -> int:
         if not (run_dir / TENSORBOARD).is_dir():
             parser.error(f"{run_dir} has no tb/ directory: not a keel run directory")
         runs[str(run_dir)] = curves = read_curves(run_dir, args.train_loss)
+        if not curves:
+            raise ConfigError(f"compare: {run_dir} has nothing to compare: its tb/ events hold no {LOSS_TAG} or "
+                              f"{TASK_PREFIX} scalars (validation runs every trainer.val_every_n_steps steps: a run "
+                              "stopped before the first has none)")
         if args.train_loss:
             if len(curves.get(TRAIN_LOSS_TAG, [])) < 2 * args.window:
                 parser.error(f"{run_dir} logged train/loss at fewer than {2 * args.window} steps: "

@@ -24,8 +24,7 @@ import random
 import re
 from pathlib import Path
 
-import torch
-
+from keel.checkpoint import read_checkpoint
 from keel.data.shards import VAL_DOCS
 
 TASKS_SUBDIR = "eval_tasks/v1"  # bump when the generator changes: files of an older one are not reused
@@ -125,10 +124,8 @@ def _corpus_dir(corpus_dir: str | None, checkpoint: str | None) -> str:
     --model_args checkpoint=PATH` passes it), else the default data.dir."""
     if corpus_dir:
         return corpus_dir
-    if checkpoint:
-        # mmap: only the small config entry is read, not the weights (the adapter loads those).
-        saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-        return saved["keel"]["config"]["data"]["dir"]
+    if checkpoint:  # a file or a sharded directory; its weights are not read here (the adapter loads them)
+        return read_checkpoint(checkpoint, weights=False)["keel"]["config"]["data"]["dir"]
     from keel.config import DataConfig
 
     return DataConfig().dir

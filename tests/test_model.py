@@ -550,3 +550,13 @@ def test_megatron_init_scales_the_branch_outputs_and_truncates():
                         (block.attn.branch.out.weight, 0.02 / 4), (block.ffn.branch.down.weight, 0.02 / 4)):
         assert weight.abs().max() <= 3 * std + 1e-7
         assert weight.std().item() == pytest.approx(std * 0.986, rel=0.03)  # a normal cut at 3 std keeps 98.6% of it
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_the_one_parameter_count_is_the_built_models(scheme):
+    """parameter_counts (meta device, no allocation) is what a built model holds, for every scheme, tied or not."""
+    from keel.model import parameter_counts
+
+    for tied in (False, True):
+        cfg = tiny(scheme=scheme, depth=5, tie_embeddings=tied, mixln_post_fraction=0.4)
+        assert sum(parameter_counts(cfg).values()) == sum(p.numel() for p in KeelLM(cfg).parameters())

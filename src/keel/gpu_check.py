@@ -193,7 +193,7 @@ def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, 
         loss = next_token_loss(model, batch)
     loss.backward()
     optimizer.step()
-    params = sum(p.numel() for p in model.parameters())
+    params = model.num_params()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device), params

@@ -24,12 +24,12 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
 from keel.errors import ConfigError
-from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, scheme_of
+from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, parameter_counts, scheme_of
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms")
 
@@ -126,16 +126,8 @@ def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, see
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of KeelLM(cfg), counted on the meta device from two shallow copies (blocks past the first
-    two are alike), so that no depth allocates anything."""
-    def count(depth: int) -> int:
-        with torch.device("meta"):
-            return sum(p.numel() for p in KeelLM(replace(cfg, depth=depth)).parameters())
-
-    if cfg.depth <= 3:
-        return count(cfg.depth)
-    two, three = count(2), count(3)
-    return two + (cfg.depth - 2) * (three - two)
+    """Parameters of KeelLM(cfg), without allocating any (keel.model.parameter_counts)."""
+    return sum(parameter_counts(cfg).values())
 
 
 def estimate_bytes(cfg: ModelConfig, batch: int) -> int:

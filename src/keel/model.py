@@ -421,8 +421,20 @@ class KeelLM(nn.Module):
         return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk)
 
     def num_params(self, embeddings: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n if embeddings else n - self.embed.weight.numel()
+        """All parameters, or all but the token embedding's (the head counted unless tied to it)."""
+        counts = parameter_counts(self.cfg)
+        return sum(counts.values()) - (0 if embeddings else counts["embedding"])
+
+
+def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+    """KeelLM(cfg)'s parameters by part, counted without building it (one meta-device block per distinct layout,
+    so no depth allocates anything): embedding, blocks, final_norm, head (0 when tied to the embedding)."""
+    specs = sublayer_specs(cfg)
+    with torch.device("meta"):
+        per_layout = {spec: sum(p.numel() for p in Block(cfg, 0, *spec).parameters()) for spec in set(specs)}
+    return {"embedding": cfg.vocab_size * cfg.width, "blocks": sum(per_layout[spec] for spec in specs),
+            "final_norm": cfg.width if needs_final_norm(cfg) else 0,
+            "head": 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.width}
 
 
 def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:

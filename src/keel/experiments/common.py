@@ -15,13 +15,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from keel.artifacts import CONFIG, EVAL_HISTORY, read_scalars, read_stability
 from keel.config import Config, ModelConfig, from_dict
 from keel.errors import ConfigError
-from keel.model import Block, needs_final_norm, scheme_of, sublayer_specs
+from keel.model import parameter_counts, scheme_of
 
 
 def comma_list(cast: Callable[[str], Any]) -> Callable[[str], list]:
@@ -73,13 +72,9 @@ def slug(text: str) -> str:
 
 
 def non_embedding_params(model: ModelConfig) -> int:
-    """Parameters outside the embedding and the LM head (Kaplan et al.'s count): one meta-device block per
-    distinct block layout (no memory at any size, and no formula that could drift from model.py), plus the
-    final norm."""
-    specs = sublayer_specs(model)
-    with torch.device("meta"):
-        per_layout = {spec: sum(p.numel() for p in Block(model, 0, *spec).parameters()) for spec in set(specs)}
-    return sum(per_layout[spec] for spec in specs) + (model.width if needs_final_norm(model) else 0)
+    """Parameters outside the embedding and the LM head (Kaplan et al.'s count): the blocks and the final norm."""
+    counts = parameter_counts(model)
+    return counts["blocks"] + counts["final_norm"]
 
 
 def width_for_budget(model: ModelConfig, depth: int, budget: int) -> int:

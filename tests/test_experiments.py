@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,15 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
     assert "preln vs " not in report and "| 16 | keel vs preln |" not in report  # the one default pair present:
     pair = next(line for line in report.splitlines() if "| keel vs preln |" in line)
     assert pair.startswith("| 2 | keel vs preln | 1 |"), pair  # both resolved now: one seed compared
+
+    # `keel paper-report` puts the grids of a `make paper` directory side by side and lists the missing ones
+    shutil.copytree(out, tmp_path / "paper" / "table1-d16")
+    assert cli_main(["paper-report", str(tmp_path / "paper")]) == 0
+    paper = (tmp_path / "paper" / "report.md").read_text()
+    assert "## Table 1, 16 blocks x 64 (table1-d16)" in paper and "| keel vs preln |" in paper
+    assert "Not (yet) run: table1-d64, depth-d16, depth-d256" in paper
+    row = next(line for line in paper.splitlines() if line.startswith("| keel | "))
+    assert row.count("/") >= 2  # a cell per seed: max LR / loss-optimal LR (best held-out)
 
 
 def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):

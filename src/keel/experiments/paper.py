@@ -42,6 +42,10 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _median_range(values: list[float]) -> str:
+    return f"{_fmt(_median(values))} [{_fmt(min(values))}-{_fmt(max(values))}]" if values else "-"
+
+
 def seed_table(rows: list[dict]) -> list[dict]:
     """Per row (scheme): every seed's max LR / loss-optimal LR (best held-out), medians and ranges."""
     table = []
@@ -54,10 +58,8 @@ def seed_table(rows: list[dict]) -> list[dict]:
         entry |= {f"seed {seed}": _cell(runs[seed]) if seed in runs else "" for seed in seeds}
         entry |= {
             "resolved": f"{len(values)}/{len(runs)}",
-            "max LR median [range]": f"{_fmt(_median(values))} [{_fmt(min(values, default=None))}-"
-                                     f"{_fmt(max(values, default=None))}]",
-            "loss-optimal LR median [range]": f"{_fmt(_median(optimal))} [{_fmt(min(optimal, default=None))}-"
-                                              f"{_fmt(max(optimal, default=None))}]",
+            "max LR median [range]": _median_range(values),
+            "loss-optimal LR median [range]": _median_range(optimal),
             "best held-out median": _fmt(_median([r["best_heldout"] for r in runs.values()
                                                   if r["best_heldout"] is not None])),
         }

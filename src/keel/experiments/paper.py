@@ -146,8 +146,8 @@ def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
         if (r["row"], r["seed"]) in by:
             s = by[r["row"], r["seed"]]
             table.append({"scheme": r["row"], "seed": r["seed"], "max LR, 560 steps": _fmt(max_lr_value(s)),
-                          "onset step": s["onset_step"], "max LR, 1,120 steps": _fmt(max_lr_value(r)),
-                          "onset step ": r["onset_step"],
+                          "its onset step": s["onset_step"], "max LR, 1,120 steps": _fmt(max_lr_value(r)),
+                          "its onset step, 1,120": r["onset_step"],
                           "ratio": _fmt(max_lr_value(r) / max_lr_value(s))
                           if max_lr_value(r) and max_lr_value(s) else "-",
                           "loss-optimal LR, 560 / 1,120": f"{_fmt(s['loss_optimal_lr'])} / {_fmt(r['loss_optimal_lr'])}"})
@@ -169,7 +169,8 @@ def deep_runs(out: Path, plot_path: Path) -> list[dict]:
         val = scalars.get("val/loss", [])
         entry = {"run": run["name"], "steps": stability.get("steps"), "non-finite steps": stability.get("nonfinite_steps"),
                  "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val)}
-        blocks = sorted(tag for tag in scalars if tag.startswith("grad/ffn/block_"))
+        blocks = sorted((tag for tag in scalars if tag.startswith("grad/ffn/block_")),
+                        key=lambda tag: int(tag.rsplit("_", 1)[1]))
         steps = sorted({s for tag in blocks for s, _ in scalars[tag]})
         shown = [steps[0], steps[len(steps) // 2], steps[-1]] if steps else []
         for step in shown:

@@ -54,10 +54,12 @@ DEEP := --depths 64 model.width=32 $(NARROW)
 EMIT :=
 endif
 MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
-PAPER_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024
-.PHONY: paper-data $(addprefix paper-,$(PAPER_GRIDS))
+ALL_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024
+# PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
+PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
+.PHONY: paper-data $(addprefix paper-,$(ALL_GRIDS))
 paper: $(addprefix paper-,$(PAPER_GRIDS))
-	$(KEEL) paper-report $(PAPER_OUT)
+	$(if $(filter 1,$(PAPER_SCALE)),,$(KEEL) paper-report $(PAPER_OUT))
 
 paper-data: install
 	$(KEEL) data $(filter data=% data.%,$(ARGS))

@@ -118,9 +118,9 @@ def max_lr_value(row: dict) -> float | None:
     return row["max_tolerable_lr"] if row["failure"] else row["max_lr_seen"]
 
 
-def probe_verdict(run_dir: Path, cfg: Config, unigram: float, margin: float, spike_margin: float | None = None,
+def probe_verdict(state: dict, cfg: Config, unigram: float, margin: float, spike_margin: float | None = None,
                   relative_only: bool = False) -> Verdict:
-    state = read_stability(run_dir)
+    """The verdict on a probe's stability.json `state` under its own patience and (by default) spike margin."""
     nonfinite = (state["step"], state["max_tolerable_lr"]) if state["kind"] == "nonfinite" else None
     stability = cfg.callbacks.stability
     return judge(state.get("heldout", []), unigram, margin, spike_margin or stability.spike_margin,
@@ -135,9 +135,10 @@ def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: fl
     row["stop"] = row.pop("failure", None)
     if (run_dir / COST).is_file():
         row |= json.loads((run_dir / COST).read_text())
-    row |= {**asdict(probe_verdict(run_dir, cfg, unigram, margin)), "unigram_loss": unigram}
+    state = read_stability(run_dir)
+    row |= {**asdict(probe_verdict(state, cfg, unigram, margin)), "unigram_loss": unigram}
     for name, variant in VARIANTS.items():
-        row[f"max LR, {name}"] = max_lr_value({**row, **asdict(probe_verdict(run_dir, cfg, unigram, **variant))})
+        row[f"max LR, {name}"] = max_lr_value({**row, **asdict(probe_verdict(state, cfg, unigram, **variant))})
     return row
 
 

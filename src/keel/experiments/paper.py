@@ -23,8 +23,11 @@ from keel.experiments.common import markdown_table, pyplot
 from keel.experiments.maxlr_report import collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
 
-DEPTH_TREND = {16: "depth-d16", 64: "table1-d64", 256: "depth-d256"}  # blocks -> grid, width 32
-WIDTH_TREND = {32: "depth-d16", 64: "table1-d16", 128: "width-w128", 256: "width-w256"}  # width -> grid, 16 blocks
+# a trend's points: value -> (grid, blocks, width) of the runs that make it
+DEPTH_TREND = {16: ("depth-d16", 16, 32), 64: ("table1-d64", 64, 32), 256: ("depth-d256", 256, 32)}
+WIDTH_TREND = {32: ("depth-d16", 16, 32), 64: ("table1-d16", 16, 64), 128: ("width-w128", 16, 128),
+               256: ("width-w256", 16, 256)}
+BATCH_POINT = {64: ("batch-8x", 16, 64)}  # 8x the tokens per step, plotted on the width panel
 
 
 def _fmt(value: float | None) -> str:
@@ -85,13 +88,11 @@ def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float]:
     return out
 
 
-def trend(grids: dict[str, list[dict]], axis: dict[int, str], name: str) -> tuple[list[dict], dict]:
+def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], name: str) -> tuple[list[dict], dict]:
     """Per point of the axis: each scheme's median max LR and loss-optimal LR, and the Keel / Pre-LN ratio."""
     table, points = [], {}
-    for value, grid in axis.items():
-        rows = [r for r in grids.get(grid, []) if (name != "blocks" or r["depth"] == value)]
-        if name == "width":
-            rows = [r for r in rows if r["width"] == value and r["depth"] == 16]
+    for value, (grid, depth, width) in axis.items():
+        rows = [r for r in grids.get(grid, []) if (r["depth"], r["width"]) == (depth, width)]
         if not rows:
             continue
         entry = {name: value, "grid": grid}
@@ -177,7 +178,9 @@ def deep_runs(out: Path, plot_path: Path) -> list[dict]:
             norms = [dict(scalars[tag]).get(step) for tag in blocks]
             finite = [n for n in norms if n is not None and math.isfinite(n) and n > 0]
             if finite:
-                entry[f"ffn grad norm max/min over blocks, step {step + 1}"] = f"{max(finite) / min(finite):.3g}"
+                entry[f"ffn grad norm max / smallest non-zero over blocks, step {step + 1}"] = \
+                    f"{max(finite) / min(finite):.3g}" + (f" ({len(norms) - len(finite)} of {len(norms)} logged blocks at 0)"
+                                                           if len(finite) < len(norms) else "")
         if steps:
             last = [dict(scalars[tag]).get(steps[-1]) for tag in blocks]
             axes[0].plot([int(tag.rsplit("_", 1)[1]) for tag in blocks], last, label=run["name"])
@@ -221,16 +224,15 @@ def report(out: Path) -> str:
                 text += [markdown_table(tests, list(dict.fromkeys(k for t in tests for k in t))), ""]
     depth_table, depth_points = trend(grids, DEPTH_TREND, "blocks")
     width_table, width_points = trend(grids, WIDTH_TREND, "width")
-    batch = ratios(grids.get("batch-8x", []))
+    batch_table, batch_points = trend(grids, BATCH_POINT, "width")
     for title, table in (("Depth at width 32", depth_table), ("Width at 16 blocks", width_table)):
         if table:
             text += [f"## {title}", "", markdown_table(table, list(dict.fromkeys(k for t in table for k in t))), ""]
-    if "batch-8x" in grids:
-        b = trend({"batch-8x": grids["batch-8x"]}, {64: "batch-8x"}, "width")[0]
+    if batch_table:
         text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
-                 markdown_table(b, list(dict.fromkeys(k for t in b for k in t))), ""]
+                 markdown_table(batch_table, list(dict.fromkeys(k for t in batch_table for k in t))), ""]
     if any(depth_points.values()) or any(width_points.values()):
-        plot_ratios(depth_points, width_points, batch, out / "ratio.png")
+        plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
         text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
     if "ramp-2x" in grids and "table1-d16" in grids:
         table = ramp_check(grids["table1-d16"], grids["ramp-2x"])

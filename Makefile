@@ -54,7 +54,8 @@ DEEP := --depths 64 model.width=32 $(NARROW)
 EMIT :=
 endif
 MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
-ALL_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024
+ALL_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024 \
+	deep1024-nogain
 # PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
 PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
 .PHONY: paper-data $(addprefix paper-,$(ALL_GRIDS))
@@ -88,13 +89,17 @@ paper-ramp-2x: paper-data
 paper-hybridnorm: paper-data
 	$(MAXLR) --schemes hybridnorm --variant hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron \
 		--seeds $(TREND_SEEDS) --start-lr 1e-4 --steps 720 $(ARGS)
-# Past 1000 layers: 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks, three schemes
+# Past 1000 layers: 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks, three schemes; then Keel
+# without the outer norms' per-channel gains (docs/experiments.md, section 3)
+DEEP1024 = $(KEEL) sweep --depths 1024 --lrs 0.01 --out $(PAPER_OUT)/$(subst paper-,,$@) model.width=32 \
+	model.n_heads=4 model.seq_len=64 trainer.micro_batch_size=8 trainer.threads=1 trainer.max_steps=200 \
+	trainer.val_every_n_steps=25 trainer.val_batches=8 trainer.checkpoint_every_n_steps=50 eval.enabled=false \
+	callbacks.grad_norms.every_n_steps=25 callbacks.grad_norms.heatmap_every_n_steps=50 \
+	callbacks.stability.stop_on_failure=false trainer.progress_bar=false
 paper-deep1024: paper-data
-	$(KEEL) sweep --schemes keel,preln,postln --depths 1024 --lrs 0.01 --out $(PAPER_OUT)/deep1024 model.width=32 \
-		model.n_heads=4 model.seq_len=64 trainer.micro_batch_size=8 trainer.threads=1 trainer.max_steps=200 \
-		trainer.val_every_n_steps=25 trainer.val_batches=8 trainer.checkpoint_every_n_steps=50 eval.enabled=false \
-		callbacks.grad_norms.every_n_steps=25 callbacks.grad_norms.heatmap_every_n_steps=50 \
-		callbacks.stability.stop_on_failure=false trainer.progress_bar=false $(ARGS)
+	$(DEEP1024) --schemes keel,preln,postln $(ARGS)
+paper-deep1024-nogain: paper-data
+	$(DEEP1024) --schemes keel model.out_norm_gain=false $(ARGS)
 
 bench: install
 	$(KEEL) bench $(ARGS)

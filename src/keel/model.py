@@ -64,6 +64,9 @@ class ModelConfig:
     keel_alpha: float | None = None  # None = L
     keel_first_block: str = "v1"  # v1: first attention and FFN plain Pre-LN; v2: paper's revision
     keel_inner_norm: bool = True  # false: the ablation without Keel's inner norm (blocks after the first: Post-LN + alpha)
+    # false: every Norm_out without its learnable per-channel gain. With alpha = L a sublayer is nearly
+    # x -> gain * x / rms(x), so the gains multiply coordinate-wise over all L sublayers (docs/schemes.md)
+    out_norm_gain: bool = True
     deepnorm_alpha: float | None = None  # None = (2N)^(1/4)
     deepnorm_beta: float | None = None  # None = (8N)^(-1/4)
     mixln_post_fraction: float = 0.25
@@ -80,6 +83,8 @@ class ModelConfig:
             require(value in allowed, f"model.{key}", f"unknown {noun} {value!r}; allowed: {', '.join(allowed)}")
         require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
                 f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
+        require(self.out_norm_gain or any(spec.norm_out for block in sublayer_specs(self) for spec in block),
+                "model.out_norm_gain", f"scheme {self.scheme!r} has no Norm_out at this depth; leave it true")
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
             require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
         require(self.width % self.n_heads == 0, "model.width",
@@ -234,10 +239,10 @@ def needs_final_norm(cfg: ModelConfig) -> bool:
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm (gain, no bias), always computed in fp32 so it stays exact under autocast."""
+    """torch's RMSNorm (gain, no bias; gain=False: none), always computed in fp32 so it stays exact under autocast."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps=eps)
+    def __init__(self, dim: int, eps: float, gain: bool = True) -> None:
+        super().__init__(dim, eps=eps, elementwise_affine=gain)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
         """RMSNorm(x), or RMSNorm(x + alpha * skip): a sublayer's sum and Norm_out in one step (keel.ops.rms_norm)."""
@@ -338,7 +343,7 @@ class Sublayer(nn.Module):
         self.skip_from_norm_in = spec.skip_from_norm_in
         self.branch = branch
         self.norm_in = RMSNorm(cfg.width, cfg.norm_eps) if spec.norm_in else None
-        self.norm_out = RMSNorm(cfg.width, cfg.norm_eps) if spec.norm_out else None
+        self.norm_out = RMSNorm(cfg.width, cfg.norm_eps, cfg.out_norm_gain) if spec.norm_out else None
 
     def forward(self, x: torch.Tensor, **branch_kwargs) -> torch.Tensor:
         # x: (B, T, C) fp32 stream; the sum and the outer norm stay fp32 whatever dtype the branch uses
@@ -390,7 +395,7 @@ class KeelLM(nn.Module):
                     nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
                 else:
                     nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, nn.RMSNorm):
+            elif isinstance(module, nn.RMSNorm) and module.weight is not None:
                 nn.init.ones_(module.weight)
         nn.init.normal_(self.embed.weight, std=1.0 if cfg.init == "unit" else cfg.init_std)
         if cfg.init == "megatron":  # the residual branches' last matrices, scaled down with depth (Shoeybi et al.)

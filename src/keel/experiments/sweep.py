@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sbatch", action="append", default=[], help="an extra #SBATCH option (repeatable)")
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
     parser.add_argument("overrides", nargs="*", help="group=choice or key.path=value, for every run")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
     out = Path(args.out)
     runs = build_grid(args)
     # every run's config is checked before anything is written, emitted or trained

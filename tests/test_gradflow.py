@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from keel.cli import main
+from keel.config import Config, to_dict
 from keel.gradflow import measure_model
 from keel.model import KeelLM, ModelConfig
 from keel.parallel import apply_activation_checkpointing
 
-ROW_FIELDS = {"index", "block", "kind", "act_grad", "input_rms", "rel_act_grad", "weight_grad", "gain_grad", "output_rms"}
+ROW_FIELDS = {"index", "block", "kind", "act_grad", "input_rms", "rel_act_grad", "weight_grad", "gain_grad", "output_rms",
+              "input_top_share"}
 RATIOS = [f"{q}_{where}_top" for q in ("act_grad", "rel_act_grad", "weight_grad") for where in ("bottom", "middle")]
 SMALL = ["--depth", "4", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "2", "--vocab", "32"]
 
@@ -86,3 +88,46 @@ def test_measure_model_works_under_activation_checkpointing():
     for want, row in zip(expected, got):
         for field in ROW_FIELDS - {"kind"}:
             assert row[field] == pytest.approx(want[field], rel=1e-5), field
+
+
+def _checkpoint_with_compounding_gains(path) -> str:
+    """A Keel model whose every Norm_out gain weights its last channel 1.3 and the others 1, saved as a checkpoint.
+    With alpha = L each sublayer is nearly x -> gain * x / rms(x), so over its 30 such sublayers that channel gains
+    1.3^30 ~ 3e3 over the others: the stream must collapse onto it and the gradient reaching the bottom must
+    shrink; with the gains flattened neither may happen."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(scheme="keel", depth=16, width=32, n_heads=2, seq_len=8, vocab_size=32)
+    model = KeelLM(cfg)
+    with torch.no_grad():
+        for block in model.blocks[1:]:
+            for sub in (block.attn, block.ffn):
+                sub.norm_out.weight.fill_(1.0)[-1] = 1.3
+    checkpoint = {"keel": {"config": to_dict(Config(model=cfg)), "tokenizer_json": None},
+                  "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    torch.save(checkpoint, path)
+    return str(path)
+
+
+def test_checkpoint_with_compounding_gains_collapses_and_flattening_undoes_it(capsys, tmp_path):
+    ckpt = _checkpoint_with_compounding_gains(tmp_path / "gains.ckpt")
+    results = {}
+    for extra in ([], ["--flatten-gains"]):
+        assert main(["gradflow", "--checkpoint", ckpt, "--batch", "4", *extra]) == 0
+        (name, result), = json.loads(capsys.readouterr().out)["schemes"].items()
+        results[name] = result
+    trained, flat = results["keel"], results["keel (gains flattened)"]
+    assert trained["config"]["depth"] == 16 and trained["config"]["seq_len"] == 8  # the checkpoint's model
+    assert trained["sublayers"][-1]["input_top_share"] > 0.99  # one channel of 32 carries the stream
+    assert max(row["input_top_share"] for row in flat["sublayers"]) < 0.1  # spread over the channels, as at init
+    assert trained["summary"]["rel_act_grad_bottom_top"] < 0.2  # measured 0.09
+    assert 0.5 < flat["summary"]["rel_act_grad_bottom_top"] < 2  # measured 1.02
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "x.ckpt", "--depth", "4"], "--depth: the checkpoint's model is measured as it is"),
+    (["--flatten-gains"], "--flatten-gains needs --checkpoint"),
+])
+def test_checkpoint_options_are_refused_where_they_cannot_apply(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gradflow", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

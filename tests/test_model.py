@@ -275,6 +275,8 @@ C, HEAD_DIM = 32, 8
         ({"scheme": "keel"}, 2 * C + 2 * 4 * C),  # block 0: two norm_in; then norm_in + norm_out per sublayer
         ({"scheme": "keel", "keel_first_block": "v2"}, 3 * C + 2 * 4 * C),  # block 0's FFN keeps its norm_out
         ({"scheme": "keel", "keel_inner_norm": False}, 2 * C + 2 * 2 * C),  # blocks 1-2: norm_out only
+        ({"scheme": "keel", "out_norm_gain": False}, 2 * C + 2 * 2 * C),  # blocks 1-2: norm_in only
+        ({"scheme": "postln", "out_norm_gain": False}, 0),
         ({"scheme": "hybridnorm"}, 3 * (3 * HEAD_DIM + C) + C),  # q/k/v norms + FFN norm per block, final
         ({"scheme": "hybridnorm_star"}, 3 * (3 * HEAD_DIM + C) + C + C),  # + block 0's attention norm_in
     ],
@@ -297,6 +299,8 @@ def test_parameter_counts(overrides, norm_params, ffn):
         ({"init": "xavier"}, "model.init", "allowed: normal, unit"),
         ({"keel_first_block": "v3"}, "model.keel_first_block", "allowed: v1, v2"),
         ({"scheme": "preln", "keel_inner_norm": False}, "model.keel_inner_norm", "scheme keel only"),
+        ({"scheme": "hybridnorm", "out_norm_gain": False}, "model.out_norm_gain", "has no Norm_out"),
+        ({"scheme": "mixln", "depth": 3, "out_norm_gain": False}, "model.out_norm_gain", "has no Norm_out"),
         ({"depth": 0}, "model.depth", ">= 1"),
         ({"width": 30, "n_heads": 4}, "model.width", "divisible by model.n_heads"),
         ({"width": 12, "n_heads": 4}, "model.width", "must be even"),
@@ -344,27 +348,33 @@ def test_stream_stays_fp32_under_autocast_and_bf16_weights():
     assert {out.dtype for out in outputs} == {torch.float32} and len(outputs) == 2 * 2 * 4
 
 
+@pytest.mark.parametrize("gain", [True, False])
 @pytest.mark.parametrize("alpha", [None, 1.0, 32.0])
-def test_cpu_rmsnorm_matches_torch_rms_norm(alpha):
-    """The CPU norm's hand-written backward (RMSNorm(x + alpha * skip) as one autograd step) against
-    F.rms_norm differentiated by autograd in fp64, and its fp64 form against finite differences."""
+def test_cpu_rmsnorm_matches_torch_rms_norm(alpha, gain):
+    """The CPU norm's hand-written backward (RMSNorm(x + alpha * skip) as one autograd step, with or without its
+    gain) against F.rms_norm differentiated by autograd in fp64, and its fp64 form against finite differences."""
     torch.manual_seed(0)
-    norm = RMSNorm(16, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.normal_(1.0, 0.3)
+    norm = RMSNorm(16, eps=1e-5, gain=gain)
+    if gain:
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.3)
     x, skip = torch.randn(2, 3, 5, 16).unbind(0)
-    inputs = [x.requires_grad_(), norm.weight]
+    inputs = [x.requires_grad_(), *([norm.weight] if gain else [])]
     if alpha is not None:
         inputs.insert(1, skip.requires_grad_())
     exact = [t.detach().double().requires_grad_() for t in inputs]
+    exact_weight = exact[-1] if gain else None
     out = norm(x, skip, alpha) if alpha is not None else norm(x)
-    ref = F.rms_norm(exact[0] + alpha * exact[1] if alpha is not None else exact[0], (16,), exact[-1], 1e-5)
+    ref = F.rms_norm(exact[0] + alpha * exact[1] if alpha is not None else exact[0], (16,), exact_weight, 1e-5)
     grad = torch.randn_like(out)
     torch.testing.assert_close(out, ref.float())
     for got, want in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, exact, grad.double())):
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
-    fn = (lambda x, skip, w: RMSNormFunction.apply(x, skip, alpha, w, 1e-5)) if alpha is not None else (
-        lambda x, w: RMSNormFunction.apply(x, None, 1.0, w, 1e-5))
+
+    def fn(x, *rest):
+        skip = rest[0] if alpha is not None else None
+        return RMSNormFunction.apply(x, skip, alpha or 1.0, rest[-1] if gain else None, 1e-5)
+
     assert torch.autograd.gradcheck(fn, exact)
 
 

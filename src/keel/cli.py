@@ -10,7 +10,7 @@ from keel.errors import ConfigError
 COMMANDS = {
     "pretrain": ("keel.pretrain", "train a model from the composed config"),
     "data": ("keel.data.preparation", "build tokenized litdata shards (and a tokenizer) from a corpus"),
-    "gradflow": ("keel.gradflow", "per-sublayer gradient flow at initialization, as JSON (and a plot)"),
+    "gradflow": ("keel.gradflow", "per-sublayer gradient flow at initialization or in a checkpoint, as JSON (and a plot)"),
     "generate": ("keel.generate", "sample text from a checkpoint (KV cache, printed as it is decoded)"),
     "eval": ("keel.evaluation.cli", "lm-eval's command line with the `keel` model registered"),
     "eval-data": ("keel.evaluation.offline", "local copies of lm-eval's task datasets: `keel eval-data fetch DIR`"),

@@ -1,15 +1,20 @@
-"""`keel gradflow`: per-sublayer gradient flow at initialization, as JSON (and a plot).
+"""`keel gradflow`: per-sublayer gradient flow at initialization or in a trained checkpoint, as JSON (and a plot).
 
     keel gradflow --scheme postln,keel --depth 64 --init unit --detach-branches [--plot flow.png]
+    keel gradflow --checkpoint runs/x/checkpoints/last.ckpt [--flatten-gains] [--batch 4] [--plot flow.png]
 
 One loss (mean cross-entropy of random targets on random tokens) is backpropagated through a fresh model
-per scheme; forward hooks record, for every sublayer l with input stream x_l (no model changes):
+per scheme, or through the checkpoint's model (its config; `--flatten-gains` first replaces every norm gain by
+its mean, one scalar per norm: what the per-channel gains do, apart from the rest of the weights); forward hooks
+record, for every sublayer l with input stream x_l (no model changes):
 
-    act_grad       ||dL/dx_l||                      (Frobenius norm over the whole batch)
-    rel_act_grad   ||dL/dx_l|| * rms(x_l)           (scale-free: raw norms are distorted by stream scale)
-    weight_grad    ||dL/dW|| over the branch's matrices
-    gain_grad      ||dL/dgamma|| over the sublayer's norm gains (norm_in, norm_out, q/k/v norms)
-    output_rms     rms of the sublayer's output
+    act_grad         ||dL/dx_l||                      (Frobenius norm over the whole batch)
+    rel_act_grad     ||dL/dx_l|| * rms(x_l)           (scale-free: raw norms are distorted by stream scale)
+    weight_grad      ||dL/dW|| over the branch's matrices
+    gain_grad        ||dL/dgamma|| over the sublayer's norm gains (norm_in, norm_out, q/k/v norms)
+    output_rms       rms of the sublayer's output
+    input_top_share  the largest channel's share of x_l's energy, sum_t x_tc^2 (1/width: spread over all
+                     channels; 1: the stream has collapsed onto one channel and carries no token information)
 
 `--detach-branches` feeds every branch a detached input, so only the skip path carries gradient to x_l.
 Summary ratios compare *blocks* (docs/schemes.md, "Gradient flow at initialization"): a block's activation gradient
@@ -24,14 +29,16 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from keel.errors import ConfigError
 from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, parameter_counts, scheme_of
 
-PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms")
+PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms", "input_top_share")
+MODEL_OPTIONS = {"scheme": "keel", "depth": 16, "width": 64, "heads": 4, "vocab": 256, "init": "normal", "alpha": None,
+                 "keel_first_block": "v1"}  # defaults of a fresh model; a checkpoint brings its own
 
 
 def _norm(tensors) -> float:
@@ -40,6 +47,11 @@ def _norm(tensors) -> float:
 
 def _rms(x: torch.Tensor) -> float:
     return float(x.double().square().mean().sqrt())
+
+
+def _top_share(x: torch.Tensor) -> float:
+    energy = x.double().square().flatten(0, -2).sum(0)  # (C,)
+    return float(energy.max() / energy.sum())
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -95,6 +107,7 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
             "weight_grad": _norm(grad_of.get(p) for p in matrices),
             "gain_grad": _norm(grad_of.get(p) for p in gains),
             "output_rms": _rms(outputs[i]),
+            "input_top_share": _top_share(inputs[i]),
         })
     return {"loss": float(loss.detach()), "sublayers": rows, "summary": summarize(model.cfg, rows)}
 
@@ -117,12 +130,21 @@ def summarize(cfg: ModelConfig, rows: list[dict]) -> dict:
     return summary
 
 
-def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, seed: int = 0) -> dict:
-    """Build a fresh model from cfg (seeded) and measure it on random tokens and random targets."""
+def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, seed: int = 0,
+            model: KeelLM | None = None) -> dict:
+    """Measure `model` (default: a fresh one from cfg, seeded) on random tokens and random targets."""
     torch.manual_seed(seed)
-    model = KeelLM(cfg)
+    model = KeelLM(cfg) if model is None else model
     idx, targets = torch.randint(cfg.vocab_size, (2, batch, cfg.seq_len))
     return measure_model(model, idx, targets, detach_branches)
+
+
+@torch.no_grad()
+def flatten_gains(model: KeelLM) -> None:
+    """Every norm gain replaced by its mean: the same scale per norm, no channel weighted above another."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and module.weight is not None:
+            module.weight.fill_(float(module.weight.mean()))
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -154,7 +176,7 @@ def check_fits(cfg: ModelConfig, batch: int) -> None:
     need, have = estimate_bytes(cfg, batch), available_bytes()
     if need > have:
         raise ConfigError(
-            f"--depth {cfg.depth} --width {cfg.width} --seq-len {cfg.seq_len} --batch {batch} needs about "
+            f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, --batch {batch} needs about "
             f"{need / 2**30:.1f} GiB ({parameter_count(cfg):,} parameters and their gradients, plus activations), "
             f"more than the {have / 2**30:.1f} GiB available here; lower --depth, --width, --seq-len or --batch, "
             "or pass --force to try anyway"
@@ -167,7 +189,8 @@ def plot(results: dict, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 8), sharex=True)
+    axes.flat[-1].axis("off")
     for ax, key in zip(axes.flat, PROFILES):
         for scheme, result in results.items():
             ax.plot([row[key] for row in result["sublayers"]], label=scheme)
@@ -181,36 +204,68 @@ def plot(results: dict, path: str, title: str) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="keel gradflow", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scheme", default="keel", help=f"comma list of: {', '.join(SCHEMES)}")
-    parser.add_argument("--depth", type=int, default=16, help="blocks (L = 2 * depth sublayers)")
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=32)
+    model = parser.add_argument_group("a fresh model (not with --checkpoint, which brings its own)")
+    model.add_argument("--scheme", help=f"comma list of: {', '.join(SCHEMES)} (default keel)")
+    model.add_argument("--depth", type=int, help="blocks, L = 2 * depth sublayers (default 16)")
+    model.add_argument("--width", type=int, help="default 64")
+    model.add_argument("--heads", type=int, help="default 4")
+    model.add_argument("--vocab", type=int, help="default 256")
+    model.add_argument("--init", choices=INIT_KINDS, help="normal (default): N(0, 0.02^2); unit: N(0, 1/fan_in)")
+    model.add_argument("--alpha", type=float, help="Keel's alpha (default L = 2 * depth)")
+    model.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, help="default v1")
+    parser.add_argument("--checkpoint", metavar="CKPT", help="measure this trained model (a keel checkpoint file or directory)")
+    parser.add_argument("--flatten-gains", action="store_true", help="with --checkpoint: every norm gain set to its mean first")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 32; a checkpoint's model.seq_len)")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--init", choices=INIT_KINDS, default="normal", help="normal: N(0, 0.02^2); unit: N(0, 1/fan_in)")
     parser.add_argument("--detach-branches", action="store_true", help="only the skip path carries gradient")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--alpha", type=float, default=None, help="Keel's alpha (default L = 2 * depth)")
-    parser.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, default="v1")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-sublayer profiles of every scheme")
     parser.add_argument("--force", action="store_true", help="run even where the memory estimate exceeds what is available")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    given = [f"--{name.replace('_', '-')}" for name in MODEL_OPTIONS if getattr(args, name) is not None]
+    if args.checkpoint is not None and given:
+        parser.error(f"{', '.join(given)}: the checkpoint's model is measured as it is; drop them or --checkpoint")
+    if args.flatten_gains and args.checkpoint is None:
+        parser.error("--flatten-gains needs --checkpoint (a fresh model's gains are all 1)")
+    for name, default in MODEL_OPTIONS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    return args
+
+
+def _trained(args: argparse.Namespace) -> tuple[str, ModelConfig, KeelLM]:
+    from keel.checkpoint import load_model  # Lightning's import cost only where a checkpoint is read
+
+    model, cfg, _ = load_model(args.checkpoint)
+    model.float().train()  # fp32 measurement; train(): the same forward as in training (no dropout exists)
+    if args.flatten_gains:
+        flatten_gains(model)
+    seq_len = args.seq_len or cfg.model.seq_len
+    if not 1 <= seq_len <= cfg.model.seq_len:
+        raise ConfigError(f"--seq-len {seq_len}: the checkpoint's model takes 1 to {cfg.model.seq_len} tokens")
+    model_cfg = replace(cfg.model, seq_len=seq_len)
+    return f"{cfg.model.scheme}{' (gains flattened)' if args.flatten_gains else ''}", model_cfg, model
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = {}
-    for scheme in args.scheme.split(","):
+    if args.checkpoint is not None:
+        name, cfg, model = _trained(args)
+        if not args.force:
+            check_fits(cfg, args.batch)
+        results[name] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed, model)}
+        title = f"{args.checkpoint}, depth {cfg.depth}"
+    for scheme in args.scheme.split(",") if args.checkpoint is None else ():
         cfg = ModelConfig(
-            scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len,
+            scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len or 32,
             vocab_size=args.vocab, init=args.init, keel_alpha=args.alpha, keel_first_block=args.keel_first_block,
         )
         if not args.force:
             check_fits(cfg, args.batch)
         results[cfg.scheme] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed)}
+        title = f"depth {args.depth} (L = {2 * args.depth}), {args.init} init"
     print(json.dumps({"options": vars(args), "schemes": results}, indent=1))
     if args.plot:
         mode = "skip path only" if args.detach_branches else "full gradient"
-        plot(results, args.plot, f"depth {args.depth} (L = {2 * args.depth}), {args.init} init, {mode}")
+        plot(results, args.plot, f"{title}, {mode}")
     return 0

@@ -15,9 +15,11 @@ the held-out loss of each validation run (trainer.val_batches fixed batches ever
 a property of the model, not of the batches it happens to see - what the max-LR protocol judges. Patience and
 window stay in optimizer steps; under `val` a spike is counted from the last evaluation within the margin.
 
-The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the step before the
-failure's onset (under `val`: the step of the last evaluation before it - within the evaluations' resolution,
-the onset, not the later detection, whose LR is `detected_lr`), and written to <run.dir>/stability.json
+The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the last update the model
+sustained: a training loss is computed before its step's update, so a failure whose onset is step s was caused by
+update s - 1 and the LR is that of step s - 2 (none for onset 1: the first update already failed); under `val`,
+that of the last evaluation before the onset (each follows its step's update) - within the evaluations'
+resolution, the onset, not the later detection, whose LR is `detected_lr`), and written to <run.dir>/stability.json
 (rewritten at the end of training, failed or not; under `val` with every evaluation as `heldout`: step, lr, loss).
 The run then ends cleanly (trainer.should_stop; the final checkpoint is written and `keel pretrain` exits 1) if
 stop_on_failure (the default), and always for a non-finite step under on_nonfinite=stop; a run resumed after such
@@ -134,7 +136,7 @@ class StabilityMonitor(Callback):
         if math.isfinite(loss):
             self._judge(trainer, step, loss)
         else:
-            self._fail(trainer, "nonfinite", step, step, loss, f"held-out loss {loss}")
+            self._fail(trainer, "nonfinite", step, step, loss, f"held-out loss {loss}", heldout=True)
         earliest = min(self._good_step, self._ref_step if self.config.stagnation_window else step) - 1
         while self._lrs and self._lrs[0][0] < earliest:
             self._lrs.popleft()
@@ -221,7 +223,8 @@ class StabilityMonitor(Callback):
             if before < self.config.spike_patience <= self._over:
                 self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.config.signal} loss above "
                            f"{bar:.3f} (its minimum {self._best:.3f} + {self.config.spike_margin}"
-                           + (", capped at the ceiling" if bar == ceiling else "") + f") for {self._over} steps")
+                           + (", capped at the ceiling" if bar == ceiling else "") + f") for {self._over} steps",
+                           heldout=self.config.signal == "val")
         else:
             if self._over:
                 self._event(trainer, step, f"loss spike recovered after {self._over} steps")
@@ -235,7 +238,8 @@ class StabilityMonitor(Callback):
             self.counts["stagnations"] += 1
             self._fail(trainer, "stagnation", self._ref_step + 1, step, value,
                        f"{self.config.signal} loss {value:.3f} has not improved on {self._ref:.3f} by "
-                       f"{self.config.stagnation_min_delta} for {step - self._ref_step} steps")
+                       f"{self.config.stagnation_min_delta} for {step - self._ref_step} steps",
+                       heldout=self.config.signal == "val")
             self._ref_step = step  # another stagnation only after another full window
 
     # ----------------------------------------------------------------------------------------------- outcome
@@ -244,11 +248,14 @@ class StabilityMonitor(Callback):
         return next((lr for s, lr in self._lrs if s == step), None)
 
     def _fail(self, trainer: L.Trainer, kind: str, onset: int, step: int, loss: float, message: str,
-              stop: bool = False) -> None:
+              stop: bool = False, heldout: bool = False) -> None:
+        """heldout: judged on evaluations, each taken after its step's update (the last tolerated update is the
+        one before the onset); else on training losses, each computed before its step's update (a loss at the
+        onset comes from the update before it, so the last tolerated one is two steps back; none at onset 1)."""
         first = self.failure is None
         if first:
-            self.failure = Failure(kind, onset, step, self._lr_at(onset), self._lr_at(onset - 1), loss, message,
-                                   self._lr_at(step))
+            tolerated = self._lr_at(onset - (1 if heldout else 2))
+            self.failure = Failure(kind, onset, step, self._lr_at(onset), tolerated, loss, message, self._lr_at(step))
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
         if stop or self.config.stop_on_failure:

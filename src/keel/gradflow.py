@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from dataclasses import asdict, replace
 
 import torch
 
+from keel import memory
 from keel.errors import ConfigError
-from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, parameter_counts, scheme_of
+from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, scheme_of
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms", "input_top_share")
 MODEL_OPTIONS = {"scheme": "keel", "depth": 16, "width": 64, "heads": 4, "vocab": 256, "init": "normal", "alpha": None,
@@ -147,40 +147,11 @@ def flatten_gains(model: KeelLM) -> None:
             module.weight.fill_(float(module.weight.mean()))
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of KeelLM(cfg), without allocating any (keel.model.parameter_counts)."""
-    return sum(parameter_counts(cfg).values())
-
-
-def estimate_bytes(cfg: ModelConfig, batch: int) -> int:
-    """Peak memory of measure(cfg, batch=batch), roughly: the weights and their gradients (8 bytes per parameter)
-    and what autograd and the hooks keep per token and block, (16 * width + 4 * ffn_hidden) floats - fitted to
-    the peak RSS of CPU runs (docs/model.md)."""
-    activations = 4 * (16 * cfg.width + 4 * cfg.ffn_hidden) * batch * cfg.seq_len * cfg.depth
-    return 8 * parameter_count(cfg) + activations
-
-
-def available_bytes() -> int:
-    """Memory this machine can give without swapping (MemAvailable), else all of it."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_fits(cfg: ModelConfig, batch: int) -> None:
-    need, have = estimate_bytes(cfg, batch), available_bytes()
-    if need > have:
-        raise ConfigError(
-            f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, --batch {batch} needs about "
-            f"{need / 2**30:.1f} GiB ({parameter_count(cfg):,} parameters and their gradients, plus activations), "
-            f"more than the {have / 2**30:.1f} GiB available here; lower --depth, --width, --seq-len or --batch, "
-            "or pass --force to try anyway"
-        )
+    memory.check_fits(
+        memory.measurement_bytes(cfg, batch), f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, "
+        f"--batch {batch}", memory.parameter_count(cfg), "weights and gradients", "lower --depth, --width, --seq-len or --batch, or pass "
+        "--force to try anyway")
 
 
 def plot(results: dict, path: str, title: str) -> None:

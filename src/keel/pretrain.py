@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
 from keel.loggers import LOGGERS, kind_of
+from keel.memory import check_training_fits
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
 from keel.summary import run_summary
@@ -48,6 +50,17 @@ def set_threads(cfg: Config) -> None:
     # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set, and
     # torchrun sets it to 1; the ranks started after this inherit it
     os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def check_cpu_processes(cfg: Config) -> None:
+    """Before anything is allocated: refuse a CPU run that will not fit in this machine's memory (unless
+    trainer.check_memory=false), and say when its processes outnumber the cores."""
+    if cfg.trainer.check_memory:
+        check_training_fits(cfg)
+    cores = len(os.sched_getaffinity(0))
+    if cfg.trainer.devices > cores:
+        warnings.warn(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they "
+                      "share the cores and each step is slower than with trainer.devices <= the cores", stacklevel=2)
 
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:
@@ -157,6 +170,8 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
     rank 0 has joined them)."""
     set_threads(cfg)
     owner = launched_as_rank_zero()
+    if owner and resolve_accelerator(cfg.trainer) == "cpu":
+        check_cpu_processes(cfg)
     with RunDirLock(cfg.run.dir) if owner else nullcontext():
         return _train(cfg, extra_callbacks, owner)
 

@@ -107,11 +107,11 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
     peak = 20.0  # absurd for AdamW: every run must fail on the way up
     argv = ["maxlr", "--schemes", "preln,keel", "--depths", "2", "--steps", "24", "--peak-lr", str(peak),
             "--ramp", "linear", "--eval-every", "4", "--out", str(out), *QUICK, *tiny_data,
-            "callbacks.stability.spike_patience=4"]
+            "callbacks.stability.spike_patience=4", "--variant", "keel-nogain=model.scheme=keel,model.out_norm_gain=false"]
     assert cli_main(argv) == 0
     rows = read_csv(out / "maxlr.csv")
-    assert [r["scheme"] for r in rows] == ["preln", "keel"]
-    for r in rows:
+    assert [r["row"] for r in rows] == ["preln", "keel", "keel-nogain"]
+    for r in rows[:2]:
         assert r["failure"] in ("nonfinite", "divergence") and r["stop"] in ("nonfinite", "spike")
         assert 0 < float(r["max_tolerable_lr"]) < peak
         assert int(r["steps"]) < 24  # stopped at the failure
@@ -143,6 +143,12 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
     assert "Not (yet) run: table1-d64, depth-d16, depth-d256" in paper
     row = next(line for line in paper.splitlines() if line.startswith("| keel | "))
     assert row.count("/") >= 2  # a cell per seed: max LR / loss-optimal LR (best held-out)
+    # a no-gain grid is reported beside its Table 1 grid's keel rows, with the seed-by-seed comparison
+    shutil.copytree(out, tmp_path / "paper" / "nogain-d16")
+    assert cli_main(["paper-report", str(tmp_path / "paper")]) == 0
+    paper = (tmp_path / "paper" / "report.md").read_text()
+    section = paper.split("## Keel without its outer norms' gains, 16 x 64 (nogain-d16 beside table1-d16's keel rows)")[1]
+    assert "| keel | " in section and "| keel-nogain | " in section and "| keel-nogain vs keel |" in section
 
 
 def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):

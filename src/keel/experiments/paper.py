@@ -5,8 +5,9 @@ Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr
 side: Table 1 at 16 and 64 blocks; the Keel / Pre-LN max-LR ratio against depth (width 32: depth-d16, table1-d64,
 depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, width-w256), with the batch point
 (batch-8x); the two-ramp check (ramp-2x against table1-d16, seed by seed); HybridNorm; and the 1,024-block runs
-(deep1024, a `keel sweep`): held-out loss, non-finite steps and per-block gradient norms against depth. A grid
-not run yet is listed as missing; the rest is reported.
+(deep1024, a `keel sweep`, and deep1024-nogain, Keel with model.out_norm_gain=false): held-out loss, non-finite
+steps and per-block gradient norms against depth; and Keel without its outer norms' gains at Table 1's sizes
+(nogain-d16, nogain-d64) beside Table 1's keel rows. A grid not run yet is listed as missing; the rest is reported.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pathlib import Path
 
 from keel.errors import ConfigError
 from keel.artifacts import TENSORBOARD, read_scalars, read_stability
-from keel.experiments.common import markdown_table, pyplot
+from keel.experiments.common import load_run_config, markdown_table, pyplot
 from keel.experiments.maxlr_report import collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
+from keel.model import scheme_of
 
 # a trend's points: value -> (grid, blocks, width) of the runs that make it
 DEPTH_TREND = {16: ("depth-d16", 16, 32), 64: ("table1-d64", 64, 32), 256: ("depth-d256", 256, 32)}
@@ -155,36 +157,39 @@ def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
     return table
 
 
-def deep_runs(out: Path, plot_path: Path) -> list[dict]:
-    """The 1,024-block runs: held-out loss, non-finite steps, and each block's gradient norm at three steps."""
-    manifest = json.loads((out / MANIFEST).read_text())
+def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
+    """The 1,024-block runs of each (sweep dir, label suffix): held-out loss, non-finite steps, and each block's
+    gradient norm at three steps."""
+    runs = [(out / run["name"], run["name"] + suffix) for out, suffix in sweeps
+            for run in json.loads((out / MANIFEST).read_text())["runs"]]
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     table = []
-    for run in manifest["runs"]:
-        run_dir = out / run["name"]
+    for run_dir, name in runs:
         if not (run_dir / TENSORBOARD).is_dir():
             continue
         scalars = read_scalars(run_dir)
         stability = read_stability(run_dir) or {}
         val = scalars.get("val/loss", [])
-        entry = {"run": run["name"], "steps": stability.get("steps"), "non-finite steps": stability.get("nonfinite_steps"),
+        entry = {"run": name, "steps": stability.get("steps"), "non-finite steps": stability.get("nonfinite_steps"),
                  "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val)}
-        blocks = sorted((tag for tag in scalars if tag.startswith("grad/ffn/block_")),
-                        key=lambda tag: int(tag.rsplit("_", 1)[1]))
+        model = load_run_config(run_dir).model
+        bottom = scheme_of(model).bottom_block(model)  # Keel's alpha = 1 block 0 gets ~L times the rest, by design
+        blocks = sorted((tag for tag in scalars if tag.startswith("grad/ffn/block_")
+                         and int(tag.rsplit("_", 1)[1]) >= bottom), key=lambda tag: int(tag.rsplit("_", 1)[1]))
         steps = sorted({s for tag in blocks for s, _ in scalars[tag]})
         shown = [steps[0], steps[len(steps) // 2], steps[-1]] if steps else []
         for step in shown:
             norms = [dict(scalars[tag]).get(step) for tag in blocks]
             finite = [n for n in norms if n is not None and math.isfinite(n) and n > 0]
             if finite:
-                entry[f"ffn grad norm max / smallest non-zero over blocks, step {step + 1}"] = \
+                entry[f"ffn grad norm max / smallest non-zero over blocks (Keel: from block 1), step {step + 1}"] = \
                     f"{max(finite) / min(finite):.3g}" + (f" ({len(norms) - len(finite)} of {len(norms)} logged blocks at 0)"
                                                            if len(finite) < len(norms) else "")
         if steps:
             last = [dict(scalars[tag]).get(steps[-1]) for tag in blocks]
-            axes[0].plot([int(tag.rsplit("_", 1)[1]) for tag in blocks], last, label=run["name"])
-        axes[1].plot([s + 1 for s, _ in val], [v for _, v in val], "o-", label=run["name"])
+            axes[0].plot([int(tag.rsplit("_", 1)[1]) for tag in blocks], last, label=name)
+        axes[1].plot([s + 1 for s, _ in val], [v for _, v in val], "o-", label=name)
         table.append(entry)
     axes[0].set(xlabel="block", ylabel="||grad|| of the FFN branch weights (last logged step)", yscale="log")
     axes[1].set(xlabel="step", ylabel="held-out loss")
@@ -199,7 +204,7 @@ def report(out: Path) -> str:
     grids: dict[str, list[dict]] = {}
     missing = []
     for grid in ("table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
-                 "ramp-2x", "hybridnorm"):
+                 "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64"):
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
@@ -238,8 +243,18 @@ def report(out: Path) -> str:
         table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
         if table:
             text += ["## Two ramp lengths (16 x 64)", "", markdown_table(table, list(table[0])), ""]
-    if (out / "deep1024" / MANIFEST).is_file():
-        table = deep_runs(out / "deep1024", out / "deep1024.png")
+    for table1, nogain, title in (("table1-d16", "nogain-d16", "16 x 64"), ("table1-d64", "nogain-d64", "64 x 32")):
+        if nogain in grids and table1 in grids:
+            rows = [r for r in grids[table1] if r["row"] == "keel"] + grids[nogain]
+            tests = sign_tests(rows, [("keel-nogain", "keel")])
+            text += [f"## Keel without its outer norms' gains, {title} ({nogain} beside {table1}'s keel rows)", "",
+                     markdown_table(seed_table(rows), list(seed_table(rows)[0])), ""]
+            if tests:
+                text += [markdown_table(tests, list(dict.fromkeys(k for t in tests for k in t))), ""]
+    sweeps = [(out / grid, suffix) for grid, suffix in (("deep1024", ""), ("deep1024-nogain", " (out_norm_gain=false)"))
+              if (out / grid / MANIFEST).is_file()]
+    if sweeps:
+        table = deep_runs(sweeps, out / "deep1024.png")
         if table:
             text += ["## 1,024 blocks", "", markdown_table(table, list(dict.fromkeys(k for t in table for k in t))),
                      "", "![1,024 blocks](deep1024.png)", ""]

@@ -13,6 +13,7 @@ FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only aft
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -24,10 +25,32 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
+from keel.errors import StorageError
 from keel.rundir import say
 
 STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
 NONFINITE = "nonfinite.ckpt"
+STORAGE_FAILURES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+                    errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                    errno.EPERM: "permission denied", errno.EFBIG: "the file is too large for this file system"}
+
+
+def storage_failure(err: BaseException) -> str | None:
+    """Why a save failed, if storage is the cause anywhere in the chain: torch's zip writer raises
+    `RuntimeError: ... unexpected pos` from the OSError, and torch.distributed.checkpoint collects each rank's."""
+    pending, seen = [err], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in STORAGE_FAILURES:
+            return f"{STORAGE_FAILURES[current.errno]} ({os.strerror(current.errno)})"
+        failures = getattr(current, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        pending += [current.__cause__, current.__context__]
+    return None
 
 
 def weights_finite(trainer: L.Trainer) -> bool:
@@ -95,6 +118,8 @@ class RunCheckpoint(ModelCheckpoint):
             self.save_now(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, StorageError):  # a save failed: another would fail the same way
+            return
         step = trainer.global_step
         if self._boundary is None or self._boundary[0] != step or step == self._last_global_step_saved:
             return  # nothing completed since the last checkpoint, or several processes (see the class doc)
@@ -130,7 +155,13 @@ class RunCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         """Every save (step-numbered, last.ckpt) comes here: non-finite weights go to nonfinite.ckpt instead."""
         if weights_finite(trainer):
-            super()._save_checkpoint(trainer, filepath)
+            try:
+                super()._save_checkpoint(trainer, filepath)
+            except Exception as err:
+                if (reason := storage_failure(err)) is None:
+                    raise
+                raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or "
+                                   "make it writable) and re-run the same command to continue from there") from None
             self._last_finite_step = trainer.global_step
             return
         if self._last_global_step_saved == trainer.global_step:  # the step-numbered and last.ckpt saves: once
@@ -138,11 +169,16 @@ class RunCheckpoint(ModelCheckpoint):
         nonfinite = Path(self.dirpath) / NONFINITE
         super()._save_checkpoint(trainer, str(nonfinite))
         if trainer.is_global_zero:
-            last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
-            kept = ("no finite checkpoint was written in this run" if self._last_finite_step is None else
-                    f"{last} keeps step {self._last_finite_step}, the last finite checkpoint")
             say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as a "
-                f"step-numbered checkpoint nor over last.ckpt; {kept}")
+                f"step-numbered checkpoint nor over last.ckpt; {self._kept()}")
+
+    def _kept(self) -> str:
+        """What the last good checkpoint is (saves never replace it before they are complete)."""
+        last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        if self._last_finite_step is not None:
+            return f"{last} keeps step {self._last_finite_step}, the last finite checkpoint"
+        return (f"{last} (from before this run) is intact" if last.exists()
+                else "no finite checkpoint was written in this run")
 
     def save_now(self, trainer: L.Trainer) -> None:
         """The current state as the next step-numbered checkpoint and last.ckpt."""

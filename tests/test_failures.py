@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint, read_dcp_metadata
+from keel.checkpoint import DCP_METADATA, LAST, AtomicCheckpointIO, read_checkpoint, read_dcp_metadata
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
@@ -278,6 +279,60 @@ def test_nonfinite_weights_never_replace_or_prune_the_last_finite_checkpoint(tin
         f"keel pretrain: step {trainer.global_step}: the weights are not finite (NaN or inf): saved as "
         f"{checkpoints / 'nonfinite.ckpt'}, not as a step-numbered checkpoint nor over last.ckpt; "
         f"{checkpoints / LAST} keeps step 2, the last finite checkpoint")
+
+
+@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "no space left on the device"),
+                                          (errno.EROFS, "the file system is read-only")])
+def test_a_save_that_storage_refuses_is_one_line_naming_the_last_good_checkpoint(tiny_data, tmp_path, monkeypatch,
+                                                                                   capsys, code, reason):
+    """The saves of step 8 fail as a full tmpfs makes torch's zip writer fail (its RuntimeError raised while
+    handling the OSError) or as a read-only file system does; step 4's checkpoint stays the last good one."""
+    save = AtomicCheckpointIO.save_checkpoint
+
+    def failing_save(self, checkpoint, path, storage_options=None):
+        if checkpoint["global_step"] < 8:
+            return save(self, checkpoint, path, storage_options)
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", failing_save)
+    run = tmp_path / "run"
+    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, *STEPS, "trainer.compile=false",
+            "callbacks.layer_importance.enabled=false", f"run.dir={run}"]
+    assert cli_main(argv) == 1
+    checkpoints = run / "checkpoints"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"keel pretrain: checkpoint: cannot write {checkpoints / 'step000008.ckpt'}: {reason} ({os.strerror(code)}); "
+        f"{checkpoints / LAST} keeps step 4, the last finite checkpoint. Free space (or make it writable) and re-run "
+        "the same command to continue from there")
+    assert read_checkpoint(checkpoints / LAST, weights=False)["global_step"] == 4
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", save)  # space again: the run continues and ends
+    assert cli_main(argv) == 0 and read_checkpoint(checkpoints / LAST, weights=False)["global_step"] == 8
+
+
+class DeleteTrainShards(Callback):
+    """Removes the train split's chunk files once training has started (after the start-up check)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        for chunk in (self.data_dir / "train").glob("*.bin"):
+            chunk.unlink()
+
+
+def test_shards_deleted_while_training_are_named(tiny_data, tmp_path):
+    """litdata waits for a missing chunk and then says it timed out, "not a missing object"; keel names the file."""
+    data_dir = Path(next(o for o in tiny_data if o.startswith("data.dir=")).split("=", 1)[1])
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    cfg = tiny_config(tiny_data, tmp_path / "run", f"data.dir={copy}", "trainer.max_steps=4")
+    chunk = sorted((copy / "train").glob("*.bin"))[0]
+    with pytest.raises(ConfigError, match=rf"^while training: {copy}/train/{chunk.name} is truncated or missing "
+                                          r"\(missing\): .* restore them to continue from its checkpoint"):
+        train(cfg, [DeleteTrainShards(copy)])
 
 
 def test_orphan_temporary_files_are_removed_at_start_up(tiny_data, tmp_path, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from keel.errors import ConfigError
+from keel.errors import ConfigError, StorageError
 
 COMMANDS = {
     "pretrain": ("keel.pretrain", "train a model from the composed config"),
@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"keel {name}: config error: {err}", file=sys.stderr)
         return 2
+    except StorageError as err:
+        print(f"keel {name}: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first (keel.pretrain.Interrupted)
         print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
         return 130

@@ -1,4 +1,5 @@
-"""The one error type for bad input (config, data, checkpoint, CLI): `keel` prints its message and exits 2."""
+"""The error types `keel` reports as one line: bad input (config, data, checkpoint, CLI; exit 2) and storage a run
+cannot write to (exit 1)."""
 
 from __future__ import annotations
 
@@ -11,3 +12,8 @@ def require(ok: bool, key: str, message: str) -> None:
     """Raise ConfigError("key: message") unless ok."""
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+class StorageError(OSError):
+    """A file a run must write cannot be (no space, read-only, no permission): the message names the path, the
+    reason and what was kept."""

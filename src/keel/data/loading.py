@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
-from keel.config import Config
+from keel.config import Config, DataConfig
 from keel.data.shards import (
     MANIFEST, MANIFEST_KEYS, REBUILD, SPLITS, TOKENIZER, data_path, sha256, storage, tokens_per_chunk, verify_shards,
 )
@@ -101,12 +101,24 @@ class _ResumableLoader(StreamingDataLoader):
 
     _resumed_epoch_begun = False
 
+    def __init__(self, dataset: StreamingDataset, data: DataConfig, **kwargs) -> None:
+        super().__init__(dataset, **kwargs)
+        self.data = data
+
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self._resumed_epoch_begun:
             self.restore = self._resumed_epoch_begun = False
-        for batch in super().__iter__():
-            self._resumed_epoch_begun = self.restore
-            yield batch
+        try:
+            for batch in super().__iter__():
+                self._resumed_epoch_begun = self.restore
+                yield batch
+        except FileNotFoundError:  # litdata's ChunkWaitTimeoutError among them: say which shard went, if one did
+            try:
+                verify_shards(storage(self.data.dir), self.data, {})  # sizes only: quick
+            except ConfigError as gone:
+                raise ConfigError(f"while training: {gone}. The shards changed under the run: restore them to "
+                                  "continue from its checkpoint, or rebuild them and start a new run.dir") from None
+            raise
 
 
 def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
@@ -123,7 +135,7 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         cache_dir=cfg.data.cache_dir,  # where chunks of an object-store data.dir are downloaded to
     )
     loader = _ResumableLoader(
-        dataset, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long
+        dataset, cfg.data, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long
     )
     if len(loader) == 0:
         raise ConfigError(

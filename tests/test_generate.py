@@ -51,6 +51,12 @@ def test_sampling_follows_seed_temperature_and_top_k(tiny_run, capsys):
     assert generate(capsys, checkpoint, *options, "--seed", "2") != first
     greedy = generate(capsys, checkpoint, "--max-new-tokens", "24", "--temperature", "0")
     assert generate(capsys, checkpoint, "--max-new-tokens", "24", "--temperature", "1.5", "--top-k", "1") == greedy
+    threads = torch.get_num_threads()
+    try:  # --threads changes the speed, not the text
+        assert generate(capsys, checkpoint, "--max-new-tokens", "24", "--temperature", "0", "--threads", "2") == greedy
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_pieces_hold_back_split_characters(tiny_run):
@@ -68,6 +74,8 @@ def test_generate_errors_name_the_option(tiny_run, capsys):
     checkpoint = tiny_run / "checkpoints" / LAST
     assert cli_main(["generate", str(checkpoint), "--max-new-tokens", "32"]) == 2
     assert "--max-new-tokens must be in [1, 31] (the model's seq_len is 32)" in capsys.readouterr().err
+    assert cli_main(["generate", str(checkpoint), "--threads", "0"]) == 2
+    assert "generate: --threads must be >= 1, got 0" in capsys.readouterr().err
     assert cli_main(["generate", "checkpoint=/nonexistent.ckpt"]) == 2
     assert "no file or directory at /nonexistent.ckpt" in capsys.readouterr().err
     for temperature in ("nan", "-1"):  # nan used to end in torch.multinomial's RuntimeError

@@ -4,6 +4,7 @@ figures reach the loggers that show them and are skipped on the others."""
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +37,17 @@ def test_csv_logger_and_resume_keeps_its_history(tiny_data, tmp_path):
             losses |= {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row["train/loss"]}
     assert losses == pytest.approx(scalars(run, "train/loss"), rel=1e-6) and sorted(losses) == [0, 1, 2, 3]
     assert (run / "csv" / "version_0" / "hparams.yaml").read_text().count("micro_batch_size: 4") == 1
+
+
+def test_wandb_without_an_api_key_says_how_to_log_in_or_go_offline(tiny_data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored key
+    monkeypatch.setattr("sys.stdin", open(os.devnull))  # and no terminal to ask on
+    with pytest.raises(ConfigError, match=r"^trainer.loggers: wandb cannot start a run: No API key configured.*"
+                                          r"`wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline"):
+        train(tiny_config(tiny_data, tmp_path / "run", *STEPS, "trainer.loggers=[wandb]"))
 
 
 def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_path, monkeypatch):

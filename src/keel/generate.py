@@ -63,7 +63,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU intra-op threads (default 1: one token at a time is too small a job to share, and "
+                             "spinning threads slow down many times over on a busy machine; more for wide models)")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        raise ConfigError(f"generate: --threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     if not args.temperature >= 0 or args.top_k < 0:  # `not >=`: argparse's float takes nan, which compares false
         raise ConfigError(f"generate: --temperature and --top-k must be >= 0 (0 = greedy / all tokens), got "
                           f"--temperature {args.temperature} --top-k {args.top_k}")

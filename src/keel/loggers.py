@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from keel.artifacts import TENSORBOARD
+from keel.errors import ConfigError
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import Logger
@@ -93,6 +94,16 @@ class WandB(LoggerKind):
 
     def run_id(self, logger):
         return logger.version
+
+    def log_config(self, logger, config):
+        import wandb
+
+        try:  # the first use starts the W&B run, which is where a missing API key shows
+            super().log_config(logger, config)
+        except wandb.errors.UsageError as err:
+            raise ConfigError(f"trainer.loggers: wandb cannot start a run: {err} Run `wandb login` or set "
+                              "WANDB_API_KEY, or set WANDB_MODE=offline to log into the run dir (`wandb sync` it "
+                              "later)") from None
 
     def log_text(self, logger, tag, text, step):
         logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)

@@ -55,7 +55,7 @@ EMIT :=
 endif
 MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
 ALL_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024 \
-	deep1024-nogain nogain-d16 nogain-d64
+	deep1024-nogain nogain-d16 nogain-d64 nogain-d256
 # PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
 PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
 .PHONY: paper-data $(addprefix paper-,$(ALL_GRIDS))
@@ -100,12 +100,14 @@ paper-deep1024: paper-data
 	$(DEEP1024) --schemes keel,preln,postln $(ARGS)
 paper-deep1024-nogain: paper-data
 	$(DEEP1024) --schemes keel model.out_norm_gain=false $(ARGS)
-# What dropping the gains costs where Keel trains with them: Table 1's two sizes (compare with their keel rows)
-NOGAIN := --schemes= --variant keel-nogain=model.scheme=keel,model.out_norm_gain=false --seeds $(TREND_SEEDS)
+# What dropping the gains costs where Keel trains with them: Table 1's two sizes and 256 blocks (beside their keel rows)
+NOGAIN := --schemes= --variant keel-nogain=model.scheme=keel,model.out_norm_gain=false
 paper-nogain-d16: paper-data
-	$(MAXLR) $(NOGAIN) $(SHALLOW) $(ARGS)
+	$(MAXLR) $(NOGAIN) --seeds $(TREND_SEEDS) $(SHALLOW) $(ARGS)
 paper-nogain-d64: paper-data
-	$(MAXLR) $(NOGAIN) $(DEEP) $(ARGS)
+	$(MAXLR) $(NOGAIN) --seeds $(TREND_SEEDS) $(DEEP) $(ARGS)
+paper-nogain-d256: paper-data
+	$(MAXLR) $(NOGAIN) --seeds $(WIDE_SEEDS) --depths 256 model.width=32 $(NARROW) $(ARGS)
 
 bench: install
 	$(KEEL) bench $(ARGS)

@@ -6,8 +6,9 @@ side: Table 1 at 16 and 64 blocks; the Keel / Pre-LN max-LR ratio against depth 
 depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, width-w256), with the batch point
 (batch-8x); the two-ramp check (ramp-2x against table1-d16, seed by seed); HybridNorm; and the 1,024-block runs
 (deep1024, a `keel sweep`, and deep1024-nogain, Keel with model.out_norm_gain=false): held-out loss, non-finite
-steps and per-block gradient norms against depth; and Keel without its outer norms' gains at Table 1's sizes
-(nogain-d16, nogain-d64) beside Table 1's keel rows. A grid not run yet is listed as missing; the rest is reported.
+steps and per-block gradient norms against depth; and Keel without its outer norms' gains beside the keel rows
+of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256). A grid not run yet is listed as
+missing; the rest is reported.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def report(out: Path) -> str:
     grids: dict[str, list[dict]] = {}
     missing = []
     for grid in ("table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
-                 "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64"):
+                 "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256"):
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
@@ -243,7 +244,8 @@ def report(out: Path) -> str:
         table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
         if table:
             text += ["## Two ramp lengths (16 x 64)", "", markdown_table(table, list(table[0])), ""]
-    for table1, nogain, title in (("table1-d16", "nogain-d16", "16 x 64"), ("table1-d64", "nogain-d64", "64 x 32")):
+    for table1, nogain, title in (("table1-d16", "nogain-d16", "16 x 64"), ("table1-d64", "nogain-d64", "64 x 32"),
+                                  ("depth-d256", "nogain-d256", "256 x 32")):
         if nogain in grids and table1 in grids:
             rows = [r for r in grids[table1] if r["row"] == "keel"] + grids[nogain]
             tests = sign_tests(rows, [("keel-nogain", "keel")])

@@ -3,35 +3,47 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import json
+import os
 import random
+import re
+import resource
 import shutil
+import signal
+import socket
+import string
 import subprocess
 import sys
 import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer
+from litdata.streaming.writer import BinaryWriter
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import keel.data.preparation
 from keel import cli
 from keel.config import Config, DataConfig, load_config
 from keel.data.loading import KeelDataModule, open_dataset, token_loader
-from keel.data.preparation import is_validation, prepare
+from keel.data.preparation import SPAN_CHARS, DataDirLock, is_validation, prepare
+from keel.data.shards import STAGING
 from keel.data.sources import SOURCES, read_documents
 from keel.data.sources.stdlib import STDLIB_EXCLUDED_DIRS
 from keel.data.sources.text_files import cut_text
-from keel.data.tokenizer import EOS_TOKEN, train_tokenizer
+from keel.data.tokenizer import EOS_TOKEN, PIECE_CHARS, tokenizer_pieces, train_tokenizer
+from keel.dirlock import LOCK
 from keel.errors import ConfigError
 
 SHARED_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"  # ../shared/data from the repo root
 WORDS = ("keel highway residual norm layer depth gradient the of and to model train token shard loader "
          "naïve café Δx → 深い 🚀").split()
 DOCUMENTS = 40
+LATIN1_TEXT = "déjà vu, voilà, café crème " * 100  # one document
 VAL_FRACTION = 0.2
 
 
@@ -48,13 +60,17 @@ def write_corpus(folder: Path) -> dict[str, str]:
     return texts
 
 
-def config(data_dir: Path, *overrides: str, corpus: Path | None = None) -> Config:
+def overrides_for(data_dir: Path, *overrides: str, corpus: Path | None = None) -> list[str]:
     corpus_glob = f"{corpus}/*.txt" if corpus else "unused"
-    return load_config(None, [
+    return [
         "data=text_files", f"data.paths=[{corpus_glob}]", f"data.dir={data_dir}", "data.vocab_size=300",
         f"data.val_fraction={VAL_FRACTION}", "data.prepare_workers=2", "model.seq_len=32", "model.vocab_size=300",
         "trainer.micro_batch_size=4", *overrides,
-    ])
+    ]
+
+
+def config(data_dir: Path, *overrides: str, corpus: Path | None = None) -> Config:
+    return load_config(None, overrides_for(data_dir, *overrides, corpus=corpus))
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +238,7 @@ def test_jsonl_parquet_and_max_chars(tmp_path):
         list(read_documents(cfg.data))
 
 
-def test_cut_text_prefers_paragraph_ends_and_never_splits_lines():
+def test_cut_text_prefers_paragraph_ends_then_line_ends_then_whitespace():
     line = "word " * 19 + "word\n"  # 100 characters
     paragraph = line * 3 + "\n"  # 301 characters
     prose = paragraph * 40
@@ -233,7 +249,15 @@ def test_cut_text_prefers_paragraph_ends_and_never_splits_lines():
     lines = line * 35
     assert cut_text(lines, 1000) == [line * 10] * 3 + [line * 5]  # no paragraph end: at the nearest line end
     assert cut_text(lines, 0) == cut_text(lines, len(lines)) == [lines]
-    assert cut_text("x" * 5000 + "\n", 1000) == ["x" * 5000 + "\n"]  # one line: never split
+    # a line longer than 2 x doc_chars (a file with no line breaks) is cut where a run of whitespace begins ...
+    long_line = "word " * 1000 + "\n"
+    pieces = cut_text(long_line, 1000)
+    assert "".join(pieces) == long_line and len(pieces) == 5
+    assert pieces[0] == "word " * 199 + "word"  # 999: the space at 999 starts the next piece, nearest to 1000
+    assert all(piece.startswith(" word") and 995 <= len(piece) <= 1005 for piece in pieces[1:-1])
+    assert cut_text(long_line, 1000)[:3] == cut_text(long_line * 2, 1000)[:3]  # and still only by what precedes
+    # ... and with no whitespace either, at doc_chars exactly; the last line end closes the last piece
+    assert cut_text("x" * 5000 + "\n", 1000) == ["x" * 1000] * 4 + ["x" * 1000 + "\n"]
 
 
 def test_big_plain_text_files_are_cut_but_source_files_are_not(tmp_path):
@@ -249,6 +273,70 @@ def test_big_plain_text_files_are_cut_but_source_files_are_not(tmp_path):
     assert len(list(read_documents(cfg.data))) == 4
     with pytest.raises(ConfigError, match="data.doc_chars"):
         load_config(None, ["data.doc_chars=-1"])
+
+
+def test_a_file_without_line_breaks_is_cut_into_documents_and_builds(tmp_path):
+    """It used to stay one document, and a corpus of it alone was refused with advice that could not help (a smaller
+    data.doc_chars: lines were never split)."""
+    (tmp_path / "corpus").mkdir()
+    text = " ".join(random.Random(4).choices(WORDS, k=40_000))  # ~240,000 characters, one line
+    (tmp_path / "corpus" / "one_line.txt").write_text(text)
+    cfg = config(tmp_path / "shards", corpus=tmp_path / "corpus")
+    docs = dict(read_documents(cfg.data))
+    assert "".join(docs.values()) == text and len(docs) == len(cut_text(text, DataConfig.doc_chars)) > 50
+    assert max(len(doc) for doc in docs.values()) <= 2 * DataConfig.doc_chars
+    manifest = prepare(cfg)
+    assert manifest["documents"]["train"] + manifest["documents"]["val"] == len(docs)
+    assert manifest["tokens"] == expected_tokens(tmp_path / "shards", docs, VAL_FRACTION)
+
+
+def long_text(characters: int, seed: int = 3) -> str:
+    """Words between every kind of whitespace run and punctuation, about `characters` long."""
+    rng = random.Random(seed)
+    separators = (" ", "  ", "\n", "\t", " \n ", ", ", ". ", "\r\n", "\n\n")
+    words, length = [], 0
+    while length < characters:
+        words.append(rng.choice(WORDS) + rng.choice(separators))
+        length += len(words[-1])
+    return "".join(words)
+
+
+def test_long_texts_reach_the_tokenizer_in_pieces_that_change_no_token(built):
+    text = long_text(3 * PIECE_CHARS)
+    pieces = tokenizer_pieces(text)
+    assert "".join(pieces) == text and len(pieces) == 4
+    assert all(len(piece) <= PIECE_CHARS for piece in pieces)
+    assert all(piece[0].isspace() and not before[-1].isspace() for before, piece in zip(pieces, pieces[1:]))
+    assert [len(piece) for piece in tokenizer_pieces("x" * 250_000)] == [PIECE_CHARS, PIECE_CHARS, 50_000]
+    tokenizer = Tokenizer.from_file(str(built.dir / "tokenizer.json"))
+    assert [i for piece in pieces for i in tokenizer.encode(piece).ids] == tokenizer.encode(text).ids
+    # trained on in pieces, the same BPE as on the whole text
+    whole = Tokenizer(models.BPE())
+    whole.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    whole.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert train_tokenizer([text], 400).get_vocab() == whole.get_vocab()
+
+
+def test_the_shard_encoder_gives_the_tokenizer_bounded_texts_and_the_ids_of_whole_documents(built, tmp_path):
+    tokenizer = Tokenizer.from_file(str(built.dir / "tokenizer.json"))
+    texts = [long_text(SPAN_CHARS + 3 * PIECE_CHARS // 2), "a short document", long_text(PIECE_CHARS // 2, seed=4)]
+    spool = keel.data.preparation._Spool(str(tmp_path / "train.jsonl"))
+    with open(spool.path, "wb") as out:
+        for number, text in enumerate(texts):
+            spool.add(out, str(number), text)
+    span = [document for documents in spool.spans(np.arange(len(texts))) for document in documents]  # all three
+    calls = []
+
+    class Recording:  # the tokenizer, and what it is given
+        def encode_batch(self, batch, add_special_tokens):
+            calls.append([len(text) for text in batch])
+            return tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+
+    ids = keel.data.preparation._SpanEncoder(Recording(), 0, np.dtype(np.uint16))((spool.path, span))
+    assert ids.tolist() == [i for text in texts for i in [*tokenizer.encode(text).ids, 0]]  # EOS (0) after each
+    assert max(max(call) for call in calls) <= PIECE_CHARS
+    assert len(calls) == 2 and sum(calls[0]) >= SPAN_CHARS and sum(calls[0]) - calls[0][-1] < SPAN_CHARS
 
 
 def test_stdlib_source_skips_test_suites_and_site_packages():
@@ -623,6 +711,7 @@ def test_s3_data_dir_builds_and_trains_like_a_local_one(s3_bucket, corpus_dir, t
         losses[where] = scalars(tmp_path / where, "train/loss")
     keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="keel-shards")["Contents"]}
     assert {"tiny/manifest.json", "tiny/tokenizer.json", "tiny/train/index.json", "tiny/val_docs.jsonl"} <= keys
+    assert not [key for key in keys if key.startswith(f"tiny/{STAGING}/")]  # the staged build was moved into place
     assert any(path.suffix == ".bin" for path in (tmp_path / "cache").rglob("*"))  # chunks streamed, then cached
     assert len(losses["s3"]) == 3 and losses["s3"] == losses["local"]
     with pytest.raises(ConfigError, match=r"bucket 'no-such-bucket' cannot be found at http://127.0.0.1"):
@@ -632,24 +721,57 @@ def test_s3_data_dir_builds_and_trains_like_a_local_one(s3_bucket, corpus_dir, t
 # ------------------------------------------------------------------------------------------ damaged input and shards
 
 
-def test_binary_and_non_utf8_files_are_skipped_and_reported(tmp_path, capsys):
+def test_binary_and_non_utf8_files_are_skipped_and_named(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
     (corpus / "random.txt").write_bytes(random.Random(1).randbytes(20_000))
-    (corpus / "latin1.txt").write_bytes(("déjà vu, voilà, café crème " * 200).encode("latin-1"))
+    (corpus / "latin1.txt").write_bytes(LATIN1_TEXT.encode("latin-1"))
     (corpus / "nul.txt").write_bytes(b"text with a NUL\0 byte\n" * 50)
     manifest = prepare(config(tmp_path / "shards", corpus=corpus))
-    assert "skipped 3 binary or non-UTF-8 file(s)" in capsys.readouterr().out
-    assert manifest["skipped_files"]["binary_or_not_utf8"] == 3
+    skipped = [str(corpus / name) for name in ("latin1.txt", "nul.txt", "random.txt")]  # in glob order
+    assert (f"keel data: skipped 3 binary or non-utf-8 file(s): {', '.join(skipped)} (a NUL, or more than 1% of the "
+            "characters undecodable); files in another encoding are read with data.encoding=CODEC (e.g. latin-1, "
+            "cp1252)\n") in capsys.readouterr().out
+    assert manifest["skipped_files"] == {"binary_or_undecodable": 3, "first": skipped}
     assert manifest["documents"]["train"] + manifest["documents"]["val"] == DOCUMENTS
     val_text = (tmp_path / "shards" / "val_docs.jsonl").read_text()
     assert "\ufffd" not in val_text
 
     only_binary = tmp_path / "binary"
     only_binary.mkdir()
-    (only_binary / "a.txt").write_bytes(random.Random(2).randbytes(5_000))
-    with pytest.raises(ConfigError, match=r"corpus is empty.*; 1 binary or non-UTF-8 file\(s\) skipped"):
+    for k in range(7):
+        (only_binary / f"{k}.txt").write_bytes(random.Random(k).randbytes(5_000))
+    shown = ", ".join(str(only_binary / f"{k}.txt") for k in range(5))
+    with pytest.raises(ConfigError, match=re.escape(f"corpus is empty: no non-blank text in files matching "
+                                                    f"{only_binary}/*.txt") + ".*" + re.escape(
+            f"; skipped 7 binary or non-utf-8 file(s): {shown}, ... (2 more)")):
         prepare(config(tmp_path / "shards2", corpus=only_binary))
+
+
+def test_data_encoding_decodes_the_corpus_and_is_a_build_setting(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    texts = write_corpus(corpus)
+    (corpus / "latin1.txt").write_bytes(LATIN1_TEXT.encode("latin-1"))
+    (tmp_path / "records.jsonl").write_bytes(json.dumps({"text": "crème brûlée"}, ensure_ascii=False)
+                                             .encode("latin-1") + b"\n")
+    cfg = config(tmp_path / "shards", "data.encoding=LATIN-1", f"data.paths=[{corpus}/latin1.txt,{tmp_path}/*.jsonl]")
+    assert dict(read_documents(cfg.data)) == {str(corpus / "latin1.txt"): LATIN1_TEXT,
+                                              f"{tmp_path}/records.jsonl:1": "crème brûlée"}
+    cfg = config(tmp_path / "shards", "data.encoding=latin-1", corpus=corpus)
+    manifest = prepare(cfg)  # one encoding for every file: write_corpus's UTF-8 ones decode too, into mojibake
+    assert manifest["skipped_files"]["binary_or_undecodable"] == 0  # (latin-1 maps every byte to a character)
+    assert manifest["settings"]["encoding"] == "iso8859-1"  # the codec's own name: any spelling of it matches
+    held_out = [json.loads(line) for line in (tmp_path / "shards" / "val_docs.jsonl").read_text().splitlines()]
+    assert held_out
+    for doc in held_out:
+        expected = LATIN1_TEXT if doc["id"].endswith("latin1.txt") else texts[doc["id"]].encode().decode("latin-1")
+        assert doc["text"] == expected
+    assert prepare(config(tmp_path / "shards", "data.encoding=iso-8859-1", corpus=corpus)) == manifest
+    with pytest.raises(ConfigError, match=r"other data settings \(data.encoding: 'iso8859-1' -> 'utf-8'\)"):
+        prepare(config(tmp_path / "shards", corpus=corpus))
+    for wrong in ("no-such-codec", "base64"):  # unknown, or a codec that is not a text encoding
+        with pytest.raises(ConfigError, match=rf"data.encoding: '{wrong}' is not a text codec Python knows"):
+            config(tmp_path / "shards", f"data.encoding={wrong}")
 
 
 def test_truncated_or_corrupt_shard_is_refused_at_start_up(built, tmp_path):
@@ -666,3 +788,173 @@ def test_truncated_or_corrupt_shard_is_refused_at_start_up(built, tmp_path):
     chunk.unlink()
     with pytest.raises(ConfigError, match=r"truncated or missing \(missing\)"):
         open_dataset(cfg)
+
+
+# ------------------------------------------------------------------ full disks, Ctrl-C, two builds at once (#26)
+
+
+def files_of(data_dir: Path) -> dict[str, bytes]:
+    """A build's files by relative path (the lock file aside: it records who builds)."""
+    return {str(path.relative_to(data_dir)): path.read_bytes() for path in sorted(data_dir.rglob("*"))
+            if path.is_file() and path.name != LOCK}
+
+
+def full_disk(self, raw_data, filename, compress=None):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def killed(self, span):  # as the out-of-memory killer would
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("failure, said", [
+    ((BinaryWriter, "write_chunk_to_file", full_disk), "no space left on device writing the shards in {shards}/"
+     ".keel-build/train: free space or choose another data.dir / TMPDIR"),
+    ((keel.data.preparation._SpanEncoder, "__call__", killed), "the train shard writer (worker 0 of 1) was killed by "
+     "SIGKILL (the kernel's out-of-memory killer sends it: use fewer data.prepare_workers, or more memory) before it "
+     "was done"),
+])
+def test_a_shard_writer_that_fails_or_dies_stops_the_build_and_keeps_the_earlier_one(
+        built, tmp_path, monkeypatch, capsys, failure, said):
+    """The forked writers inherit the failure patched in here. litdata's optimize() hung when a worker failed after
+    its last input (its main process joined a worker that was joining its own idle child), and a full disk read as a
+    bare OSError."""
+    shards = tmp_path / "shards"
+    shutil.copytree(built.dir, shards)
+    before = files_of(shards)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(*failure)
+    assert cli.main(["data", "--force", *overrides_for(shards, corpus=built.root / "corpus")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"keel data: config error: {said.format(shards=shards)}"]
+    assert files_of(shards) == before  # the earlier build, complete
+    assert not (shards / STAGING).exists() and not list((tmp_path / "tmp").iterdir())  # no staging, no spool
+
+
+FORKS_MAY_WRITE_4KB = """
+import os, resource, sys
+from keel import cli
+os.register_at_fork(after_in_child=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+sys.exit(cli.main(["data", *sys.argv[1:]]))
+"""
+KEEL_DATA = "import sys\nfrom keel import cli\nsys.exit(cli.main(['data', *sys.argv[1:]]))"
+
+
+def write_at_most(size: int):
+    """A subprocess's preexec_fn: files of at most `size` bytes (past it a write fails with EFBIG, SIGXFSZ ignored)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    return limit
+
+
+def test_writes_that_run_out_of_room_fail_in_one_line_without_hanging(built, tmp_path):
+    """Real failing writes, in real processes: a file size limit (RLIMIT_FSIZE) in the shard writers alone (keel
+    data itself ignores SIGXFSZ, and they inherit that), then in the whole process, where the spool is written
+    first. Either way: status 2, one line naming what was being written, nothing left behind, well before the
+    timeout (the shard writers' case hung before)."""
+    shards, tmp = tmp_path / "shards", tmp_path / "tmp"
+    tmp.mkdir()
+    environment = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    overrides = overrides_for(shards, corpus=built.root / "corpus")
+    cases = [
+        (FORKS_MAY_WRITE_4KB, None, re.escape(f"file too large writing the shards in {shards}/.keel-build/train: ")),
+        (KEEL_DATA, write_at_most(16_384), re.escape(f"file too large writing the spooled corpus in {tmp}/keel-data-")
+         + r"\w+: "),
+    ]
+    for driver, preexec_fn, what in cases:
+        done = subprocess.run([sys.executable, "-c", driver, *overrides], env=environment, preexec_fn=preexec_fn,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert re.fullmatch(f"keel data: config error: {what}raise the file size limit \\(ulimit -f\\) or choose "
+                            "another data.dir / TMPDIR", done.stderr.splitlines()[-1])
+        assert sorted(path.name for path in shards.iterdir()) == [LOCK] and not list(tmp.iterdir())
+
+
+def interrupt_when(process: subprocess.Popen, line_starts: str) -> float:
+    """Ctrl-C, as a terminal sends it (SIGINT to the whole process group), once `process` has printed a line
+    starting with `line_starts`; the time it was sent."""
+    for line in process.stdout:
+        if line.startswith(line_starts):
+            break
+    else:
+        pytest.fail(f"keel data ended without printing {line_starts!r}: {process.communicate()[1]}")
+    time.sleep(1)  # well into what the line announces
+    os.killpg(process.pid, signal.SIGINT)
+    return time.monotonic()
+
+
+SLOW_SHARD_WRITERS = """
+import sys, time
+from keel import cli
+from keel.data import preparation
+encode = preparation._SpanEncoder.__call__
+def encode_slowly(self, span):  # holds the forked shard writers at work, to be interrupted there
+    time.sleep(600)
+    return encode(self, span)
+preparation._SpanEncoder.__call__ = encode_slowly
+sys.exit(cli.main(["data", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("stage", ["BPE training", "shard writing"])
+def test_ctrl_c_stops_keel_data_at_once_removing_the_unfinished_build(built, tmp_path, stage):
+    """Exit status 130 and one line, within seconds; the earlier build intact, no staging, no spool, no worker left.
+    Before, Ctrl-C waited for the BPE training to end (a Rust call holds Python's signal handling off), and while
+    shards were written litdata's handler called os._exit(0): status 0, no word, a build without a manifest."""
+    shards, tmp = tmp_path / "shards", tmp_path / "tmp"
+    shutil.copytree(built.dir, shards)
+    before = files_of(shards)
+    tmp.mkdir()
+    environment = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
+    if stage == "BPE training":  # ~3 MB of 200,000 distinct words: about 20 s to train 250,000 tokens on one thread
+        rng = random.Random(5)
+        (tmp_path / "words").mkdir()
+        for number in range(20):
+            (tmp_path / "words" / f"{number}.txt").write_text("\n".join(
+                " ".join("".join(rng.choices(string.ascii_lowercase, k=16)) for _ in range(100)) for _ in range(100)))
+        driver, overrides = KEEL_DATA, overrides_for(shards, "data.vocab_size=250000", corpus=tmp_path / "words")
+        announced = "keel data: training a"
+    else:
+        driver, overrides = SLOW_SHARD_WRITERS, overrides_for(shards, corpus=built.root / "corpus")
+        announced = "keel data: encoding the train split"
+    process = subprocess.Popen([sys.executable, "-c", driver, "--force", *overrides], env=environment,
+                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        sent = interrupt_when(process, announced)
+        stderr = process.communicate(timeout=60)[1]
+        stopped_in = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == (f"keel data: interrupted: the unfinished build was removed; {shards} holds what "
+                                       "it held before")
+    assert stopped_in < 5
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)  # no shard writer outlived it
+    assert files_of(shards) == before
+    assert not (shards / STAGING).exists() and not list(tmp.iterdir())
+
+
+def test_a_second_build_of_a_data_dir_is_refused_naming_the_holder(built, tmp_path, capsys):
+    """Two builds on one data.dir used to both say "wrote", the last silently replacing the other. The lock is
+    taken to build only: an up-to-date data.dir is still read (and not written) while a build holds it."""
+    shards = tmp_path / "shards"
+    overrides = overrides_for(shards, corpus=built.root / "corpus")
+    with DataDirLock(shards):
+        assert cli.main(["data", *overrides]) == 2
+        since = json.loads((shards / LOCK).read_text())["since"]
+        assert capsys.readouterr().err.splitlines() == [
+            f"keel data: config error: data.dir={shards} is in use by another keel process: pid {os.getpid()} on host "
+            f"{socket.gethostname()} (since {since}). Two builds in one data.dir would replace each other's files; "
+            "wait for it to end, stop it, or use another data.dir"]
+        assert sorted(path.name for path in shards.iterdir()) == [LOCK]  # nothing written
+        up_to_date = copy_of(built, tmp_path / "copy")
+        with DataDirLock(up_to_date.data.dir):
+            assert prepare(up_to_date) == built.manifest
+    (shards / STAGING / "train").mkdir(parents=True)  # what a build killed with -9 leaves
+    (shards / STAGING / "train" / "chunk-0-0.bin").write_bytes(b"partial")
+    assert cli.main(["data", *overrides]) == 0
+    assert not (shards / STAGING).exists() and (shards / LOCK).read_text() == ""  # released

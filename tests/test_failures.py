@@ -25,10 +25,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from keel.checkpoint import DCP_METADATA, LAST, AtomicCheckpointIO, read_checkpoint, read_dcp_metadata
 from keel.cli import main as cli_main
 from keel.config import load_config
+from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel import pretrain
 from keel.pretrain import Interrupted, launched_as_rank_zero, train
-from keel.rundir import LOCK, RunDirLock
+from keel.rundir import RunDirLock
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 from test_distributed import _sharded_checkpoint

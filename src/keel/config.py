@@ -113,12 +113,21 @@ class OptimConfig:
         require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
 
 
+def _is_text_codec(name: str) -> bool:
+    try:  # (not b"": that is "" whatever the name)
+        b"a".decode(name, errors="replace")  # LookupError for unknown names and for codecs of bytes (base64, zlib)
+    except (LookupError, UnicodeError):  # UnicodeError: the codec "undefined"
+        return False
+    return True
+
+
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # a name registered in keel.data.sources.SOURCES
     dir: str = "data/stdlib"  # shard directory (local path or an object-store URL litdata supports)
     paths: list[str] = field(default_factory=list)  # text_files: globs of .txt/.md/.py/.jsonl/.parquet files
     text_field: str = "text"  # jsonl/parquet/hf column holding the text
+    encoding: str = "utf-8"  # text_files/stdlib: the codec plain-text and .jsonl files are decoded with
     hf_dataset: str = "HuggingFaceFW/fineweb-edu"
     hf_name: str | None = "sample-10BT"
     hf_split: str = "train"
@@ -143,6 +152,8 @@ class DataConfig:
         require(self.shuffle_window >= 0, "data.shuffle_window",
                  "must be >= 0 (0 = full permutation of each chunk; N = windows of N consecutive sequences)")
         require(self.doc_chars >= 0, "data.doc_chars", "must be >= 0 (0 = one document per plain-text file)")
+        require(_is_text_codec(self.encoding), "data.encoding",
+                f"{self.encoding!r} is not a text codec Python knows; use one such as utf-8, latin-1, cp1252, utf-16")
         require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
         require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",
                  "loader_workers must be >= 0 and prepare_workers >= 1")

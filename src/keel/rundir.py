@@ -4,21 +4,15 @@ resume changed."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 
 from keel.artifacts import CONFIG
 from keel.checkpoint import remove_path
 from keel.config import Config, from_dict, to_dict, to_yaml
-from keel.errors import ConfigError
+from keel.dirlock import DirLock
 
-LOCK = ".keel.lock"
 IGNORED_ON_RESUME = ("resume", "run.dir")  # where a run is and how it was started: not its recipe
 
 
@@ -26,87 +20,12 @@ def say(message: str) -> None:
     print(f"keel pretrain: {message}", file=sys.stderr, flush=True)
 
 
-def _holder(lock_file: Path) -> dict:
-    try:
-        return json.loads(lock_file.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
+class RunDirLock(DirLock):
+    """One writer per run directory: rank 0 holds it for the whole run (keel.dirlock.DirLock)."""
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class RunDirLock:
-    """One writer per run directory: fcntl.flock on <run.dir>/.keel.lock, which the kernel releases when the
-    process ends however it ends (a kill -9 leaves a lock nobody holds: stale, taken over). The file names the
-    holder (pid, host, start time) for the error a second process gets. Where the filesystem has no flock, the
-    file's pid is checked instead (on this host: alive or not; on another host: trusted)."""
-
-    def __init__(self, run_dir: str | Path) -> None:
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise ConfigError(f"run.dir={self.run_dir}: cannot write there ({err.strerror or err}): "
-                              "choose a directory you can write (run.dir=PATH)") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(self._in_use(_holder(self.path))) from None
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                os.close(fd)
-                raise
-            self._check_pid(fd)
-        previous = _holder(self.path)
-        if previous:  # released locks are emptied: this one's holder ended without releasing it
-            say(f"run.dir={self.run_dir}: a previous run (pid {previous.get('pid')} on {previous.get('host')}) "
-                "ended without releasing its lock; taken over")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
-
-    def _check_pid(self, fd: int) -> None:
-        holder = _holder(self.path)
-        same_host = holder.get("host") == socket.gethostname()
-        if holder and (not same_host or (holder.get("pid") != os.getpid() and _pid_alive(int(holder["pid"])))):
-            os.close(fd)
-            raise ConfigError(self._in_use(holder))
-
-    def _in_use(self, holder: dict) -> str:
-        who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
-        return (f"run.dir={self.run_dir} is in use by another keel process: {who}. Two runs in one directory "
-                "would mix their logs and checkpoints; wait for it to end, stop it, or use another run.dir")
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        os.ftruncate(self._fd, 0)  # an empty file: released cleanly
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
-
-    def __enter__(self) -> RunDirLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    key = "run.dir"
+    clash = "Two runs in one directory would mix their logs and checkpoints"
+    command = "pretrain"
 
 
 def remove_orphans(checkpoint_dir: Path) -> None:

@@ -1,5 +1,7 @@
 """`keel data`: one pass over data.source spooled to local disk and split, a tokenizer, the shards of each split
-(written in a seeded document order by litdata's optimize()), val_docs.jsonl, and the manifest, written last.
+(encoded in a seeded document order by worker processes, in litdata's TokensLoader layout), val_docs.jsonl, and the
+manifest. A build holds a lock on data.dir, is staged in <data.dir>/.keel-build and moved into place once whole: a
+build that fails or is interrupted is removed and leaves data.dir as it was.
 
     keel data [--config FILE] [--force] [key=value ...]
 """
@@ -7,41 +9,80 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
+import errno
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import posixpath
+import signal
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from importlib import metadata
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 import numpy as np
-from litdata import TokensLoader, optimize
+from litdata import TokensLoader
+from litdata.streaming.writer import BinaryWriter
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from keel.config import Config, DataConfig, load_config
 from keel.data.shards import (
-    MANIFEST, SPLITS, TOKENIZER, VAL_DOCS, chunk_digests, data_path, require_sequences, sha256, storage,
+    MANIFEST, SPLITS, STAGING, TOKENIZER, VAL_DOCS, chunk_digests, data_path, require_sequences, sha256, storage,
     tokens_per_chunk,
 )
 from keel.data.sources import get_source, read_documents
 from keel.data.sources.base import MAX_UNDECODABLE, SkippedFiles
-from keel.data.tokenizer import eos_id_of, load_tokenizer, train_tokenizer
+from keel.data.tokenizer import eos_id_of, load_tokenizer, tokenizer_pieces, train_tokenizer
+from keel.dirlock import DirLock
 from keel.errors import ConfigError
 
-# Characters of spooled text per optimize() input: small enough to spread over the workers, large enough for
-# each tokenizer call to batch many documents.
+# Characters of spooled text per span, the unit of work of the shard writers: small enough to spread over the
+# workers, large enough for each tokenizer call to batch many documents (and the most one call encodes).
 SPAN_CHARS = 1_000_000
 # data.* keys that shape every build, whatever the source (each source adds its own: Source.settings)
 COMMON_SETTINGS = ("source", "max_chars", "val_fraction", "seed", "shuffle_documents", "tokenizer")
+# A write that ran out of room: what it is, and what to do
+OUT_OF_ROOM = {
+    errno.ENOSPC: ("no space left on device", "free space or choose another data.dir / TMPDIR"),
+    errno.EDQUOT: ("disk quota exceeded", "free space or choose another data.dir / TMPDIR"),
+    errno.EFBIG: ("file too large", "raise the file size limit (ulimit -f) or choose another data.dir / TMPDIR"),
+}
+Result = TypeVar("Result")
+
+
+class DataDirLock(DirLock):
+    """One build per local data.dir at a time, taken only to build: an up-to-date data.dir is read, never written."""
+
+    key = "data.dir"
+    clash = "Two builds in one data.dir would replace each other's files"
+    command = "data"
+
+
+@contextlib.contextmanager
+def writing(what: str) -> Iterator[None]:
+    """Turns a write under it that runs out of room (a full disk, a quota, a file size limit) into one line naming
+    `what` was written and what to do, instead of a bare OSError (a write's OSError names no file)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in OUT_OF_ROOM:
+            raise
+        problem, advice = OUT_OF_ROOM[err.errno]
+        raise ConfigError(f"{problem} writing {what}: {advice}") from None
 
 
 def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:
@@ -55,7 +96,10 @@ def build_settings(data: DataConfig) -> dict[str, Any]:
     keys = [*COMMON_SETTINGS, *get_source(data.source).settings]
     if data.tokenizer is None:
         keys.append("vocab_size")  # shapes only a tokenizer trained here
-    return {key: getattr(data, key) for key in keys}
+    settings = {key: getattr(data, key) for key in keys}
+    if "encoding" in settings:  # by its canonical name: "UTF8" and "utf-8" are one setting
+        settings["encoding"] = codecs.lookup(data.encoding).name
+    return settings
 
 
 # ------------------------------------------------------------------------------- spooling: one pass over the source
@@ -84,7 +128,7 @@ class _Spool:
         self.chars += len(text)
 
     def spans(self, order: np.ndarray) -> list[list[tuple[int, int]]]:
-        """The documents in `order`, grouped into spans of about SPAN_CHARS characters (one optimize() input each):
+        """The documents in `order`, grouped into spans of about SPAN_CHARS characters (a shard writer's unit of work):
         each span a list of (byte offset, byte length) of its documents' lines."""
         spans: list[list[tuple[int, int]]] = [[]]
         span_chars = 0
@@ -113,13 +157,14 @@ def document_order(count: int, data: DataConfig, split: str) -> np.ndarray:
 def _spool(data: DataConfig, workdir: str, skipped: SkippedFiles) -> dict[str, _Spool]:
     source = get_source(data.source)
     spools = {split: _Spool(os.path.join(workdir, f"{split}.jsonl")) for split in SPLITS}
-    with open(spools["train"].path, "wb") as train, open(spools["val"].path, "wb") as val:
-        for doc_id, text in read_documents(data, skipped):
-            held_out = is_validation(doc_id, data.val_fraction, data.seed)
-            spools["val" if held_out else "train"].add(val if held_out else train, doc_id, text)
+    with writing(f"the spooled corpus in {workdir}"):
+        with open(spools["train"].path, "wb") as train, open(spools["val"].path, "wb") as val:
+            for doc_id, text in read_documents(data, skipped):
+                held_out = is_validation(doc_id, data.val_fraction, data.seed)
+                spools["val" if held_out else "train"].add(val if held_out else train, doc_id, text)
     total = sum(spool.documents for spool in spools.values())
     if total == 0:
-        binary = f"; {skipped.count} binary or non-UTF-8 file(s) skipped, e.g. {skipped.first}" if skipped.count else ""
+        binary = f"; skipped {skipped}" if skipped.count else ""
         raise ConfigError(f"data.source={data.source}: the corpus is empty: no non-blank text in "
                           f"{source.describe(data)}{binary}")
     for split, spool in spools.items():
@@ -136,63 +181,177 @@ def _spool(data: DataConfig, workdir: str, skipped: SkippedFiles) -> dict[str, _
 
 
 class _SpanEncoder:
-    """The optimize() worker function: one spooled span of documents -> their ids, each document ended by EOS."""
+    """A shard writer's function: one spooled span of documents -> their ids, each document ended by EOS. A document
+    longer than the tokenizer may take at once goes to it in tokenizer_pieces, and no call encodes more than about
+    SPAN_CHARS characters: memory stays bounded whatever the documents."""
 
     def __init__(self, tokenizer: Tokenizer, eos_id: int, dtype: np.dtype) -> None:
         self.tokenizer, self.eos_id, self.dtype = tokenizer, eos_id, dtype
 
     def __call__(self, span: tuple[str, list[tuple[int, int]]]) -> np.ndarray:
         path, documents = span
-        texts = []
+        encoded, batch, batch_chars = [], [], 0  # batch: (piece, whether it ends its document)
         with open(path, "rb") as spool:
             for start, length in documents:
                 spool.seek(start)
-                texts.append(json.loads(spool.read(length))["text"])
+                pieces = tokenizer_pieces(json.loads(spool.read(length))["text"])
+                for number, piece in enumerate(pieces, 1):
+                    batch.append((piece, number == len(pieces)))
+                    batch_chars += len(piece)
+                    if batch_chars >= SPAN_CHARS:
+                        encoded.append(self._encode(batch))
+                        batch, batch_chars = [], 0
+        if batch:
+            encoded.append(self._encode(batch))
+        return np.concatenate(encoded)
+
+    def _encode(self, batch: list[tuple[str, bool]]) -> np.ndarray:
         ids: list[int] = []
-        for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False):
+        encodings = self.tokenizer.encode_batch([piece for piece, _ in batch], add_special_tokens=False)
+        for (_, ends_document), encoding in zip(batch, encodings):
             ids += encoding.ids
-            ids.append(self.eos_id)
+            if ends_document:
+                ids.append(self.eos_id)
         return np.asarray(ids, dtype=self.dtype)
 
 
+def _in_a_thread(function: Callable[..., Result], *args: Any) -> Result:
+    """function(*args), run in a daemon thread that the main thread waits for. Python runs a signal's handler in the
+    main thread between bytecodes, and the tokenizers library trains a BPE in Rust for minutes without coming back:
+    called directly, it held Ctrl-C until it was done. A wait can be interrupted; after Ctrl-C the thread is left to
+    end with the process."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = function(*args)
+        except BaseException as err:  # noqa: BLE001 - raised again in the main thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _shares(spans: list[Any], workers: int) -> list[list[Any]]:
+    """Consecutive shares of the spans, one per worker, the remainder going one each to the last workers: as
+    litdata's optimize() deals them, so the shards are those it wrote before keel wrote them itself."""
+    size, remainder = divmod(len(spans), workers)
+    bounds = np.cumsum([0] + [size + (rank >= workers - remainder) for rank in range(workers)]).tolist()
+    return [spans[begin:end] for begin, end in zip(bounds, bounds[1:])]
+
+
+def _shard_writer(rank: int, spans: list[Any], encoder: _SpanEncoder, chunk_dir: str, upload_dir: str | None,
+                  chunk_bytes: str, written: Any, report: Connection) -> None:
+    """One worker process: its share of the spans, encoded in order and written with litdata's BinaryWriter (as
+    optimize() writes them) into chunk-<rank>-<n>.bin files and a <rank>.index.json in chunk_dir; on an object store
+    each chunk is then uploaded to upload_dir and removed here. Reports None when done, a ConfigError (a full disk),
+    or the traceback of anything else; the main process waits for that report, or for the end of the pipe when the
+    worker dies without one."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the main process stops us
+    os.environ["DATA_OPTIMIZER_GLOBAL_RANK"] = str(rank)  # the writer names its files by it
+    try:
+        with writing(f"the shards in {chunk_dir}"):
+            store = fsspec.core.url_to_fs(upload_dir)[0] if upload_dir else None
+
+            def keep(chunk: str | None) -> None:
+                if chunk and store is not None:
+                    store.put_file(chunk, f"{upload_dir}/{os.path.basename(chunk)}")
+                    os.remove(chunk)
+
+            writer = BinaryWriter(chunk_dir, chunk_bytes=chunk_bytes, item_loader=TokensLoader())
+            for index, span in enumerate(spans):
+                keep(writer.add_item(index, encoder(span)))
+                with written.get_lock():
+                    written.value += 1
+            for chunk in writer.done():
+                keep(chunk)
+        report.send(None)
+    except ConfigError as err:
+        report.send(err)
+    except BaseException:  # noqa: BLE001 - whatever it is, the main process says it
+        report.send(traceback.format_exc())
+
+
 @contextlib.contextmanager
-def _worker_environment(workdir: str) -> Iterator[None]:
-    # Workers are forked where the platform allows it: spawn re-imports torch in each one (10-20 s on a busy
-    # 2-core box). Forked workers cannot use the tokenizers thread pool the BPE training started (tokenizers
-    # would say so and fall back), so they encode single-threaded: the workers are the parallelism.
-    # optimize() stages chunks bound for an object store in $TMPDIR/chunks, one folder for every process on the
-    # machine (two builds delete each other's chunks): each build gets its own under workdir.
-    # optimize() sets the start method process-wide; it is put back for DataLoaders started later.
-    previous_method = multiprocessing.get_start_method(allow_none=True)
-    settings = {"TOKENIZERS_PARALLELISM": "false", "DATA_OPTIMIZER_CACHE_FOLDER": os.path.join(workdir, "chunks"),
-                "DATA_OPTIMIZER_DATA_CACHE_FOLDER": os.path.join(workdir, "inputs")}
-    previous = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
+def _tokenizers_single_threaded() -> Iterator[None]:
+    # Workers are forked where the platform allows it: spawn re-imports torch in each one (10-20 s on a busy 2-core
+    # box). Forked workers cannot use the thread pool the BPE training started: tokenizers checks this variable as a
+    # process forks, and without it each worker would print that it falls back to one thread. The workers are the
+    # parallelism. Set for the forks only: it would also hold back a later tokenizer in this process.
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         yield
     finally:
-        multiprocessing.set_start_method(previous_method, force=True)
-        for name, value in previous.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+        if previous is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
-def _write_shards(data: DataConfig, spool: _Spool, split: str, encoder: _SpanEncoder, workdir: str) -> None:
+def _died(process: multiprocessing.process.BaseProcess, name: str) -> ConfigError:
+    process.join()
+    code = process.exitcode
+    if code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+        if code == -signal.SIGKILL:
+            how += " (the kernel's out-of-memory killer sends it: use fewer data.prepare_workers, or more memory)"
+    else:
+        how = f"exited with status {code}"
+    return ConfigError(f"{name} {how} before it was done")
+
+
+def _write_shards(data: DataConfig, fs: fsspec.AbstractFileSystem, spool: _Spool, split: str, encoder: _SpanEncoder,
+                  staging: str, workdir: str) -> None:
+    """The split's shards in <staging>/<split>: written there by the workers on a local data.dir; on an object store
+    through <workdir>/<split>, a chunk at a time. Any worker's failure or death stops them all and is raised."""
     spans = [(spool.path, documents) for documents in spool.spans(document_order(spool.documents, data, split))]
-    with _worker_environment(os.path.join(workdir, split)):
-        optimize(
-            fn=encoder,
-            inputs=spans,
-            output_dir=data_path(data.dir, split),
-            chunk_bytes=data.chunk_bytes,
-            num_workers=min(data.prepare_workers, len(spans)),
-            item_loader=TokensLoader(),
-            mode="overwrite",
-            keep_data_ordered=True,  # the same inputs and workers give byte-identical shards
-            start_method="fork" if sys.platform == "linux" else "spawn",
-        )
+    shares = _shares(spans, min(data.prepare_workers, len(spans)))
+    remote = "://" in data.dir
+    chunk_dir = os.path.join(workdir, split) if remote else data_path(staging, split)
+    upload_dir = data_path(staging, split) if remote else None
+    print(f"keel data: encoding the {split} split ({len(spans)} span(s) of ~{SPAN_CHARS:,} characters) with "
+          f"{len(shares)} worker(s)", flush=True)
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    written = context.Value("q", 0)
+    workers: dict[Connection, tuple[str, multiprocessing.process.BaseProcess]] = {}
+    try:
+        with _tokenizers_single_threaded():
+            for rank, share in enumerate(shares):
+                receive, send = context.Pipe(duplex=False)
+                worker = context.Process(target=_shard_writer, daemon=True, args=(
+                    rank, share, encoder, chunk_dir, upload_dir, data.chunk_bytes, written, send))
+                worker.start()
+                send.close()  # the worker's copy alone remains: its end, however it ends, reads as end of file here
+                workers[receive] = (f"the {split} shard writer (worker {rank} of {len(shares)})", worker)
+        with tqdm(total=len(spans), desc=f"{split} shards", unit="span", disable=None) as bar:
+            while workers:
+                for receive in multiprocessing.connection.wait(list(workers), timeout=1):
+                    name, worker = workers.pop(receive)
+                    try:
+                        outcome = receive.recv()
+                    except EOFError:
+                        outcome = _died(worker, name)
+                    if isinstance(outcome, str):
+                        raise RuntimeError(f"{name} failed:\n{outcome}")
+                    if outcome is not None:
+                        raise outcome
+                    worker.join()
+                bar.update(written.value - bar.n)
+    finally:  # after a failure or Ctrl-C: the others are stopped, not left writing into what is being removed
+        for _, worker in workers.values():
+            worker.kill()
+            worker.join()
+    with writing(f"the {split} index in {chunk_dir}"):
+        # the workers' <rank>.index.json -> index.json, as optimize() merges them (merge() would wait for as many
+        # files as WORLD_SIZE x workers, forever when keel data runs inside a distributed job)
+        BinaryWriter(chunk_dir, chunk_bytes=data.chunk_bytes, item_loader=TokensLoader())._merge_no_wait()
+    if remote:
+        fs.put_file(os.path.join(chunk_dir, "index.json"), f"{upload_dir}/index.json")
 
 
 def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> dict | None:
@@ -206,6 +365,8 @@ def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> 
     if force or not complete:
         return None
     settings, built = build_settings(data), manifest.get("settings", {})
+    if "encoding" in settings:  # builds made before data.encoding existed read UTF-8
+        built = {"encoding": "utf-8", **built}
     changed = sorted(key for key in set(settings) | set(built) if settings.get(key) != built.get(key))
     changes = [f"data.{key}: {built.get(key)!r} -> {settings.get(key)!r}" for key in changed]
     other_tokenizer = not {"tokenizer", "vocab_size"}.isdisjoint(changed)
@@ -223,60 +384,92 @@ def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> 
     return manifest
 
 
+def _up_to_date(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> dict | None:
+    if (manifest := _existing_build(cfg, fs, force)) is not None:
+        print(f"keel data: {cfg.data.dir} is up to date ({manifest['tokens']['train']:,} train / "
+              f"{manifest['tokens']['val']:,} val tokens); nothing to do (--force rebuilds)")
+    return manifest
+
+
 def prepare(cfg: Config, force: bool = False) -> dict:
     """Build the tokenizer, shards, val_docs.jsonl and manifest at cfg.data.dir unless already there; the manifest."""
-    data, source = cfg.data, get_source(cfg.data.source)
+    data = cfg.data
     fs = storage(data.dir)
-    if (manifest := _existing_build(cfg, fs, force)) is not None:
-        print(f"keel data: {data.dir} is up to date ({manifest['tokens']['train']:,} train / "
-              f"{manifest['tokens']['val']:,} val tokens); nothing to do (--force rebuilds)")
+    if (manifest := _up_to_date(cfg, fs, force)) is not None:
         return manifest
-
-    start = time.perf_counter()
     given = load_tokenizer(data.tokenizer) if data.tokenizer else None  # before reading: fail fast
-    fs.makedirs(data_path(data.dir), exist_ok=True)
-    if fs.exists(data_path(data.dir, MANIFEST)):
-        fs.rm_file(data_path(data.dir, MANIFEST))  # the directory is incomplete until the new manifest is written
+    # an object store has no lock: two builds into one remote data.dir are not prevented
+    with contextlib.nullcontext() if "://" in data.dir else DataDirLock(data.dir):
+        if (manifest := _up_to_date(cfg, fs, force)) is not None:  # built meanwhile by the lock's last holder
+            return manifest
+        staging = data_path(data.dir, STAGING)
+        if fs.exists(staging):  # left by a build killed before it could remove it (the lock says none is running)
+            fs.rm(staging, recursive=True)
+        try:
+            try:
+                manifest = _build(cfg, fs, staging, given)
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(f"interrupted: the unfinished build was removed; {data.dir} holds what it "
+                                        "held before") from None
+            _publish(fs, staging, data.dir)  # interrupted, it leaves an unfinished build: the next run rebuilds it
+        finally:
+            if fs.exists(staging):
+                fs.rm(staging, recursive=True)
+    documents, tokens = manifest["documents"], manifest["tokens"]
+    print(f"keel data: wrote {data.dir}: {documents['train']:,} train / {documents['val']:,} val documents, "
+          f"{tokens['train']:,} / {tokens['val']:,} tokens, vocabulary {manifest['vocab_size']}; "
+          + ", ".join(f"{key[:-2]} {seconds:.1f} s" for key, seconds in manifest["timings"].items()))
+    return manifest
+
+
+def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tuple[Tokenizer, bytes] | None) -> dict:
+    """A whole build in `staging`, its manifest written last; the manifest."""
+    data, source = cfg.data, get_source(cfg.data.source)
+    start = time.perf_counter()
     timings = {}
+    with writing(staging):
+        fs.makedirs(staging, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="keel-data-") as workdir:
         print(f"keel data: reading {source.describe(data)}")
-        skipped = SkippedFiles()
+        skipped = SkippedFiles(data.encoding)
         spools = _spool(data, workdir, skipped)
         timings["read_s"] = time.perf_counter() - start
         if skipped.count:
-            print(f"keel data: skipped {skipped.count} binary or non-UTF-8 file(s) (a NUL byte, or more than "
-                  f"{MAX_UNDECODABLE:.0%} undecodable bytes), the first: {skipped.first}")
+            print(f"keel data: skipped {skipped} (a NUL, or more than {MAX_UNDECODABLE:.0%} of the characters "
+                  "undecodable); files in another encoding are read with data.encoding=CODEC (e.g. latin-1, cp1252)")
 
         mark = time.perf_counter()
         if given is None:
             print(f"keel data: training a {data.vocab_size}-token byte-level BPE "
-                  f"on {spools['train'].chars:,} characters")
-            tokenizer = train_tokenizer(spools["train"].texts(), data.vocab_size)
+                  f"on {spools['train'].chars:,} characters", flush=True)
+            tokenizer = _in_a_thread(train_tokenizer, spools["train"].texts(), data.vocab_size)
             tokenizer_bytes = tokenizer.to_str().encode()
         else:
             tokenizer, tokenizer_bytes = given
         eos_id, vocab_size = eos_id_of(tokenizer), tokenizer.get_vocab_size()
-        fs.pipe_file(data_path(data.dir, TOKENIZER), tokenizer_bytes)
+        with writing(data_path(staging, TOKENIZER)):
+            fs.pipe_file(data_path(staging, TOKENIZER), tokenizer_bytes)
         timings["tokenizer_s"] = time.perf_counter() - mark
 
         dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.int32)
         encoder = _SpanEncoder(tokenizer, eos_id, dtype)
         for split in SPLITS:
             mark = time.perf_counter()
-            _write_shards(data, spools[split], split, encoder, workdir)
+            _write_shards(data, fs, spools[split], split, encoder, staging, workdir)
             timings[f"{split}_shards_s"] = time.perf_counter() - mark
-        fs.put_file(spools["val"].path, data_path(data.dir, VAL_DOCS))
+        with writing(data_path(staging, VAL_DOCS)):
+            fs.put_file(spools["val"].path, data_path(staging, VAL_DOCS))
 
-    require_sequences(fs, data.dir, cfg.model.seq_len)
+    require_sequences(fs, staging, cfg.model.seq_len)
     timings["total_s"] = time.perf_counter() - start
     manifest = {
         "source": {"kind": data.source, "description": source.describe(data)},
         "settings": build_settings(data),
         "documents": {split: spools[split].documents for split in SPLITS},
         "chars": {split: spools[split].chars for split in SPLITS},
-        "tokens": {split: sum(tokens_per_chunk(fs, data.dir, split)) for split in SPLITS},
-        "skipped_files": {"binary_or_not_utf8": skipped.count, "first": skipped.first},
-        "chunk_sha256": {split: chunk_digests(fs, data.dir, split) for split in SPLITS},
+        "tokens": {split: sum(tokens_per_chunk(fs, staging, split)) for split in SPLITS},
+        "skipped_files": {"binary_or_undecodable": skipped.count, "first": skipped.first},
+        "chunk_sha256": {split: chunk_digests(fs, staging, split) for split in SPLITS},
         "vocab_size": vocab_size,
         "eos_id": eos_id,
         "eos_token": tokenizer.id_to_token(eos_id),
@@ -286,12 +479,26 @@ def prepare(cfg: Config, force: bool = False) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "keel_version": metadata.version("keel"),
     }
-    fs.pipe_file(data_path(data.dir, MANIFEST), json.dumps(manifest, indent=2).encode())
-    documents, tokens = manifest["documents"], manifest["tokens"]
-    print(f"keel data: wrote {data.dir}: {documents['train']:,} train / {documents['val']:,} val documents, "
-          f"{tokens['train']:,} / {tokens['val']:,} tokens, vocabulary {vocab_size}; "
-          + ", ".join(f"{key[:-2]} {seconds:.1f} s" for key, seconds in timings.items()))
+    with writing(data_path(staging, MANIFEST)):
+        fs.pipe_file(data_path(staging, MANIFEST), json.dumps(manifest, indent=2).encode())
     return manifest
+
+
+def _publish(fs: fsspec.AbstractFileSystem, staging: str, data_dir: str) -> None:
+    """Moves a whole staged build into data.dir. The old manifest goes first, so data.dir reads as an unfinished build
+    until the new one, moved last, marks it complete. Locally every move is a rename on one filesystem: no space
+    is needed, and the earlier build is kept until here."""
+    if fs.exists(data_path(data_dir, MANIFEST)):
+        fs.rm_file(data_path(data_dir, MANIFEST))
+    for name in (TOKENIZER, VAL_DOCS, *SPLITS, MANIFEST):
+        source, target = data_path(staging, name), data_path(data_dir, name)
+        if fs.exists(target):
+            fs.rm(target, recursive=True)
+        if "://" in data_dir and fs.isdir(source):  # an object store has no directory to rename: each object of the
+            for path in fs.ls(source, detail=False):  # split (a flat folder) is copied, then deleted
+                fs.mv(path, f"{target}/{posixpath.basename(path)}")
+        else:
+            fs.mv(source, target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,5 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="e.g. data=text_files 'data.paths=[docs/*.md]'")
     args = parser.parse_intermixed_args(argv)  # options may follow overrides: `keel data $ARGS --force`
+    # Past a file size limit (ulimit -f) the kernel kills the writer with SIGXFSZ, without a word; ignored, the
+    # write fails with EFBIG instead, which is reported like a full disk. Shard writers inherit it.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     prepare(load_config(args.config, args.overrides), force=args.force)
     return 0

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 VAL_DOCS = "val_docs.jsonl"
+STAGING = ".keel-build"  # where `keel data` builds, to move the files into place once the build is whole
 SPLITS = ("train", "val")
 MANIFEST_KEYS = ("settings", "documents", "tokens", "vocab_size", "eos_id", "tokenizer_sha256")
 REBUILD = "rebuild with `keel data --force` (same data.* settings)"

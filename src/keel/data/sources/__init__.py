@@ -30,8 +30,8 @@ def get_source(name: str) -> Source:
 
 def read_documents(data: DataConfig, skipped: SkippedFiles | None = None) -> Iterator[tuple[str, str]]:
     """(id, text) of each non-blank document of data.source, stopping after data.max_chars characters (0 = all);
-    binary and non-UTF-8 files are left out and counted in `skipped`."""
-    skipped = skipped if skipped is not None else SkippedFiles()
+    plain-text files are decoded in data.encoding, and binary or undecodable ones left out and counted in `skipped`."""
+    skipped = skipped if skipped is not None else SkippedFiles(data.encoding)
     remaining = data.max_chars or None
     for doc_id, text in get_source(data.source).documents(data, skipped):
         if not text.strip():

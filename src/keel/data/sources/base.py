@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -13,27 +13,35 @@ from keel.errors import ConfigError
 if TYPE_CHECKING:  # keel.config imports the source registry: no import of it here at run time
     from keel.config import DataConfig
 
-# A plain-text file with a NUL byte, or with more than this share of its characters undecodable as UTF-8, is
-# binary or in another encoding: skipped (counted, first path reported) rather than trained on as U+FFFD soup.
+# A plain-text file with a NUL, or with more than this share of its characters undecodable in data.encoding, is
+# binary or in another encoding: skipped (counted, the first few paths reported) rather than trained on as U+FFFD soup.
 MAX_UNDECODABLE = 0.01
+SHOWN_SKIPPED = 5  # paths of skipped files printed and recorded in the manifest
 
 
 @dataclass
 class SkippedFiles:
-    """Files left out of the corpus as binary or not UTF-8."""
+    """Reads plain-text files in data.encoding, and keeps account of those left out as binary or undecodable."""
 
+    encoding: str = "utf-8"
     count: int = 0
-    first: str | None = None
+    first: list[str] = field(default_factory=list)  # the first SHOWN_SKIPPED of them
 
     def read_text(self, path: Path) -> str | None:
-        """The file's text, or None (counted) when it holds a NUL byte or > MAX_UNDECODABLE undecodable bytes."""
-        raw = path.read_bytes()
-        text = raw.decode("utf-8", errors="replace")
-        if b"\0" in raw or text.count("\ufffd") > MAX_UNDECODABLE * len(text):
+        """The file's text, or None (counted) when it holds a NUL or > MAX_UNDECODABLE undecodable bytes."""
+        text = path.read_bytes().decode(self.encoding, errors="replace")
+        # a NUL in the text, not in the bytes: a UTF-16 file's bytes hold NULs, its text none
+        if "\0" in text or text.count("\ufffd") > MAX_UNDECODABLE * len(text):
             self.count += 1
-            self.first = self.first or str(path)
+            if len(self.first) < SHOWN_SKIPPED:
+                self.first.append(str(path))
             return None
         return text
+
+    def __str__(self) -> str:
+        """e.g. "2 binary or non-utf-8 file(s): a.txt, b.bin" (with ", ... (7 more)" past SHOWN_SKIPPED)."""
+        more = f", ... ({self.count - len(self.first)} more)" if self.count > len(self.first) else ""
+        return f"{self.count} binary or non-{self.encoding} file(s): {', '.join(self.first)}{more}"
 
 
 def text_of(record: Any, text_field: str, where: str) -> str:
@@ -57,7 +65,8 @@ class Source(ABC):
     @abstractmethod
     def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         """(id, text) of each document, in a fixed order; the id alone decides its split, so it must be stable.
-        Files left out as binary or not UTF-8 are counted in `skipped` (SkippedFiles.read_text does it)."""
+        Plain-text files are read through `skipped.read_text`, which decodes them in data.encoding and leaves out
+        binary or undecodable ones."""
 
     @abstractmethod
     def describe(self, data: DataConfig) -> str:

@@ -22,6 +22,7 @@ STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tes
 
 class Stdlib(Source):
     name = "stdlib"
+    settings = ("encoding",)
 
     def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         root = sysconfig.get_paths()["stdlib"]

@@ -3,6 +3,7 @@ plain-text files are cut into documents of about data.doc_chars characters (sour
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
 # .py files exactly as the stdlib source does.
 WHOLE_FILE_SUFFIXES = frozenset({".py"})
 PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank lines (spaces, \r allowed in them)
+WHITESPACE_START = re.compile(r"(?<=\S)\s")  # where a run of whitespace begins
 
 
 def matched_files(patterns: list[str]) -> list[str]:
@@ -42,15 +44,17 @@ def matched_files(patterns: list[str]) -> list[str]:
     return list(files)
 
 
-def _jsonl_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
+def _jsonl_documents(path: str, text_field: str, encoding: str) -> Iterator[tuple[str, str]]:
+    utf8 = codecs.lookup(encoding).name == "utf-8"
     with open(path, "rb") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)  # UTF-8 (or -16/-32) bytes; a decoding error is a ValueError too
+            try:  # json reads UTF-8 bytes itself, a byte-order mark too; a decoding error is a ValueError
+                record = json.loads(line if utf8 else line.decode(encoding))
             except ValueError as err:
-                raise ConfigError(f"data.paths: {path} line {number} is not UTF-8 JSON ({err})") from None
+                raise ConfigError(f"data.paths: {path} line {number} is not {encoding} JSON ({err}); "
+                                  "another encoding is read with data.encoding=CODEC") from None
             yield f"{path}:{number}", text_of(record, text_field, f"{path} line {number}")
 
 
@@ -70,24 +74,37 @@ def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
 
 def cut_text(text: str, doc_chars: int) -> list[str]:
     """`text` in consecutive pieces of about doc_chars characters (the whole text when it is no longer; 0 = never
-    cut), which join back into it. Each cut is at the paragraph end (a line end before blank lines) nearest to
-    doc_chars past the previous cut when one lies within a quarter of doc_chars of that, else at the nearest line
-    end. A line is never split, so long lines make longer pieces. The cuts depend on the text and doc_chars alone,
-    and each only on the text up to a little past it: appending to a text changes none but its last pieces."""
+    cut), which join back into it. Each cut aims at doc_chars past the previous one: at the paragraph end (a line
+    end before blank lines) nearest to that point when one lies within a quarter of doc_chars of it, else at the
+    nearest line end when one lies within doc_chars of it; in a line longer than that, at the start of the run of
+    whitespace nearest to it within a quarter of doc_chars, else at the point itself. So no piece is longer than
+    2 x doc_chars, whatever the lines. The cuts depend on the text and doc_chars alone, and each only on the text up
+    to a little past it: appending to a text changes none but its last pieces."""
     pieces, start = [], 0
     while doc_chars and len(text) - start > doc_chars:
-        target, slack = start + doc_chars, doc_chars // 4
-        paragraph_ends = [match.end() for match in PARAGRAPH_END.finditer(text, target - slack, target + slack)]
-        if paragraph_ends:
-            cut = min(paragraph_ends, key=lambda end: abs(end - target))
-        else:
-            before, after = text.rfind("\n", start, target) + 1, text.find("\n", target) + 1
-            cut = min((end for end in (before, after) if end > start), key=lambda end: abs(end - target), default=0)
-        if not start < cut < len(text):
-            break  # no line end left: the rest is one piece
+        cut = _next_cut(text, start, doc_chars)
+        if cut >= len(text):
+            break  # the last line end closes the text: the rest is one piece
         pieces.append(text[start:cut])
         start = cut
     return [*pieces, text[start:]]
+
+
+def _next_cut(text: str, start: int, doc_chars: int) -> int:
+    """Where cut_text ends the piece that begins at `start`."""
+    target, slack = start + doc_chars, doc_chars // 4
+
+    def nearest(ends: list[int]) -> int:
+        return min(ends, key=lambda end: abs(end - target))
+
+    if paragraph_ends := [match.end() for match in PARAGRAPH_END.finditer(text, target - slack, target + slack)]:
+        return nearest(paragraph_ends)
+    # every search is bounded by ~doc_chars: a line of a hundred megabytes is cut many times
+    before, after = text.rfind("\n", start, target) + 1, text.find("\n", target, target + doc_chars) + 1
+    if line_ends := [end for end in (before, after) if end > start]:
+        return nearest(line_ends)
+    spaces = [match.start() for match in WHITESPACE_START.finditer(text, target - slack, target + slack + 1)]
+    return nearest(spaces or [target])
 
 
 def _plain_text_documents(path: str, doc_chars: int, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
@@ -102,14 +119,14 @@ def _plain_text_documents(path: str, doc_chars: int, skipped: SkippedFiles) -> I
 
 class TextFiles(Source):
     name = "text_files"
-    settings = ("paths", "text_field", "doc_chars")
+    settings = ("paths", "text_field", "doc_chars", "encoding")
     more_documents = ", a smaller data.doc_chars"
 
     def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         for path in matched_files(data.paths):
             suffix = Path(path).suffix.lower()
             if suffix == ".jsonl":
-                yield from _jsonl_documents(path, data.text_field)
+                yield from _jsonl_documents(path, data.text_field, data.encoding)
             elif suffix == ".parquet":
                 yield from _parquet_documents(path, data.text_field)
             elif suffix in PLAIN_TEXT_SUFFIXES:

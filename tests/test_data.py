@@ -176,8 +176,8 @@ def test_given_tokenizer_file_is_used_verbatim(built, tmp_path):
 
 def test_truncated_tokenizer_file_is_refused_naming_it(built, tmp_path, capsys):
     truncated = tmp_path / "tokenizer.json"
-    whole = (built.dir / "tokenizer.json").read_bytes()
-    truncated.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    whole = (built.dir / "tokenizer.json").read_text()
+    truncated.write_text(whole[: len(whole) // 2])  # a copy cut short (between characters: JSON's fault, not UTF-8's)
     out = tmp_path / "shards"
     assert cli.main(["data", "data=text_files", f"data.paths=[{built.root}/corpus/*.txt]", f"data.dir={out}",
                      f"data.val_fraction={VAL_FRACTION}", f"data.tokenizer={truncated}"]) == 2  # was a bare Exception

@@ -40,14 +40,17 @@ def test_csv_logger_and_resume_keeps_its_history(tiny_data, tmp_path):
 
 
 def test_wandb_without_an_api_key_says_how_to_log_in_or_go_offline(tiny_data, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored key
     monkeypatch.setattr("sys.stdin", open(os.devnull))  # and no terminal to ask on
-    with pytest.raises(ConfigError, match=r"^trainer.loggers: wandb cannot start a run: No API key configured.*"
-                                          r"`wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline"):
-        train(tiny_config(tiny_data, tmp_path / "run", *STEPS, "trainer.loggers=[wandb]"))
+    try:
+        with pytest.raises(ConfigError, match=r"^trainer.loggers: wandb cannot start a run: No API key configured.*"
+                                              r"`wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline"):
+            train(tiny_config(tiny_data, tmp_path / "run", *STEPS, "trainer.loggers=[wandb]"))
+    finally:
+        wandb.teardown()  # wandb keeps its settings in a process-wide singleton: later runs must read theirs afresh
 
 
 def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_path, monkeypatch):

@@ -148,10 +148,10 @@ def flatten_gains(model: KeelLM) -> None:
 
 
 def check_fits(cfg: ModelConfig, batch: int) -> None:
-    memory.check_fits(
-        memory.measurement_bytes(cfg, batch), f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, "
-        f"--batch {batch}", memory.parameter_count(cfg), "weights and gradients", "lower --depth, --width, --seq-len or --batch, or pass "
-        "--force to try anyway")
+    memory.check_fits(memory.measurement_bytes(cfg, batch),
+                      f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, --batch {batch}",
+                      memory.parameter_count(cfg), "weights and gradients",
+                      "lower --depth, --width, --seq-len or --batch, or pass --force to try anyway")
 
 
 def plot(results: dict, path: str, title: str) -> None:
@@ -184,8 +184,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--init", choices=INIT_KINDS, help="normal (default): N(0, 0.02^2); unit: N(0, 1/fan_in)")
     model.add_argument("--alpha", type=float, help="Keel's alpha (default L = 2 * depth)")
     model.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, help="default v1")
-    parser.add_argument("--checkpoint", metavar="CKPT", help="measure this trained model (a keel checkpoint file or directory)")
-    parser.add_argument("--flatten-gains", action="store_true", help="with --checkpoint: every norm gain set to its mean first")
+    parser.add_argument("--checkpoint", metavar="CKPT",
+                        help="measure this trained model (a keel checkpoint file or directory)")
+    parser.add_argument("--flatten-gains", action="store_true",
+                        help="with --checkpoint: every norm gain set to its mean first")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 32; a checkpoint's model.seq_len)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--detach-branches", action="store_true", help="only the skip path carries gradient")
@@ -219,22 +221,22 @@ def _trained(args: argparse.Namespace) -> tuple[str, ModelConfig, KeelLM]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = {}
     if args.checkpoint is not None:
         name, cfg, model = _trained(args)
+        measured = [(name, cfg, model)]
+        title = f"{args.checkpoint}, depth {cfg.depth}"
+    else:
+        fresh = [ModelConfig(
+            scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len or 32,
+            vocab_size=args.vocab, init=args.init, keel_alpha=args.alpha, keel_first_block=args.keel_first_block,
+        ) for scheme in args.scheme.split(",")]
+        measured = [(cfg.scheme, cfg, None) for cfg in fresh]  # each model built when it is measured
+        title = f"depth {args.depth} (L = {2 * args.depth}), {args.init} init"
+    results = {}
+    for name, cfg, model in measured:
         if not args.force:
             check_fits(cfg, args.batch)
         results[name] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed, model)}
-        title = f"{args.checkpoint}, depth {cfg.depth}"
-    for scheme in args.scheme.split(",") if args.checkpoint is None else ():
-        cfg = ModelConfig(
-            scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len or 32,
-            vocab_size=args.vocab, init=args.init, keel_alpha=args.alpha, keel_first_block=args.keel_first_block,
-        )
-        if not args.force:
-            check_fits(cfg, args.batch)
-        results[cfg.scheme] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed)}
-        title = f"depth {args.depth} (L = {2 * args.depth}), {args.init} init"
     print(json.dumps({"options": vars(args), "schemes": results}, indent=1))
     if args.plot:
         mode = "skip path only" if args.detach_branches else "full gradient"

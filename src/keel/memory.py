@@ -63,8 +63,9 @@ def check_training_fits(cfg) -> None:
     need = t.devices * training_bytes(cfg.model, t.micro_batch_size, shards, t.activation_checkpointing)
     check_fits(need, f"model.depth={cfg.model.depth}, model.width={cfg.model.width}, trainer.micro_batch_size="
                f"{t.micro_batch_size} x model.seq_len={cfg.model.seq_len} in {t.devices} process(es)",
-               parameter_count(cfg.model), "weights, gradients and AdamW state", "lower one of them (or set trainer.activation_checkpointing=true), or set "
-               "trainer.check_memory=false to start anyway")
+               parameter_count(cfg.model), "weights, gradients and AdamW state",
+               "lower one of them (or set trainer.activation_checkpointing=true), or set trainer.check_memory=false "
+               "to start anyway")
 
 
 def check_fits(need: int, what: str, parameters: int, state: str, remedy: str) -> None:

@@ -135,7 +135,8 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         cache_dir=cfg.data.cache_dir,  # where chunks of an object-store data.dir are downloaded to
     )
     loader = _ResumableLoader(
-        dataset, cfg.data, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers, collate_fn=_stack_long
+        dataset, cfg.data, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers,
+        collate_fn=_stack_long,
     )
     if len(loader) == 0:
         raise ConfigError(

@@ -48,6 +48,11 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _table(rows: list[dict]) -> str:
+    """rows as a markdown table, its columns every key in order of first appearance."""
+    return markdown_table(rows, list(dict.fromkeys(k for row in rows for k in row)))
+
+
 def _median_range(values: list[float]) -> str:
     return f"{_fmt(_median(values))} [{_fmt(min(values))}-{_fmt(max(values))}]" if values else "-"
 
@@ -176,8 +181,8 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
                  "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val)}
         model = load_run_config(run_dir).model
         bottom = scheme_of(model).bottom_block(model)  # Keel's alpha = 1 block 0 gets ~L times the rest, by design
-        blocks = sorted((tag for tag in scalars if tag.startswith("grad/ffn/block_")
-                         and int(tag.rsplit("_", 1)[1]) >= bottom), key=lambda tag: int(tag.rsplit("_", 1)[1]))
+        numbered = sorted((int(tag.rsplit("_", 1)[1]), tag) for tag in scalars if tag.startswith("grad/ffn/block_"))
+        blocks = [tag for block, tag in numbered if block >= bottom]
         steps = sorted({s for tag in blocks for s, _ in scalars[tag]})
         shown = [steps[0], steps[len(steps) // 2], steps[-1]] if steps else []
         for step in shown:
@@ -189,7 +194,7 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
                                                            if len(finite) < len(norms) else "")
         if steps:
             last = [dict(scalars[tag]).get(steps[-1]) for tag in blocks]
-            axes[0].plot([int(tag.rsplit("_", 1)[1]) for tag in blocks], last, label=name)
+            axes[0].plot([block for block, _ in numbered if block >= bottom], last, label=name)
         axes[1].plot([s + 1 for s, _ in val], [v for _, v in val], "o-", label=name)
         table.append(entry)
     axes[0].set(xlabel="block", ylabel="||grad|| of the FFN branch weights (last logged step)", yscale="log")
@@ -221,44 +226,43 @@ def report(out: Path) -> str:
     for grid, title in (("table1-d16", "Table 1, 16 blocks x 64"), ("table1-d64", "Table 1, 64 blocks x 32"),
                         ("hybridnorm", "HybridNorm, ramp from 1e-4 over 720 steps")):
         if grid in grids:
-            text += [f"## {title} ({grid})", "", markdown_table(seed_table(grids[grid]),
-                                                                list(seed_table(grids[grid])[0])), ""]
+            text += [f"## {title} ({grid})", "", _table(seed_table(grids[grid])), ""]
             labels = {r["row"] for r in grids[grid]}
             pairs = [p for p in (("keel", "preln"), ("keel", "postln")) if set(p) <= labels]
             if pairs:
                 tests = sign_tests(grids[grid], pairs)
-                text += [markdown_table(tests, list(dict.fromkeys(k for t in tests for k in t))), ""]
+                text += [_table(tests), ""]
     depth_table, depth_points = trend(grids, DEPTH_TREND, "blocks")
     width_table, width_points = trend(grids, WIDTH_TREND, "width")
     batch_table, batch_points = trend(grids, BATCH_POINT, "width")
     for title, table in (("Depth at width 32", depth_table), ("Width at 16 blocks", width_table)):
         if table:
-            text += [f"## {title}", "", markdown_table(table, list(dict.fromkeys(k for t in table for k in t))), ""]
+            text += [f"## {title}", "", _table(table), ""]
     if batch_table:
         text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
-                 markdown_table(batch_table, list(dict.fromkeys(k for t in batch_table for k in t))), ""]
+                 _table(batch_table), ""]
     if any(depth_points.values()) or any(width_points.values()):
         plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
         text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
     if "ramp-2x" in grids and "table1-d16" in grids:
         table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
         if table:
-            text += ["## Two ramp lengths (16 x 64)", "", markdown_table(table, list(table[0])), ""]
+            text += ["## Two ramp lengths (16 x 64)", "", _table(table), ""]
     for table1, nogain, title in (("table1-d16", "nogain-d16", "16 x 64"), ("table1-d64", "nogain-d64", "64 x 32"),
                                   ("depth-d256", "nogain-d256", "256 x 32")):
         if nogain in grids and table1 in grids:
             rows = [r for r in grids[table1] if r["row"] == "keel"] + grids[nogain]
             tests = sign_tests(rows, [("keel-nogain", "keel")])
             text += [f"## Keel without its outer norms' gains, {title} ({nogain} beside {table1}'s keel rows)", "",
-                     markdown_table(seed_table(rows), list(seed_table(rows)[0])), ""]
+                     _table(seed_table(rows)), ""]
             if tests:
-                text += [markdown_table(tests, list(dict.fromkeys(k for t in tests for k in t))), ""]
+                text += [_table(tests), ""]
     sweeps = [(out / grid, suffix) for grid, suffix in (("deep1024", ""), ("deep1024-nogain", " (out_norm_gain=false)"))
               if (out / grid / MANIFEST).is_file()]
     if sweeps:
         table = deep_runs(sweeps, out / "deep1024.png")
         if table:
-            text += ["## 1,024 blocks", "", markdown_table(table, list(dict.fromkeys(k for t in table for k in t))),
+            text += ["## 1,024 blocks", "", _table(table),
                      "", "![1,024 blocks](deep1024.png)", ""]
     return "\n".join(text)
 

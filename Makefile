@@ -5,7 +5,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data pretrain test test-fast tensorboard eval generate bench gpu-check maxlr sweep redundancy paper clean
+.PHONY: install data pretrain test test-fast test-lowest tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,19 @@ test: install
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m 'not slow' $(PYTEST_ARGS)
+
+# The declared lower bounds, tested: a throwaway venv with exactly the oldest version pyproject.toml allows of each
+# direct dependency, then the fast suite. torchvision, which litdata pulls in for images only, is removed: a CUDA
+# build of it beside a CPU torch breaks torchmetrics' import.
+LOWEST_VENV ?= .venv-lowest
+test-lowest:
+	rm -rf $(LOWEST_VENV) && $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/pip install --quiet --upgrade pip
+	$(PYTHON) .ci/lowest-constraints.py > $(LOWEST_VENV)/constraints.txt
+	$(LOWEST_VENV)/bin/pip install --quiet -c $(LOWEST_VENV)/constraints.txt -e '.[test]'
+	$(LOWEST_VENV)/bin/pip uninstall --quiet --yes torchvision
+	$(LOWEST_VENV)/bin/pip list --format=freeze > $(LOWEST_VENV)/installed.txt
+	$(LOWEST_VENV)/bin/pytest -q -m 'not slow' $(PYTEST_ARGS)
 
 # Experiments (docs/experiments.md). ARGS mixes the command's options and config overrides; only data.* ones reach `keel data`.
 maxlr sweep: install
@@ -127,6 +140,11 @@ eval: install
 PROMPT ?= def
 generate: install
 	$(KEEL) generate checkpoint=$(CKPT) --prompt "$(PROMPT)" $(ARGS)
+
+# A checkpoint as a Hugging Face model directory (docs/export.md): make export CKPT=... EXPORT_DIR=out/hf ARGS="--dtype bf16"
+EXPORT_DIR ?= out/hf
+export: install
+	$(KEEL) export checkpoint=$(CKPT) --out $(EXPORT_DIR) $(ARGS)
 
 tensorboard: install
 	$(VENV)/bin/tensorboard --logdir runs

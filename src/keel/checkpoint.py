@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from keel.config import Config, from_dict
 from keel.errors import ConfigError
+from keel.export_format import read_export
 from keel.model import KeelLM
 
 LAST = "last.ckpt"
@@ -228,6 +229,9 @@ def check_resumable(trainer, path: str | Path, checkpoint: dict) -> None:
     steps). Another split of that batch - processes, micro-batch, accumulation - is an elastic resume: the
     weights and optimizer state are re-sharded on load, and litdata re-plans the rest of the epoch's sample
     stream over the new processes, so no sequence is repeated or skipped (docs/distributed.md, "Elastic resume")."""
+    if checkpoint.get("exported"):
+        raise ConfigError(f"resume: {path} is an exported model (`keel export`: weights only, no optimizer state); "
+                          f"start a new run from its weights with init_from={path}")
     saved = from_dict(checkpoint["keel"]["config"]).trainer
     if saved.global_batch != trainer.global_batch:
         raise ConfigError(
@@ -287,10 +291,12 @@ def _read_sharded(path: Path, weights: bool) -> dict:
 
 
 def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
-    """A checkpoint's dict, from a single file (torch.load, weights_only=True) or a sharded directory (its
-    meta.pt plus, unless weights=False, the full model state_dict), with a clear error for a missing,
-    corrupt, incomplete or foreign one."""
+    """A checkpoint's dict, from a single file (torch.load, weights_only=True), a sharded directory (its
+    meta.pt plus, unless weights=False, the full model state_dict) or a directory `keel export` wrote (weights
+    only), with a clear error for a missing, corrupt, incomplete or foreign one."""
     path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():  # a model directory `keel export` wrote
+        return read_export(path, weights)
     if path.is_dir():
         checkpoint = _read_sharded(path, weights)
     elif path.is_file():

@@ -20,6 +20,7 @@ COMMANDS = {
     "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
     "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),
     "consolidate": ("keel.checkpoint", "turn a sharded (FSDP) checkpoint into one file"),
+    "export": ("keel.export", "a checkpoint as a Hugging Face model directory (transformers, lm-eval hf, TRL)"),
     "bench": ("keel.bench", "training-step throughput, memory and MFU"),
     "gpu-check": ("keel.gpu_check", "GPU acceptance: throughput, training, resume, depth, precision"),
 }

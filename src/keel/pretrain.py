@@ -29,6 +29,7 @@ from keel.checkpoint import (
 )
 from keel.config import GROUPS, Config, conf_dir, from_dict, load_config, to_dict, to_yaml
 from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
+from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
 from keel.loggers import LOGGERS, kind_of
@@ -151,7 +152,7 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
     cfg.init_from = str(Path(cfg.init_from).resolve())
     checkpoint = read_checkpoint(cfg.init_from)
     check_same_model(cfg, checkpoint, key="init_from")
-    if checkpoint["keel"]["tokenizer_json"] != module.tokenizer_json:
+    if not same_tokenizer(checkpoint["keel"]["tokenizer_json"], module.tokenizer_json):
         source_data = from_dict(checkpoint["keel"]["config"]).data.dir
         raise ConfigError(f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
                           f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")

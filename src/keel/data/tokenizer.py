@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -75,3 +76,12 @@ def eos_id_of(tokenizer: Tokenizer) -> int:
     raise ConfigError(
         f"data.tokenizer: the tokenizer has none of the end-of-document tokens {', '.join(EOS_CANDIDATES)}"
     )
+
+
+def same_tokenizer(tokenizer_json: str, other_json: str) -> bool:
+    """Whether two tokenizer.json texts encode alike as Keel encodes (never adding special tokens): equal but for
+    their post-processors (`keel export` adds one that puts EOS first, for transformers users)."""
+    specs = [json.loads(text) for text in (tokenizer_json, other_json)]
+    for spec in specs:
+        spec.pop("post_processor", None)
+    return specs[0] == specs[1]

@@ -1,0 +1,147 @@
+"""`keel export checkpoint=CKPT --out DIR [--dtype fp32|bf16] [--max-shard-size SIZE]`
+
+Write a trained model (a single-file or an FSDP sharded checkpoint) as a Hugging Face directory that transformers
+loads offline, `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and
+`AutoTokenizer.from_pretrained(DIR)`, and so lm-eval's `hf` model, TRL and PEFT (docs/export.md):
+
+    config.json                the model as transformers sees it, each sublayer's norms and alpha spelled out, and
+                               the run's whole Keel config under "keel"
+    configuration_keel.py      the config class   } self-contained (torch and transformers only): the directory's
+    modeling_keel.py           the model class    } remote code, from keel/hf/
+    model.safetensors          the weights (sharded, with an index, past --max-shard-size)
+    tokenizer.json, tokenizer_config.json   the run's tokenizer; encoding with special tokens puts the
+                               end-of-document token first, as before every document in the training shards
+    generation_config.json     that token as EOS (decoding stops there), BOS and padding
+
+The directory appears whole or not at all (written beside it, then renamed); an existing non-empty --out is
+refused. Keel reads an exported directory back too: `init_from=DIR` starts a run from its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from keel.checkpoint import model_state_dict, read_checkpoint
+from keel.config import from_dict, to_dict
+from keel.data.tokenizer import eos_id_of
+from keel.errors import ConfigError
+from keel.export_format import to_hf_names
+from keel.model import needs_final_norm, sublayer_specs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("export: needs transformers and safetensors: pip install 'keel[hf]'") from None
+    from keel.hf.configuration_keel import KeelConfig
+    from keel.hf.modeling_keel import KeelForCausalLM
+
+    return KeelConfig, KeelForCausalLM
+
+
+def hf_config(cfg, eos: int, step: int | None):
+    """The exported model's KeelConfig for a run's Config, trained for step optimizer steps."""
+    KeelConfig, _ = _transformers()
+    model = cfg.model
+    return KeelConfig(
+        vocab_size=model.vocab_size, hidden_size=model.width, num_hidden_layers=model.depth,
+        num_attention_heads=model.n_heads, num_key_value_heads=model.kv_heads, intermediate_size=model.ffn_hidden,
+        hidden_act=model.ffn, max_position_embeddings=model.seq_len, rope_theta=model.rope_theta,
+        rms_norm_eps=model.norm_eps, initializer_range=model.init_std, out_norm_gain=model.out_norm_gain,
+        final_norm=needs_final_norm(model), scheme=model.scheme,
+        sublayers=[[asdict(attn), asdict(ffn)] for attn, ffn in sublayer_specs(model)],
+        keel=to_dict(cfg), trained_steps=step, tie_word_embeddings=model.tie_embeddings,
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+    )
+
+
+def hf_tokenizer(tokenizer_json: str, seq_len: int):
+    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding, and put first
+    when special tokens are added (every training document follows one)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eos_id = eos_id_of(tokenizer)
+    eos = tokenizer.id_to_token(eos_id)
+    tokenizer.post_processor = TemplateProcessing(single=f"{eos} $A", pair=f"{eos} $A {eos} $B",
+                                                  special_tokens=[(eos, eos_id)])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos,
+                                      model_max_length=seq_len)
+    return wrapped, eos_id
+
+
+def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:
+    """Write checkpoint_path's model, tokenizer and generation defaults to out (module docstring)."""
+    _, KeelForCausalLM = _transformers()
+    from transformers import GenerationConfig
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"export: --dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"export: {out} already exists and is not an empty directory; choose a new --out "
+                          "(nothing is overwritten)")
+    checkpoint = read_checkpoint(checkpoint_path)
+    tokenizer_json = checkpoint["keel"].get("tokenizer_json")
+    if not tokenizer_json:
+        raise ConfigError(f"export: {checkpoint_path} holds no tokenizer (tokenizer_json); a model without its "
+                          "tokenizer cannot be used outside Keel")
+    cfg = from_dict(checkpoint["keel"]["config"])
+    tokenizer, eos = hf_tokenizer(tokenizer_json, cfg.model.seq_len)
+    config = hf_config(cfg, eos, checkpoint.get("global_step"))
+    with torch.device("meta"):
+        model = KeelForCausalLM(config)
+    state = to_hf_names(model_state_dict(checkpoint))
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if set(state) - {"lm_head.weight"} != expected - {"lm_head.weight"}:
+        raise ConfigError(f"export: {checkpoint_path}'s weights do not match its own config (missing "
+                          f"{sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]})")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.to(DTYPES[dtype])
+    for name, param in model.named_parameters():  # the norms' gains stay fp32 (modeling_keel.py says why)
+        if "norm" in name:
+            param.data = param.data.float()
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    type(config).register_for_auto_class()
+    KeelForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        model.save_pretrained(partial, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(partial)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="keel export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="checkpoint=PATH or PATH (a single file or an FSDP sharded directory)")
+    parser.add_argument("--out", required=True, help="the directory to write (new, or empty)")
+    parser.add_argument("--dtype", default="fp32", choices=DTYPES,
+                        help="the matrices' dtype (the norms' gains stay fp32); default fp32, as trained")
+    parser.add_argument("--max-shard-size", default="5GB", help="weights past this go into several shards + an index")
+    args = parser.parse_args(argv)
+    out = export(args.checkpoint.removeprefix("checkpoint="), Path(args.out), args.dtype, args.max_shard_size)
+    files = sorted(path.name for path in out.iterdir())
+    print(f"keel export: wrote {out}: {', '.join(files)}")
+    print(f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0

@@ -1,0 +1,276 @@
+"""`keel export`: the Hugging Face directory against the Keel model it came from (every scheme's logits, loss, KV
+cache and padding; greedy decoding; bf16; sharded weights; the save/load round trip), Keel reading it back
+(init_from, eval, generate), lm-eval's `hf` model scoring it like `--model keel`, TRL fine-tuning it, and the
+refusals."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+transformers = pytest.importorskip("transformers", reason="keel export needs the hf extra: pip install 'keel[hf]'")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from keel.checkpoint import LAST, load_model, read_checkpoint  # noqa: E402
+from keel.cli import main as cli_main  # noqa: E402
+from keel.config import load_config, to_dict  # noqa: E402
+from keel.data.shards import VAL_DOCS  # noqa: E402
+from keel.data.tokenizer import eos_id_of  # noqa: E402
+from keel.errors import ConfigError  # noqa: E402
+from keel.export import export  # noqa: E402
+from keel.model import KeelLM, next_token_loss  # noqa: E402
+
+from conftest import write_sharded  # noqa: E402
+from test_init_from import STEPS, FirstBatch  # noqa: E402
+from test_pretrain import scalars, tiny_config  # noqa: E402
+
+VOCAB = 512
+BASE = ["model.depth=3", "model.width=32", "model.n_heads=4", "model.seq_len=24", f"model.vocab_size={VOCAB}"]
+# Every scheme and every option that changes the computation (docs/schemes.md)
+VARIANTS = {
+    "keel": [],
+    "keel-v2-alpha-swiglu-gqa": ["model.keel_first_block=v2", "model.keel_alpha=5", "model.ffn=swiglu",
+                                 "model.n_kv_heads=2"],
+    "keel-no-inner-norm": ["model.keel_inner_norm=false"],
+    "keel-no-gain-tied": ["model.out_norm_gain=false", "model.tie_embeddings=true"],
+    "preln": ["model.scheme=preln"],
+    "postln": ["model.scheme=postln"],
+    "postln-final-norm": ["model.scheme=postln", "model.postln_final_norm=true"],
+    "deepnorm": ["model.scheme=deepnorm"],
+    "hybridnorm": ["model.scheme=hybridnorm"],
+    "hybridnorm_star": ["model.scheme=hybridnorm_star", "model.rope_theta=500"],
+    "mixln": ["model.scheme=mixln", "model.depth=4", "model.mixln_post_fraction=0.5"],
+}
+
+
+def hf_model(directory: Path):
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+
+
+def load_hf(directory: Path):
+    return hf_model(directory), AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tiny_data) -> str:
+    data_dir = next(o.split("=", 1)[1] for o in tiny_data if o.startswith("data.dir="))
+    return (Path(data_dir) / "tokenizer.json").read_text()
+
+
+def random_checkpoint(overrides: list[str], tokenizer_json: str, path: Path) -> tuple[KeelLM, Path]:
+    """A KeelLM with every parameter moved off its init (norm gains included: a wrong mapping shows), saved as
+    a checkpoint the way training saves one."""
+    cfg = load_config(overrides=[*BASE, *overrides])
+    torch.manual_seed(0)
+    model = KeelLM(cfg.model).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": tokenizer_json}, "state_dict": state,
+                "global_step": 7}, path)
+    return model, path
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_export_computes_what_keel_computes(variant, tokenizer_json, tmp_path):
+    model, checkpoint = random_checkpoint(VARIANTS[variant], tokenizer_json, tmp_path / "model.ckpt")
+    hf = hf_model(export(str(checkpoint), tmp_path / "hf"))
+    assert hf.config.scheme == model.cfg.scheme and hf.config.trained_steps == 7
+    ids = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids)
+        torch.testing.assert_close(hf(ids).logits, expected, rtol=0, atol=1e-5)
+        # labels= is next_token_loss (the labels are shifted inside)
+        assert hf(ids, labels=ids).loss.item() == pytest.approx(next_token_loss(model, ids).item(), rel=1e-6)
+        # the KV cache: 12 tokens, then 8 more one call later
+        prefix = hf(ids[:, :12], use_cache=True)
+        rest = hf(ids[:, 12:], cache=prefix.cache, use_cache=True).logits
+        torch.testing.assert_close(torch.cat((prefix.logits, rest), dim=1), expected, rtol=0, atol=1e-5)
+        # left padding with an attention mask: each row's logits as without the padding
+        pad = 5
+        padded = torch.cat((torch.zeros(3, pad, dtype=torch.long), ids[:, :15]), dim=1)
+        mask = torch.ones_like(padded)
+        mask[1:, :pad] = 0  # rows 1 and 2 padded, row 0 a real 20-token sequence
+        logits = hf(padded, attention_mask=mask).logits
+        torch.testing.assert_close(logits[1:, pad:], model(ids[1:, :15]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits[0], model(padded[:1])[0], rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert cli_main(["export", f"checkpoint={tiny_run / 'checkpoints' / LAST}", "--out", str(out)]) == 0
+    return out
+
+
+def test_the_directory_loads_offline_and_its_tokenizer_starts_documents_as_training_does(exported, tiny_run):
+    names = {path.name for path in exported.iterdir()}
+    assert {"config.json", "configuration_keel.py", "modeling_keel.py", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", "generation_config.json"} <= names
+    config = json.loads((exported / "config.json").read_text())
+    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig",
+                                  "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
+    # the remote code is self-contained: it imports torch, transformers and itself only
+    for name in ("configuration_keel.py", "modeling_keel.py"):
+        tree = ast.parse((exported / name).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
+        assert {module.split(".")[0] for module in imported} <= {"__future__", "torch", "transformers"}
+    _, cfg, tokenizer_json = load_model(tiny_run / "checkpoints" / LAST)
+    assert config["keel"] == to_dict(cfg)
+    keel_tokenizer = Tokenizer.from_str(tokenizer_json)
+    eos = eos_id_of(keel_tokenizer)
+    _, tokenizer = load_hf(exported)
+    assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.pad_token_id == eos
+    text = "def main(argv):\n    return 0\n"
+    assert tokenizer(text).input_ids == [eos, *keel_tokenizer.encode(text, add_special_tokens=False).ids]
+    assert tokenizer(text, add_special_tokens=False).input_ids == keel_tokenizer.encode(
+        text, add_special_tokens=False).ids
+
+
+def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
+    prompt = "def "
+    assert cli_main(["generate", f"checkpoint={tiny_run / 'checkpoints' / LAST}", "--prompt", prompt,
+                     "--max-new-tokens", "20", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    model, tokenizer = load_hf(exported)
+    inputs = tokenizer(prompt, return_tensors="pt")  # EOS first, as keel generate puts it
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    new = out[0, inputs.input_ids.shape[1]:].tolist()
+    assert len(new) >= 8  # a real continuation
+    text = tokenizer.decode(new, skip_special_tokens=True)  # keel generate stops at EOS and does not print it
+    assert printed == prompt + text + "\n"
+
+
+def test_bf16_sharded_export_and_the_save_load_round_trip(tiny_run, exported, tmp_path):
+    source = tiny_run / "checkpoints" / LAST
+    model = hf_model(exported)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fp32 = model(ids).logits
+        # save_pretrained / from_pretrained keep the model as it is
+        model.save_pretrained(tmp_path / "saved")
+        torch.testing.assert_close(hf_model(tmp_path / "saved")(ids).logits, fp32, rtol=0, atol=0)
+        # an FSDP sharded checkpoint exports the same weights, here in shards of at most 100 kB with an index
+        sharded = write_sharded(source, tmp_path / "sharded.ckpt")
+        export(str(sharded), tmp_path / "split", max_shard_size="100KB")
+        index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+        torch.testing.assert_close(hf_model(tmp_path / "split")(ids).logits, fp32, rtol=0, atol=0)
+        # bf16: matrices in bf16, the norms' gains kept in fp32 (they compound over depth)
+        export(str(source), tmp_path / "bf16", dtype="bf16")
+        bf16 = hf_model(tmp_path / "bf16")
+        dtypes = {name: param.dtype for name, param in bf16.named_parameters()}
+        assert {dtype for name, dtype in dtypes.items() if "norm" in name} == {torch.float32}
+        assert {dtype for name, dtype in dtypes.items() if "norm" not in name} == {torch.bfloat16}
+        logits = bf16(ids).logits.float()
+    assert (logits - fp32).abs().max() < 0.1 * fp32.abs().max()
+    assert (logits.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
+
+
+def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path):
+    source = tiny_run / "checkpoints" / LAST
+    # init_from=DIR: the first step's loss is the source checkpoint's on that batch
+    run, first = tmp_path / "continued", FirstBatch()
+    train_cfg = tiny_config(tiny_data, run, *STEPS, f"init_from={exported}")
+    from keel.pretrain import train
+
+    train(train_cfg, extra_callbacks=[first])
+    model, _, _ = load_model(source)
+    with torch.no_grad():
+        expected = next_token_loss(model, first.batch).item()
+    assert scalars(run, "train/loss")[0] == pytest.approx(expected, rel=1e-6)
+    # the weights Keel reads from it are the checkpoint's, and it cannot be resumed (no optimizer state)
+    back, source_state = read_checkpoint(exported), read_checkpoint(source)
+    assert back["state_dict"].keys() == source_state["state_dict"].keys()
+    assert all(torch.equal(back["state_dict"][k], v) for k, v in source_state["state_dict"].items())
+    with pytest.raises(ConfigError, match="exported model.*init_from="):
+        train(tiny_config(tiny_data, tmp_path / "resumed", *STEPS, f"resume={exported}"))
+
+
+def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus_dir, tiny_run, exported, tmp_path):
+    corpus = tmp_path / "corpus"  # held-out documents for the generated tasks (the tiny run holds out one)
+    corpus.mkdir()
+    (corpus / VAL_DOCS).write_text("".join(json.dumps({"text": path.read_text()}) + "\n"
+                                           for path in sorted(corpus_dir.glob("*.py"))[:6]))
+    # keel_last_token: one identifier per request (lm-eval's hf model refuses continuations over seq_len, 32 here)
+    common = ["--tasks", "keel_last_token", "--limit", "24", "--device", "cpu", "--log_samples",
+              "--metadata", json.dumps({"corpus_dir": str(corpus)})]
+    runs = {"keel": ["--model_args", f"checkpoint={tiny_run / 'checkpoints' / LAST}"],
+            "hf": ["--model", "hf", "--model_args", f"pretrained={exported},trust_remote_code=True,dtype=float32"]}
+    scores, loglikelihoods = {}, {}
+    for name, model_args in runs.items():
+        assert cli_main(["eval", *model_args, *common, "--output_path", str(tmp_path / name)]) == 0
+        [results] = (tmp_path / name).rglob("results_*.json")
+        scores[name] = json.loads(results.read_text())["results"]
+        loglikelihoods[name] = [float(response[0][0]) for samples in sorted((tmp_path / name).rglob("samples_*"))
+                                for line in samples.read_text().splitlines()
+                                for response in json.loads(line)["resps"]]
+    assert len(loglikelihoods["hf"]) >= 24
+    assert loglikelihoods["hf"] == pytest.approx(loglikelihoods["keel"], abs=1e-4)
+    metrics = {metric: value for metric, value in scores["keel"]["keel_last_token"].items()
+               if isinstance(value, float) and "stderr" not in metric}
+    assert metrics and all(scores["hf"]["keel_last_token"][metric] == pytest.approx(value, rel=1e-5)
+                           for metric, value in metrics.items())
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path):
+    trl = pytest.importorskip("trl", reason="the TRL test needs the test extra")
+    from datasets import Dataset
+
+    chats = [{"messages": [{"role": "user", "content": f"what is {a} + {b}?"},
+                           {"role": "assistant", "content": f"{a + b}"}]} for a in range(8) for b in range(4)]
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    model, tokenizer = load_hf(exported)
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4,
+                         learning_rate=1e-3, max_length=32, chat_template_path=str(template), report_to=[],
+                         logging_steps=1, save_strategy="no", use_cpu=True, dataloader_num_workers=0)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats),
+                             processing_class=tokenizer)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    trainer.save_model(tmp_path / "tuned")
+    tuned, tuned_tokenizer = load_hf(tmp_path / "tuned")
+    assert tuned_tokenizer.chat_template == CHAT_TEMPLATE
+    changed = [name for name, param in tuned.named_parameters() if not torch.equal(param, before[name])]
+    assert len(changed) == len(before)  # every parameter trained, and saved
+    prompt = tuned_tokenizer.apply_chat_template(chats[0]["messages"][:1], add_generation_prompt=True,
+                                                 return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        assert tuned.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_export_refuses_what_it_cannot_write(tiny_run, tokenizer_json, tmp_path, monkeypatch, capsys):
+    source = tiny_run / "checkpoints" / LAST
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert cli_main(["export", f"checkpoint={source}", "--out", str(taken)]) == 2
+    assert "not an empty directory" in capsys.readouterr().err and (taken / "notes.txt").read_text() == "mine"
+    _, no_tokenizer = random_checkpoint([], tokenizer_json, tmp_path / "bare.ckpt")
+    bare = torch.load(no_tokenizer, weights_only=True)
+    bare["keel"]["tokenizer_json"] = None
+    torch.save(bare, no_tokenizer)
+    with pytest.raises(ConfigError, match="holds no tokenizer"):
+        export(str(no_tokenizer), tmp_path / "out")
+    with pytest.raises(ConfigError, match="no file or directory"):
+        export(str(tmp_path / "missing.ckpt"), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as without the hf extra
+    with pytest.raises(ConfigError, match=r"pip install 'keel\[hf\]'"):
+        export(str(source), tmp_path / "out")

@@ -123,12 +123,47 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     try:
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(partial)
+        mode = 0o666 & ~_umask()  # transformers writes the weights 0600: readable as every other file here
+        for path in partial.iterdir():
+            path.chmod(mode)
         if out.exists():
             out.rmdir()  # empty (checked above)
         partial.rename(out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@torch.no_grad()
+def verify(checkpoint_path: str, out: Path, new_tokens: int = 32) -> dict[str, float]:
+    """The exported model against the checkpoint's KeelLM: the largest logit difference over 4 random sequences of
+    seq_len tokens (and the logits' own largest magnitude, for scale), and how many of new_tokens greedy tokens
+    after an end-of-document token (up to the next one) both decode alike: transformers' generate() against keel's
+    KV-cache decoding."""
+    from transformers import AutoModelForCausalLM
+
+    from keel.checkpoint import load_model
+    from keel.decoding import generate
+
+    keel_model, cfg, _ = load_model(checkpoint_path)
+    hf_model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
+    expected = keel_model(ids)
+    difference = (hf_model(ids).logits.float() - expected).abs().max().item()
+    eos = hf_model.generation_config.eos_token_id
+    start, new_tokens = torch.tensor([[eos]]), min(new_tokens, cfg.model.seq_len - 1)
+    keel_tokens = generate(keel_model, start, new_tokens, stop_tokens=(eos,))[0, 1:].tolist()  # both stop at EOS
+    hf_tokens = hf_model.generate(start, max_new_tokens=new_tokens, do_sample=False)[0, 1:].tolist()
+    agree = next((i for i, pair in enumerate(zip(keel_tokens, hf_tokens)) if pair[0] != pair[1]),
+                 min(len(keel_tokens), len(hf_tokens)))
+    return {"max_logit_difference": difference, "max_logit": expected.abs().max().item(),
+            "greedy_tokens_equal": agree, "greedy_tokens": len(keel_tokens)}
 
 
 def main(argv: list[str]) -> int:
@@ -139,9 +174,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="the matrices' dtype (the norms' gains stay fp32); default fp32, as trained")
     parser.add_argument("--max-shard-size", default="5GB", help="weights past this go into several shards + an index")
+    parser.add_argument("--verify", action="store_true",
+                        help="then load the directory with transformers and compare it with the checkpoint's model "
+                             "(logits, greedy decoding); the whole model is held twice in memory")
     args = parser.parse_args(argv)
-    out = export(args.checkpoint.removeprefix("checkpoint="), Path(args.out), args.dtype, args.max_shard_size)
+    checkpoint = args.checkpoint.removeprefix("checkpoint=")
+    out = export(checkpoint, Path(args.out), args.dtype, args.max_shard_size)
     files = sorted(path.name for path in out.iterdir())
     print(f"keel export: wrote {out}: {', '.join(files)}")
     print(f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    if args.verify:
+        check = verify(checkpoint, out)
+        print(f"  verified: largest logit difference {check['max_logit_difference']:.2g} (largest logit "
+              f"{check['max_logit']:.3g}); greedy decoding equal for {check['greedy_tokens_equal']} of "
+              f"{check['greedy_tokens']} tokens")
     return 0

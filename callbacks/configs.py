@@ -3,9 +3,10 @@
 order; and how the callback is built from the whole config (importing the callback's module only then). CALLBACKS
 registers them: each puts its keys in the config and its callback in every run.
 
-The options live here, not in the callbacks' modules, because keel.config imports them and must not import Lightning
-(`keel data` starts without it); a callback's module holds the Lightning side, named by `callback` and imported only
-when the callback is built, so that every import points one way: the callback's module imports its options.
+The options live here, not in the callbacks' modules, because keel.config imports them and must import neither
+Lightning nor torch (`keel data` starts without Lightning; a config error is reported before either loads); a
+callback's module holds the Lightning side, named by `callback` and imported only when the callback is built, so that
+every import points one way: the callback's module imports its options.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from keel.errors import require
-from keel.flops import flops_per_token
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -136,6 +136,8 @@ class ThroughputConfig(CallbackConfig):
         require(self.peak_flops >= 0, self.key("peak_flops"), "must be >= 0 (0 = look up)")
 
     def build(self, cfg: Config) -> Callback:
+        from keel.flops import flops_per_token  # not at the top: keel.flops imports torch, which keel.config must not
+
         return self.callback_class()(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
 
 

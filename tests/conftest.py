@@ -98,7 +98,7 @@ def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
 def tiny_run(tiny_data, tmp_path_factory) -> Path:
     """A run dir whose checkpoints/last.ckpt holds a tiny model trained for 30 steps."""
     from keel.config import load_config
-    from keel.pretrain import train
+    from keel.training import train
 
     run = tmp_path_factory.mktemp("trained") / "run"
     overrides = [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false", "trainer.max_steps=30",

@@ -13,8 +13,8 @@ import torch
 
 from keel.cli import main as cli_main
 from keel.flops import device_peak_flops, flops_per_token
-from keel.model import ModelConfig
 from keel.ops.chunked_ce import DEFAULT_CHUNK
+from keel.schemes import ModelConfig
 
 TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--seq-len", "32", "--vocab", "512", "--batch", "4",
         "--steps", "2", "--warmup", "1", "--repeats", "2", "--threads", "1"]

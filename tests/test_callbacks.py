@@ -24,8 +24,9 @@ from keel.config import load_config
 from keel.errors import ConfigError
 from keel.layer_skip import skip_losses
 from keel.lit import KeelLitModule, lr_factor, make_optimizer
-from keel.model import KeelLM, ModelConfig, next_token_loss
-from keel.pretrain import build_callbacks, train
+from keel.model import KeelLM, next_token_loss
+from keel.schemes import ModelConfig
+from keel.training import build_callbacks, train
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 

@@ -634,7 +634,7 @@ def test_resume_refuses_other_shards_or_read_shuffle(tiny_data, tmp_path):
     """A checkpoint's loader position refers to the shards and the read-time shuffle it was saved with."""
     from conftest import QUIET_TRAINER, TINY_MODEL
 
-    from keel.pretrain import train
+    from keel.training import train
 
     shards = tmp_path / "shards"
     shutil.copytree(next(o.split("=", 1)[1] for o in tiny_data if o.startswith("data.dir=")), shards)
@@ -696,7 +696,7 @@ def test_s3_data_dir_builds_and_trains_like_a_local_one(s3_bucket, corpus_dir, t
     import boto3
     from conftest import QUIET_TRAINER, TINY_MODEL
 
-    from keel.pretrain import train
+    from keel.training import train
     from test_pretrain import scalars
 
     source = ["data=text_files", f"data.paths=[{corpus_dir}/*.py]", "data.vocab_size=512", "data.prepare_workers=1",

@@ -270,7 +270,7 @@ import os, signal, sys
 from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
-from keel import cli, pretrain
+from keel import cli, training
 
 class Record(Callback):  # the sequences this rank trains on, with the step each is for
     def __init__(self):
@@ -295,8 +295,8 @@ extra = [Record()] if "KEEL_TEST_RECORD" in os.environ else []
 extra += [Crash()] if "KEEL_TEST_CRASH_AT" in os.environ else []
 extra += [Interrupt()] if "KEEL_TEST_INTERRUPT_AT" in os.environ else []
 if extra:
-    configured = pretrain.build_callbacks
-    pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
+    configured = training.build_callbacks
+    training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
 sys.exit(cli.main(sys.argv[1:]))
 '''
 RUN = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "trainer.accelerator=cpu", "trainer.devices=2",
@@ -470,7 +470,7 @@ def _sbatch_example() -> tuple[dict[str, str], list[str]]:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_slurm_example_task_finds_its_place(monkeypatch, tmp_path, strategy):
-    from keel.pretrain import build_trainer
+    from keel.training import build_trainer
 
     options, overrides = _sbatch_example()
     nodes, per_node = int(options["nodes"]), int(options["ntasks-per-node"])

@@ -25,7 +25,7 @@ from keel.evaluation import KeelEvalLM, generate_tasks, load_tasks, run_tasks, t
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD
 from keel.evaluation.offline import lm_eval_configs, write_local_task
 from keel.evaluation.suite import primary_metric
-from keel.pretrain import train
+from keel.training import train
 
 from conftest import QUIET_TRAINER, SHARED_DATA, shared_data, write_sharded
 

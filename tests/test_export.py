@@ -25,6 +25,7 @@ from keel.data.tokenizer import eos_id_of  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
 from keel.export import export  # noqa: E402
 from keel.model import KeelLM, next_token_loss  # noqa: E402
+from keel.training import train  # noqa: E402
 
 from conftest import write_sharded  # noqa: E402
 from test_init_from import STEPS, FirstBatch  # noqa: E402
@@ -180,10 +181,7 @@ def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path):
     source = tiny_run / "checkpoints" / LAST
     # init_from=DIR: the first step's loss is the source checkpoint's on that batch
     run, first = tmp_path / "continued", FirstBatch()
-    train_cfg = tiny_config(tiny_data, run, *STEPS, f"init_from={exported}")
-    from keel.pretrain import train
-
-    train(train_cfg, extra_callbacks=[first])
+    train(tiny_config(tiny_data, run, *STEPS, f"init_from={exported}"), extra_callbacks=[first])
     model, _, _ = load_model(source)
     with torch.no_grad():
         expected = next_token_loss(model, first.batch).item()

@@ -27,9 +27,9 @@ from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
-from keel import pretrain
-from keel.pretrain import Interrupted, launched_as_rank_zero, train
 from keel.rundir import RunDirLock
+from keel import training
+from keel.training import Interrupted, launched_as_rank_zero, train
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 from test_distributed import _sharded_checkpoint
@@ -266,7 +266,7 @@ def test_nonfinite_weights_never_replace_or_prune_the_last_finite_checkpoint(tin
     cfg = tiny_config(tiny_data, run, "trainer.max_steps=12", "trainer.checkpoint_every_n_steps=2",
                       "trainer.keep_last_k=1", "trainer.val_every_n_steps=12", "trainer.val_batches=1")
     trainer = train(cfg, [NaNWeightsAt(3)])  # saves at 2 (finite), then 4, 6 ... and the final one (NaN)
-    assert pretrain.failure_exit_code(cfg, trainer) == 1  # the stability monitor stopped it: `keel pretrain` exits 1
+    assert training.failure_exit_code(cfg, trainer) == 1  # the stability monitor stopped it: `keel pretrain` exits 1
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "nonfinite.ckpt", "step000002.ckpt"]
     for name in (LAST, "step000002.ckpt"):  # the last finite checkpoint, whole
@@ -392,8 +392,8 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_
     train(tiny_config(tiny_data, interrupted, *STEPS))  # resume=auto
     assert scalars(interrupted, "train/loss") == scalars(straight, "train/loss")
 
-    configured = pretrain.build_callbacks  # the command line says so and exits 130
-    monkeypatch.setattr(pretrain, "build_callbacks", lambda cfg, dataset: [*configured(cfg, dataset), InterruptAt(1)])
+    configured = training.build_callbacks  # the command line says so and exits 130
+    monkeypatch.setattr(training, "build_callbacks", lambda cfg, dataset: [*configured(cfg, dataset), InterruptAt(1)])
     argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, *STEPS]
     assert cli_main([*argv, f"run.dir={tmp_path / 'cli'}"]) == 130
     assert "keel pretrain: interrupted: stopped after step 2 with a checkpoint" in capsys.readouterr().err
@@ -422,7 +422,7 @@ def test_an_exception_saves_the_last_completed_step(tiny_data, tmp_path, capsys)
 LAUNCH_SIGNALLED = """
 import os, signal, sys
 from lightning.pytorch.callbacks import Callback
-from keel import cli, pretrain
+from keel import cli, training
 
 class Signal(Callback):  # sys.argv[1]: SIGINT twice (Ctrl-C, Ctrl-C) or SIGKILL, as step 6 is about to start
     def on_train_batch_start(self, trainer, *args):
@@ -430,8 +430,8 @@ class Signal(Callback):  # sys.argv[1]: SIGINT twice (Ctrl-C, Ctrl-C) or SIGKILL
             for _ in range(2):
                 os.kill(os.getpid(), getattr(signal, sys.argv[1]))
 
-configured = pretrain.build_callbacks
-pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Signal()]
+configured = training.build_callbacks
+training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Signal()]
 sys.exit(cli.main(sys.argv[2:]))
 """
 
@@ -593,10 +593,10 @@ def test_a_cpu_run_too_big_for_the_machine_is_refused_before_anything_is_allocat
 
 
 def test_cpu_processes_beyond_the_cores_are_said(monkeypatch):
-    monkeypatch.setattr(pretrain.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(training.os, "sched_getaffinity", lambda pid: {0, 1})
     cfg = load_config(overrides=["trainer.devices=3", "trainer.check_memory=false"])
     with pytest.warns(UserWarning, match=r"trainer.devices=3 starts that many processes on 2 core\(s\)"):
-        pretrain.check_cpu_processes(cfg)
+        training.check_cpu_processes(cfg)
 
 
 def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_data, tmp_path, capsys):

@@ -13,7 +13,7 @@ from keel.data.preparation import main as data_main
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule
 from keel.model import KeelLM, next_token_loss
-from keel.pretrain import start_from, train
+from keel.training import start_from, train
 
 from conftest import write_sharded
 from test_pretrain import CrashAtStep, scalars, tiny_config

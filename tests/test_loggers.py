@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from keel.callbacks.reporting import Heatmap, log_text
 from keel.errors import ConfigError
 from keel.loggers import LOGGERS, LoggerKind
-from keel.pretrain import build_loggers, train
+from keel.training import build_loggers, train
 
 from test_pretrain import CrashAtStep, scalars, tiny_config
 

@@ -17,20 +17,10 @@ from keel.errors import ConfigError
 from keel.gpu_check import sublayer_update_error, sublayers
 from keel.gradflow import measure
 from keel.decoding import generate
-from keel.model import (
-    SCHEMES,
-    KeelLM,
-    KVCache,
-    ModelConfig,
-    RMSNorm,
-    Scheme,
-    SublayerSpec,
-    formulas,
-    needs_final_norm,
-    sublayer_specs,
-)
+from keel.model import SCHEME_INITS, KeelLM, KVCache, RMSNorm
 from keel.ops.rms_norm import RMSNormFunction
 from keel.parallel import apply_activation_checkpointing, compile_blocks
+from keel.schemes import SCHEMES, ModelConfig, Scheme, SublayerSpec, formulas, needs_final_norm, sublayer_specs
 
 TINY = dict(width=32, n_heads=2, seq_len=16, vocab_size=64)
 
@@ -412,17 +402,17 @@ def test_rendered_formulas_match_the_schemes_doc():
 
 
 def test_a_scheme_is_one_entry(monkeypatch):
-    """Adding a scheme is one SCHEMES entry: with a toy one (Post-LN with alpha 2, a final norm, its own init and
-    bottom block) registered, the config accepts it, the model builds and trains a step, and every rule it
-    carries is the one used."""
+    """Adding a scheme is one SCHEMES entry (and one SCHEME_INITS entry for its own init): with a toy one (Post-LN
+    with alpha 2, a final norm, its own init and bottom block) registered, the config accepts it, the model builds
+    and trains a step, and every rule it carries is the one used."""
     from keel.gradflow import bottom_middle_top
 
     def halve_head(model):
         model.head.weight.mul_(0.5)
 
     toy = SublayerSpec(norm_in=False, norm_out=True, alpha=2.0)
-    monkeypatch.setitem(SCHEMES, "toy", Scheme(lambda cfg: [(toy, toy)] * cfg.depth, init=halve_head,
-                                               bottom_block=lambda cfg: 1))
+    monkeypatch.setitem(SCHEMES, "toy", Scheme(lambda cfg: [(toy, toy)] * cfg.depth, bottom_block=lambda cfg: 1))
+    monkeypatch.setitem(SCHEME_INITS, "toy", halve_head)
     cfg = tiny(scheme="toy", init_std=0.02)
     torch.manual_seed(0)
     model = KeelLM(cfg)

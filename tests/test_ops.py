@@ -11,8 +11,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keel.config import load_config, to_dict
 from keel.errors import ConfigError
 from keel.lit import check_same_model
-from keel.model import KeelLM, ModelConfig, next_token_loss
+from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import linear_cross_entropy
+from keel.schemes import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,9 +14,10 @@ import torch
 from keel.callbacks.progress import StepProgressBar
 from keel.cli import main as cli_main
 from keel.config import load_config
-from keel.model import KeelLM, formulas
-from keel.pretrain import set_threads, train
+from keel.model import KeelLM
+from keel.schemes import formulas
 from keel.summary import run_summary
+from keel.training import set_threads, train
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 from test_pretrain import tiny_config
@@ -76,15 +77,15 @@ def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):
 LAUNCHER = '''
 import json, os, sys, torch
 from lightning.pytorch.callbacks import Callback
-from keel import cli, pretrain
+from keel import cli, training
 
 class RecordThreads(Callback):  # once the launcher has started every rank
     def on_train_start(self, trainer, *args):
         with open(os.path.join(sys.argv[-1].split("=", 1)[1], f"threads{trainer.global_rank}.json"), "w") as f:
             json.dump(torch.get_num_threads(), f)
 
-configured = pretrain.build_callbacks
-pretrain.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), RecordThreads()]
+configured = training.build_callbacks
+training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), RecordThreads()]
 sys.exit(cli.main(sys.argv[1:]))
 '''
 

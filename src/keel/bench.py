@@ -52,10 +52,11 @@ from keel.devices import (
 from keel.errors import ConfigError
 from keel.flops import device_peak_flops, flops_per_token
 from keel.lit import make_optimizer
-from keel.model import SCHEMES, KeelLM, ModelConfig, next_token_loss
+from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import default_chunk
 from keel.parallel import compile_blocks
 from keel.peer import PEER_RECIPE, compile_litgpt_blocks, litgpt_model, logits_loss
+from keel.schemes import SCHEMES, ModelConfig
 
 REFERENCE_SCHEME = "preln"
 LOADER_BATCHES_PER_STEP = 10  # a loader segment reads this many batches per step of a step segment
@@ -194,7 +195,7 @@ def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: in
 
 def app_run(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int,
             loss_chunk: int | None) -> float:
-    from keel.pretrain import train
+    from keel.training import train
 
     timer = _AppTimer(skip=args.warmup)
     with tempfile.TemporaryDirectory(prefix="keel-bench-") as run_dir:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except StorageError as err:
         print(f"keel {name}: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first (keel.pretrain.Interrupted)
+    except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first (keel.training.Interrupted)
         print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
         return 130
 

@@ -24,7 +24,7 @@ from keel.callbacks.configs import CALLBACKS, CallbackConfig, EvalConfig
 from keel.data.sources import get_source
 from keel.errors import ConfigError, require
 from keel.loggers import LOGGERS
-from keel.model import ModelConfig
+from keel.schemes import ModelConfig
 
 GROUPS = ("model", "data", "trainer", "eval")
 STRATEGIES = ("auto", "single", "ddp", "fsdp")

@@ -32,7 +32,7 @@ from keel.config import from_dict, to_dict
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.export_format import to_hf_names
-from keel.model import needs_final_norm, sublayer_specs
+from keel.schemes import needs_final_norm, sublayer_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

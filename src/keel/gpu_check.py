@@ -41,7 +41,8 @@ from keel.artifacts import read_scalars
 from keel.config import conf_dir
 from keel.devices import device_name
 from keel.errors import ConfigError
-from keel.model import KeelLM, ModelConfig, next_token_loss
+from keel.model import KeelLM, next_token_loss
+from keel.schemes import ModelConfig
 
 
 @dataclass(frozen=True)

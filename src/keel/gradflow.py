@@ -34,7 +34,8 @@ import torch
 
 from keel import memory
 from keel.errors import ConfigError
-from keel.model import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, KeelLM, ModelConfig, RMSNorm, scheme_of
+from keel.model import KeelLM, RMSNorm
+from keel.schemes import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, ModelConfig, scheme_of
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms", "input_top_share")
 MODEL_OPTIONS = {"scheme": "keel", "depth": 16, "width": 64, "heads": 4, "vocab": 256, "init": "normal", "alpha": None,

@@ -1,6 +1,6 @@
 """trainer.loggers: one record per logger name - how the logger is built under the run directory, which id a resumed
 run continues it with, how it shows text and figures, and how it is closed. `keel.config` takes the allowed names
-from LOGGERS without importing Lightning (each record imports its logger class only when used); `keel.pretrain`
+from LOGGERS without importing Lightning (each record imports its logger class only when used); `keel.training`
 builds and closes them, keel.callbacks.reporting sends them text and figures.
 
 Adding a logger = one record here (and its pip extra in pyproject.toml, if it needs a package).

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 
 from keel.errors import ConfigError
-from keel.model import ModelConfig, parameter_counts
+from keel.model import parameter_counts
+from keel.schemes import ModelConfig
 
 BLOCK_BYTES = 112 * 2**10  # ~40 KiB of module objects + ~70 KiB of autograd graph per block, measured at width 8
 PROCESS_BYTES = 2**30  # a training process before its model: 0.9 GiB measured (1,000 x 8 and 256 x 64 runs)

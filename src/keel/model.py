@@ -1,22 +1,8 @@
 """The Keel language model and its five baselines: a plain decoder-only transformer whose
-normalization / residual scheme is one config value (definitions: docs/schemes.md).
-
-Every sublayer (attention or FFN) computes
+normalization / residual scheme is one config value (keel.schemes: the config, and each scheme's sublayers;
+definitions: docs/schemes.md). Every sublayer (attention or FFN) computes
 
     out = [Norm_out]( alpha * skip + F( [Norm_in](x) ) )       skip = x, or Norm_in(x) for HybridNorm's FFN
-
-and a scheme is only the choice of (Norm_in?, Norm_out?, alpha, skip source) per sublayer:
-
-    scheme        Norm_in  Norm_out  alpha        final norm
-    preln         yes      no        1            yes
-    postln        no       yes       1            no (flag)
-    deepnorm      no       yes       (2N)^1/4     no
-    keel          yes      yes       L = 2N       only if the last sublayer is unnormalized
-                  block 0, v1: both sublayers plain Pre-LN; v2: attention Pre-LN, FFN alpha = 1
-                  keel_inner_norm=false (ablation): Norm_in dropped after block 0, i.e. Post-LN with alpha
-    mixln         Post-LN for the first floor(0.25 N) blocks, Pre-LN after              yes
-    hybridnorm    attention: x + Attn_QKVnorm(x); FFN: u = Norm(x), u + FFN(u)         yes
-                  hybridnorm_star: block 0 is Pre-LN with QKV-norm
 
 The residual stream, every sum and every norm are kept in fp32 even under bf16 autocast: Keel's
 branch is ~1/L of `alpha * x + F`, which bf16 (8 mantissa bits) cannot resolve at L >= 128. Only
@@ -25,148 +11,15 @@ the branches' matmuls run in bf16 (autocast, or the weights' own dtype under bf1
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.errors import require
 from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
 from keel.ops.rms_norm import rms_norm
-
-FFN_KINDS = ("gelu", "swiglu")
-KEEL_FIRST_BLOCK = ("v1", "v2")
-INIT_KINDS = ("normal", "unit", "megatron")
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 4096
-    depth: int = 16  # blocks; L = 2 * depth sublayers
-    width: int = 128
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # GQA; None = n_heads
-    ffn: str = "gelu"  # gelu (fc, GELU, proj) | swiglu
-    ffn_mult: float = 4.0  # FFN hidden size = ffn_mult * width
-    seq_len: int = 256
-    rope_theta: float = 1e4
-    tie_embeddings: bool = False
-    # normal: N(0, init_std^2); unit: Linear N(0, 1/fan_in), embedding N(0, 1); megatron: N(0, init_std^2)
-    # truncated at 3 std, the output projections (attention out, FFN down) at init_std / sqrt(2 * depth)
-    init: str = "normal"
-    init_std: float = 0.02
-    norm_eps: float = 1e-5
-    scheme: str = "keel"
-    keel_alpha: float | None = None  # None = L
-    keel_first_block: str = "v1"  # v1: first attention and FFN plain Pre-LN; v2: paper's revision
-    keel_inner_norm: bool = True  # false: the ablation without Keel's inner norm (blocks after the first: Post-LN + alpha)
-    # false: every Norm_out without its learnable per-channel gain. With alpha = L a sublayer is nearly
-    # x -> gain * x / rms(x), so the gains multiply coordinate-wise over all L sublayers (docs/schemes.md)
-    out_norm_gain: bool = True
-    deepnorm_alpha: float | None = None  # None = (2N)^(1/4)
-    deepnorm_beta: float | None = None  # None = (8N)^(-1/4)
-    mixln_post_fraction: float = 0.25
-    postln_final_norm: bool = False
-    # tokens per chunk of the loss head (LM head + cross-entropy fused, keel.ops.chunked_ce): 0 = plain head over
-    # full logits; null = the device's default. How the loss is computed, not what: checkpoints resume across it
-    loss_chunk: int | None = None
-
-    def __post_init__(self) -> None:
-        scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
-        for key, noun, allowed in (("ffn", "FFN", FFN_KINDS), ("init", "init", INIT_KINDS),
-                                   ("keel_first_block", "rule", KEEL_FIRST_BLOCK)):
-            value = getattr(self, key)
-            require(value in allowed, f"model.{key}", f"unknown {noun} {value!r}; allowed: {', '.join(allowed)}")
-        require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
-                f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
-        require(self.out_norm_gain or any(spec.norm_out for block in sublayer_specs(self) for spec in block),
-                "model.out_norm_gain", f"scheme {self.scheme!r} has no Norm_out at this depth; leave it true")
-        for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
-            require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        require(self.width % self.n_heads == 0, "model.width",
-                f"width {self.width} must be divisible by model.n_heads={self.n_heads}")
-        require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
-        require(1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0, "model.n_kv_heads",
-                f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}")
-        for key in ("ffn_mult", "init_std", "norm_eps", "rope_theta"):
-            require(getattr(self, key) > 0, f"model.{key}", f"must be > 0, got {getattr(self, key)}")
-        require(self.loss_chunk is None or self.loss_chunk >= 0, "model.loss_chunk",
-                f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}")
-        require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
-        for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
-            value = getattr(self, key)
-            require(value is None or value > 0, f"model.{key}", f"must be > 0 or null (scheme default), got {value}")
-
-    @property
-    def L(self) -> int:
-        return 2 * self.depth
-
-    @property
-    def head_dim(self) -> int:
-        return self.width // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        return int(self.ffn_mult * self.width)
-
-
-@dataclass(frozen=True)
-class SublayerSpec:
-    """How one sublayer combines its skip and branch."""
-
-    norm_in: bool
-    norm_out: bool
-    alpha: float = 1.0
-    skip_from_norm_in: bool = False  # HybridNorm FFN: u + FFN(u), u = Norm(x)
-    qkv_norm: bool = False  # HybridNorm attention: per-head RMSNorm of q, k, v
-
-    def formula(self) -> str:
-        """The sublayer as an equation in its input x, e.g. `Norm_out(32 x + F(Norm_in(x)))` (docs/schemes.md)."""
-        h = "Norm_in(x)" if self.norm_in else "x"
-        skip = h if self.skip_from_norm_in else "x"
-        total = f"{'' if self.alpha == 1 else f'{self.alpha:.3g} '}{skip} + {'F_qkvn' if self.qkv_norm else 'F'}({h})"
-        return f"Norm_out({total})" if self.norm_out else total
-
-
-BlockSpecs = list[tuple[SublayerSpec, SublayerSpec]]  # (attention, FFN) per block
-PRE = SublayerSpec(norm_in=True, norm_out=False)
-POST = SublayerSpec(norm_in=False, norm_out=True)
-
-
-def _keel(cfg: ModelConfig) -> BlockSpecs:
-    keel = SublayerSpec(norm_in=cfg.keel_inner_norm, norm_out=True, alpha=cfg.keel_alpha or float(cfg.L))
-    first = (PRE, PRE) if cfg.keel_first_block == "v1" else (PRE, SublayerSpec(norm_in=True, norm_out=True))
-    return [first] + [(keel, keel)] * (cfg.depth - 1)
-
-
-def _deepnorm(cfg: ModelConfig) -> BlockSpecs:
-    deep = SublayerSpec(norm_in=False, norm_out=True, alpha=cfg.deepnorm_alpha or (2 * cfg.depth) ** 0.25)
-    return [(deep, deep)] * cfg.depth
-
-
-def _mixln(cfg: ModelConfig) -> BlockSpecs:
-    n_post = math.floor(round(cfg.mixln_post_fraction * cfg.depth, 6))  # round: 0.29 * 100 must give 29, not 28
-    return [(POST, POST)] * n_post + [(PRE, PRE)] * (cfg.depth - n_post)
-
-
-HYBRID_ATTN = SublayerSpec(norm_in=False, norm_out=False, qkv_norm=True)
-HYBRID_FFN = SublayerSpec(norm_in=True, norm_out=False, skip_from_norm_in=True)
-
-
-def _hybridnorm(cfg: ModelConfig) -> BlockSpecs:
-    return [(HYBRID_ATTN, HYBRID_FFN)] * cfg.depth
-
-
-def _hybridnorm_star(cfg: ModelConfig) -> BlockSpecs:
-    return [(SublayerSpec(norm_in=True, norm_out=False, qkv_norm=True), PRE)] + _hybridnorm(cfg)[1:]
+from keel.schemes import ModelConfig, SublayerSpec, needs_final_norm, sublayer_specs
 
 
 @torch.no_grad()
@@ -180,62 +33,9 @@ def _deepnorm_init(model: KeelLM) -> None:
             linear.weight.mul_(beta)
 
 
-def _unless_last_normalized(cfg: ModelConfig) -> bool:
-    return not sublayer_specs(cfg)[-1][1].norm_out
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """Everything scheme-specific: adding a scheme is one entry in SCHEMES (and its section in docs/schemes.md)."""
-
-    blocks: Callable[[ModelConfig], BlockSpecs]  # (attention, FFN) spec of every block
-    final_norm: Callable[[ModelConfig], bool] = lambda cfg: True  # a norm before the head
-    init: Callable[[KeelLM], None] | None = None  # adjustments after the common init (model.init)
-    # the block that gradient ratios call "bottom" (keel.gradflow): the first that is like the others
-    bottom_block: Callable[[ModelConfig], int] = lambda cfg: 0
-    # the residual scale an --alphas axis sweeps: the ModelConfig field that sets it, and its value
-    alpha_field: str | None = None
-    alpha: Callable[[ModelConfig], float] | None = None
-    variant_of: str | None = None  # a variant of another scheme, not one of Keel's and the paper's five baselines
-
-
-# Every scheme, one entry each (docs/schemes.md): model.scheme's allowed values, in this order everywhere.
-SCHEMES = {
-    # block 0 has alpha = 1, unlike the rest: not "bottom"
-    "keel": Scheme(_keel, final_norm=_unless_last_normalized, bottom_block=lambda cfg: min(1, cfg.depth - 1),
-                   alpha_field="keel_alpha", alpha=lambda cfg: cfg.keel_alpha or float(cfg.L)),
-    "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth),
-    "postln": Scheme(lambda cfg: [(POST, POST)] * cfg.depth, final_norm=lambda cfg: cfg.postln_final_norm),
-    "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized, init=_deepnorm_init),
-    "hybridnorm": Scheme(_hybridnorm),
-    "hybridnorm_star": Scheme(_hybridnorm_star, variant_of="hybridnorm"),
-    "mixln": Scheme(_mixln),
-}
-PAPER_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.variant_of is None)
-
-
-def scheme_named(name: str) -> Scheme:
-    require(name in SCHEMES, "model.scheme", f"unknown scheme {name!r}; allowed: {', '.join(SCHEMES)}")
-    return SCHEMES[name]
-
-
-def scheme_of(cfg: ModelConfig) -> Scheme:
-    return scheme_named(cfg.scheme)
-
-
-def formulas(cfg: ModelConfig) -> list[tuple[str, int]]:
-    """The scheme's distinct sublayer formulas in order of first use, each with how many sublayers use it."""
-    counts = Counter(spec.formula() for block in sublayer_specs(cfg) for spec in block)
-    return list(counts.items())
-
-
-def sublayer_specs(cfg: ModelConfig) -> BlockSpecs:
-    """(attention, FFN) spec for every block, per docs/schemes.md."""
-    return scheme_of(cfg).blocks(cfg)
-
-
-def needs_final_norm(cfg: ModelConfig) -> bool:
-    return scheme_of(cfg).final_norm(cfg)
+# Schemes whose init differs from the common one (model.init): adjustments run after it, keyed by keel.schemes.SCHEMES
+# name. Kept here, not in the torch-free Scheme, because they are torch code that knows the modules' layout.
+SCHEME_INITS: dict[str, Callable[[KeelLM], None]] = {"deepnorm": _deepnorm_init}
 
 
 class RMSNorm(nn.RMSNorm):
@@ -402,7 +202,7 @@ class KeelLM(nn.Module):
             for block in self.blocks:
                 for linear in (block.attn.branch.out, block.ffn.branch.down):
                     linear.weight.mul_((2 * cfg.depth) ** -0.5)
-        if (scheme_init := scheme_of(cfg).init) is not None:
+        if (scheme_init := SCHEME_INITS.get(cfg.scheme)) is not None:
             scheme_init(self)
 
     def forward(

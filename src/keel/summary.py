@@ -10,8 +10,9 @@ import torch
 from keel.checkpoint import batch_layout
 from keel.config import Config
 from keel.flops import flops_per_token
-from keel.model import KeelLM, formulas, sublayer_specs
+from keel.model import KeelLM
 from keel.parallel import resolve_accelerator, resolve_precision
+from keel.schemes import formulas, sublayer_specs
 
 
 def alphas(cfg) -> str:

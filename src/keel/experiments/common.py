@@ -18,9 +18,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from keel.artifacts import CONFIG, EVAL_HISTORY, read_scalars, read_stability
-from keel.config import Config, ModelConfig, from_dict
+from keel.config import Config, from_dict
 from keel.errors import ConfigError
-from keel.model import parameter_counts, scheme_of
+from keel.model import parameter_counts
+from keel.schemes import ModelConfig, scheme_of
 
 
 def comma_list(cast: Callable[[str], Any]) -> Callable[[str], list]:
@@ -99,7 +100,7 @@ def width_for_budget(model: ModelConfig, depth: int, budget: int) -> int:
 
 def train_run(cfg: Config, extra_callbacks: Sequence = ()) -> float:
     """Train one configured run (its stability monitor, eval etc. come from cfg.callbacks); wall seconds."""
-    from keel.pretrain import train  # lightning: imported only by the commands that train
+    from keel.training import train  # lightning: imported only by the commands that train
 
     start = time.perf_counter()
     train(cfg, list(extra_callbacks))

@@ -50,7 +50,7 @@ from keel.experiments.common import comma_list, resolve_alpha, slug, train_run, 
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
 from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
-from keel.model import PAPER_SCHEMES, scheme_named
+from keel.schemes import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
 MINIATURE = [

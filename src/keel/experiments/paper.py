@@ -24,7 +24,7 @@ from keel.artifacts import TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import load_run_config, markdown_table, pyplot
 from keel.experiments.maxlr_report import collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
-from keel.model import scheme_of
+from keel.schemes import scheme_of
 
 # a trend's points: value -> (grid, blocks, width) of the runs that make it
 DEPTH_TREND = {16: ("depth-d16", 16, 32), 64: ("table1-d64", 64, 32), 256: ("depth-d256", 256, 32)}

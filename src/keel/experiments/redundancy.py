@@ -26,7 +26,7 @@ from keel.data.loading import token_loader
 from keel.errors import ConfigError
 from keel.experiments.common import plot_lines, write_table
 from keel.model import KeelLM
-from keel.pretrain import set_threads
+from keel.training import set_threads
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ from keel.experiments.common import (
     write_table,
 )
 from keel.errors import ConfigError
-from keel.model import scheme_named
+from keel.schemes import scheme_named
 
 MANIFEST = "sweep.json"
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}

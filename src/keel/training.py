@@ -1,0 +1,222 @@
+"""Training a run: Lightning's Trainer with keel's strategy, precision, callbacks and loggers around KeelLitModule,
+in the run directory (keel.pretrain, `keel pretrain`, imports this only once the config is valid)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.loggers import Logger
+
+from keel.artifacts import LOGGER_RUNS
+from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
+from keel.callbacks.progress import StepProgressBar
+from keel.callbacks.stability import StabilityMonitor, describe
+from keel.checkpoint import (
+    AtomicCheckpointIO,
+    check_resumable,
+    checkpoint_dir,
+    model_state_dict,
+    read_checkpoint,
+    resolve_resume,
+)
+from keel.config import Config, from_dict, to_dict
+from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
+from keel.data.tokenizer import same_tokenizer
+from keel.errors import ConfigError
+from keel.lit import KeelLitModule, check_same_model
+from keel.loggers import LOGGERS, kind_of
+from keel.memory import check_training_fits
+from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
+from keel.rundir import RunDirLock, remove_orphans, say, write_config
+from keel.summary import run_summary
+
+
+def set_threads(cfg: Config) -> None:
+    """One intra-op thread per available core, shared among the processes on this node (trainer.devices of
+    them, CPU or GPU ranks alike): more threads than cores (e.g. loader workers, or 8 GPU ranks each taking every
+    core) oversubscribes the CPU."""
+    threads = cfg.trainer.threads
+    if threads == 0:
+        cores = len(os.sched_getaffinity(0))
+        threads = max(1, (cores - cfg.data.loader_workers) // cfg.trainer.devices)
+    torch.set_num_threads(threads)
+    # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set, and
+    # torchrun sets it to 1; the ranks started after this inherit it
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def check_cpu_processes(cfg: Config) -> None:
+    """Before anything is allocated: refuse a CPU run that will not fit in this machine's memory (unless
+    trainer.check_memory=false), and say when its processes outnumber the cores."""
+    if cfg.trainer.check_memory:
+        check_training_fits(cfg)
+    cores = len(os.sched_getaffinity(0))
+    if cfg.trainer.devices > cores:
+        warnings.warn(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they "
+                      "share the cores and each step is slower than with trainer.devices <= the cores", stacklevel=2)
+
+
+def build_callbacks(cfg: Config, dataset) -> list[Callback]:
+    """The fixed callbacks (trainer.*), then the enabled configurable ones (callbacks.*, eval) in their run order."""
+    callbacks: list[Callback] = [
+        RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k),
+        GracefulInterrupt(),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    if cfg.trainer.progress_bar:
+        callbacks.append(StepProgressBar())
+    return callbacks + [section.build(cfg) for section in cfg.callback_configs()]
+
+
+def build_loggers(cfg: Config) -> list[Logger]:
+    """trainer.loggers, each Lightning's own (keel.loggers), writing under run.dir; a resumed run continues the
+    runs of those that keep one (ids in <run.dir>/logger_runs.json)."""
+    runs_file = Path(cfg.run.dir) / LOGGER_RUNS
+    runs = json.loads(runs_file.read_text()) if resolve_resume(cfg) and runs_file.is_file() else {}
+    loggers = []
+    for name in cfg.trainer.loggers:
+        try:
+            loggers.append(LOGGERS[name].build(cfg.run.dir, Path(cfg.run.dir).name, runs.get(name)))
+        except ModuleNotFoundError:
+            raise ConfigError(f"trainer.loggers: {name} needs its package: pip install 'keel[{name}]' (or pip install "
+                              f"{name}), or remove {name} from trainer.loggers") from None
+    return loggers
+
+
+def log_config(cfg: Config, loggers: list[Logger]) -> None:
+    """On rank 0: the config as every logger's hyperparameters, and the run ids that build_loggers continues on
+    resume."""
+    runs = {}
+    for logger in loggers:
+        kind = kind_of(logger)
+        kind.log_config(logger, to_dict(cfg))
+        if (run_id := kind.run_id(logger)) is not None:
+            runs[kind.name] = run_id
+    if runs:
+        (Path(cfg.run.dir) / LOGGER_RUNS).write_text(json.dumps(runs))
+
+
+def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
+    t = cfg.trainer
+    return L.Trainer(
+        accelerator=resolve_accelerator(t),
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(t),
+        precision=resolve_precision(t),
+        max_steps=t.max_steps,
+        accumulate_grad_batches=t.grad_accum,
+        gradient_clip_val=cfg.optim.grad_clip or None,
+        val_check_interval=t.val_every_n_steps * t.grad_accum,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every_n_steps,
+        logger=build_loggers(cfg),
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+        enable_progress_bar=t.progress_bar,
+        enable_model_summary=False,
+        default_root_dir=cfg.run.dir,
+    )
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped early on Ctrl-C, after writing a checkpoint (`keel` exits 130 with this message)."""
+
+
+def launched_as_rank_zero() -> bool:
+    """Whether the launcher made this process global rank 0 (before Lightning knows): torchrun, SLURM and
+    Lightning's own launcher set a non-zero rank, local rank or node rank in every other process."""
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+    return all(int(os.environ.get(key) or 0) == 0 for key in keys)
+
+
+def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str:
+    """Where training starts, said in a line. init_from loads a checkpoint's model weights (not its optimizer,
+    schedule or data position) into a fresh run; once the run has a checkpoint of its own, resuming it wins, and
+    init_from is not loaded again over its progress. The source, as an absolute path, is kept in cfg (so in
+    config.yaml and every checkpoint)."""
+    if ckpt_path is not None:
+        return f"resuming {ckpt_path}" + (" (init_from is not reloaded over this run's progress)" if cfg.init_from else "")
+    if not cfg.init_from:
+        return f"fresh initialization (seed {cfg.run.seed})"
+    cfg.init_from = str(Path(cfg.init_from).resolve())
+    checkpoint = read_checkpoint(cfg.init_from)
+    check_same_model(cfg, checkpoint, key="init_from")
+    if not same_tokenizer(checkpoint["keel"]["tokenizer_json"], module.tokenizer_json):
+        source_data = from_dict(checkpoint["keel"]["config"]).data.dir
+        raise ConfigError(f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
+                          f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")
+    module.model.load_state_dict(model_state_dict(checkpoint))
+    return f"model weights of {cfg.init_from} (step {checkpoint.get('global_step')}); new optimizer, schedule, data"
+
+
+def close_loggers(trainer: L.Trainer) -> None:
+    for logger in trainer.loggers:
+        kind_of(logger).close(logger)
+
+
+def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
+    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. Rank 0 holds
+    the run directory's lock throughout, taken before anything is written (the others write nothing before
+    rank 0 has joined them)."""
+    set_threads(cfg)
+    owner = launched_as_rank_zero()
+    if owner and resolve_accelerator(cfg.trainer) == "cpu":
+        check_cpu_processes(cfg)
+    with RunDirLock(cfg.run.dir) if owner else nullcontext():
+        return _train(cfg, extra_callbacks, owner)
+
+
+def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Trainer:
+    dataset = open_dataset(cfg)
+    if owner:  # no save runs now: temporary files in checkpoints/ were left by killed ones
+        remove_orphans(checkpoint_dir(cfg))
+    ckpt_path = resolve_resume(cfg)
+    checkpoint = None
+    if ckpt_path is not None:  # fail before any work if the checkpoint is unreadable, of another model or layout
+        checkpoint = read_checkpoint(ckpt_path, weights=False)
+        check_same_model(cfg, checkpoint)
+        check_resumable(cfg.trainer, ckpt_path, checkpoint)
+        check_resumable_data(cfg, dataset, ckpt_path, checkpoint)
+    L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+    module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json)
+    start = start_from(cfg, module, ckpt_path)
+    trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])
+    if owner:
+        write_config(cfg, checkpoint)
+    if trainer.is_global_zero:
+        print(f"{run_summary(cfg, module.model)}\nstart       {start}", flush=True)
+        log_config(cfg, trainer.loggers)
+    try:
+        trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
+    finally:
+        close_loggers(trainer)
+    interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
+    if interrupt.stopped_at is not None:
+        raise Interrupted(f"interrupted: stopped after step {interrupt.stopped_at} with a checkpoint in "
+                          f"{checkpoint_dir(cfg)}; re-run the same command to continue (resume=auto)")
+    return trainer
+
+
+def failure_exit_code(cfg: Config, trainer: L.Trainer) -> int:
+    """1 when the stability monitor recorded a failure, said with its step, kind and max tolerable LR -
+    unless callbacks.stability.stop_on_failure=false asked training to go on (said when it happened)."""
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
+    if monitor is None or monitor.failure is None:
+        return 0
+    if not cfg.callbacks.stability.stop_on_failure and trainer.global_step >= cfg.trainer.max_steps:
+        return 0
+    if trainer.is_global_zero:
+        say(f"{describe(monitor.failure)}. Details: {cfg.run.dir}/stability.json; a lower optim.lr (or "
+            "callbacks.stability.* settings) in a new run.dir, or callbacks.stability.stop_on_failure=false to "
+            "train on regardless")
+    return 1

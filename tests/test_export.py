@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from keel.config import load_config, to_dict  # noqa: E402
 from keel.data.shards import VAL_DOCS  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
-from keel.export import export  # noqa: E402
+from keel.export import export, verify  # noqa: E402
 from keel.model import KeelLM, next_token_loss  # noqa: E402
 from keel.training import train  # noqa: E402
 
@@ -94,6 +95,10 @@ def test_the_export_computes_what_keel_computes(variant, tokenizer_json, tmp_pat
         prefix = hf(ids[:, :12], use_cache=True)
         rest = hf(ids[:, 12:], cache=prefix.cache, use_cache=True).logits
         torch.testing.assert_close(torch.cat((prefix.logits, rest), dim=1), expected, rtol=0, atol=1e-5)
+        if variant == "keel":  # the argument's name before transformers 5.2x, still accepted
+            prefix = hf(ids[:, :12], use_cache=True)
+            rest = hf(ids[:, 12:], past_key_values=prefix.cache, use_cache=True).logits
+            torch.testing.assert_close(rest, expected[:, 12:], rtol=0, atol=1e-5)
         # left padding with an attention mask: each row's logits as without the padding
         pad = 5
         padded = torch.cat((torch.zeros(3, pad, dtype=torch.long), ids[:, :15]), dim=1)
@@ -177,7 +182,7 @@ def test_bf16_sharded_export_and_the_save_load_round_trip(tiny_run, exported, tm
     assert (logits.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
 
 
-def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path):
+def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path, capsys):
     source = tiny_run / "checkpoints" / LAST
     # init_from=DIR: the first step's loss is the source checkpoint's on that batch
     run, first = tmp_path / "continued", FirstBatch()
@@ -190,6 +195,13 @@ def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path):
     back, source_state = read_checkpoint(exported), read_checkpoint(source)
     assert back["state_dict"].keys() == source_state["state_dict"].keys()
     assert all(torch.equal(back["state_dict"][k], v) for k, v in source_state["state_dict"].items())
+    # keel generate (and keel eval, through the same load_model) read it as they read the checkpoint
+    options = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
+    texts, _ = [], capsys.readouterr()  # (the training run's output)
+    for path in (source, exported):
+        assert cli_main(["generate", f"checkpoint={path}", *options]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > len("def \n")
     with pytest.raises(ConfigError, match="exported model.*init_from="):
         train(tiny_config(tiny_data, tmp_path / "resumed", *STEPS, f"resume={exported}"))
 
@@ -272,3 +284,23 @@ def test_export_refuses_what_it_cannot_write(tiny_run, tokenizer_json, tmp_path,
     monkeypatch.setitem(sys.modules, "transformers", None)  # as without the hf extra
     with pytest.raises(ConfigError, match=r"pip install 'keel\[hf\]'"):
         export(str(source), tmp_path / "out")
+
+
+def test_verify_measures_the_export_against_its_checkpoint(tiny_run, exported, tmp_path, capsys):
+    source = tiny_run / "checkpoints" / LAST
+    check = verify(str(source), exported)
+    assert check["max_logit_difference"] < 1e-5 < check["max_logit"]
+    assert check["greedy_tokens_equal"] == check["greedy_tokens"] >= 8
+    # a directory whose weights were altered is told apart: one final-norm gain off by 10%
+    from safetensors.torch import load_file, save_file
+
+    altered = tmp_path / "altered"
+    shutil.copytree(exported, altered)
+    weights = load_file(altered / "model.safetensors")
+    name = next(name for name in weights if name.endswith("norm_out.weight"))
+    weights[name][0] *= 1.1
+    save_file(weights, altered / "model.safetensors", metadata={"format": "pt"})
+    assert verify(str(source), altered)["max_logit_difference"] > 1e-3
+    assert cli_main(["export", f"checkpoint={source}", "--out", str(tmp_path / "cli"), "--verify"]) == 0
+    assert f"greedy decoding equal for {check['greedy_tokens']} of {check['greedy_tokens']} tokens" in (
+        capsys.readouterr().out)

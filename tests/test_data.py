@@ -919,8 +919,11 @@ def test_ctrl_c_stops_keel_data_at_once_removing_the_unfinished_build(built, tmp
     else:
         driver, overrides = SLOW_SHARD_WRITERS, overrides_for(shards, corpus=built.root / "corpus")
         announced = "keel data: encoding the train split"
+    # SIGINT as a terminal leaves it: the test suite run as a background job of a script starts with it ignored,
+    # which the child would inherit (and Python then installs no KeyboardInterrupt handler)
     process = subprocess.Popen([sys.executable, "-c", driver, "--force", *overrides], env=environment,
-                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         sent = interrupt_when(process, announced)
         stderr = process.communicate(timeout=60)[1]

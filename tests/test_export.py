@@ -304,3 +304,28 @@ def test_verify_measures_the_export_against_its_checkpoint(tiny_run, exported, t
     assert cli_main(["export", f"checkpoint={source}", "--out", str(tmp_path / "cli"), "--verify"]) == 0
     assert f"greedy decoding equal for {check['greedy_tokens']} of {check['greedy_tokens']} tokens" in (
         capsys.readouterr().out)
+
+
+def test_keel_never_runs_an_exports_code(tiny_run, exported, tmp_path, capsys):
+    """Keel reads config.json, tokenizer.json and the safetensors of an export; the Python files are transformers'
+    business (trust_remote_code), so a directory whose code was replaced is read without running it."""
+    hostile, marker = tmp_path / "hostile", tmp_path / "code-ran"
+    shutil.copytree(exported, hostile)
+    for name in ("modeling_keel.py", "configuration_keel.py"):
+        (hostile / name).write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    assert cli_main(["generate", f"checkpoint={hostile}", "--prompt", "def ", "--max-new-tokens", "4"]) == 0
+    assert read_checkpoint(hostile)["state_dict"] and not marker.exists()
+
+
+def test_keel_refuses_foreign_and_incomplete_model_directories(exported, tmp_path):
+    foreign = tmp_path / "llama"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ConfigError, match="did not write .model_type 'llama'"):
+        read_checkpoint(foreign)
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(exported, incomplete)
+    (incomplete / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"incomplete export \(no model.safetensors\)"):
+        load_model(incomplete)
+    assert read_checkpoint(incomplete, weights=False)["keel"]["config"]["model"]["depth"] == 2

@@ -104,8 +104,8 @@ def hostile_checkpoint(request, tmp_path) -> Hostile:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_payload_in_sharded_checkpoint_is_refused_by_read_consolidate_eval_and_generate(hostile_checkpoint, tmp_path,
-                                                                                         capsys):
+def test_payload_in_sharded_checkpoint_is_refused_by_read_consolidate_eval_generate_and_export(hostile_checkpoint,
+                                                                                                tmp_path, capsys):
     path = hostile_checkpoint.path
     for weights in (True, False):
         with pytest.raises(ConfigError) as err:
@@ -118,6 +118,9 @@ def test_payload_in_sharded_checkpoint_is_refused_by_read_consolidate_eval_and_g
     hostile_checkpoint.refused(capsys.readouterr().err)
     assert cli_main(["generate", f"checkpoint={path}", "--prompt", "def "]) == 2
     hostile_checkpoint.refused(capsys.readouterr().err)
+    assert cli_main(["export", f"checkpoint={path}", "--out", str(tmp_path / "hf")]) == 2
+    hostile_checkpoint.refused(capsys.readouterr().err)
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -329,3 +329,29 @@ def test_keel_refuses_foreign_and_incomplete_model_directories(exported, tmp_pat
     with pytest.raises(ConfigError, match=r"incomplete export \(no model.safetensors\)"):
         load_model(incomplete)
     assert read_checkpoint(incomplete, weights=False)["keel"]["config"]["model"]["depth"] == 2
+
+
+def test_peft_lora_adapters_train_on_the_export(exported, tmp_path):
+    peft = pytest.importorskip("peft", reason="the PEFT test needs the test extra")
+    model, tokenizer = load_hf(exported)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["qkv", "out", "up", "down"],
+                                                      task_type="CAUSAL_LM"))
+    trainable = [name for name, param in lora.named_parameters() if param.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    base = {name: param.detach().clone() for name, param in lora.named_parameters() if not param.requires_grad}
+    ids = tokenizer(["def main():\n    return 0\n"] * 4, return_tensors="pt").input_ids
+    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = lora(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(param, base[name]) for name, param in lora.named_parameters() if name in base)
+    lora.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(hf_model(exported), tmp_path / "adapter").eval()
+    lora.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, lora(ids).logits, rtol=0, atol=1e-6)

@@ -51,8 +51,8 @@ VARIANTS = {
 }
 
 
-def hf_model(directory: Path):
-    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+def hf_model(directory: Path, **kwargs):
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs).eval()
 
 
 def load_hf(directory: Path):
@@ -178,6 +178,10 @@ def test_bf16_sharded_export_and_the_save_load_round_trip(tiny_run, exported, tm
         assert {dtype for name, dtype in dtypes.items() if "norm" in name} == {torch.float32}
         assert {dtype for name, dtype in dtypes.items() if "norm" not in name} == {torch.bfloat16}
         logits = bf16(ids).logits.float()
+        # so does an fp32 export loaded in bf16
+        cast = {(("norm" in name), param.dtype) for name, param in hf_model(exported, dtype=torch.bfloat16)
+                .named_parameters()}
+        assert cast == {(True, torch.float32), (False, torch.bfloat16)}
     assert (logits - fp32).abs().max() < 0.1 * fp32.abs().max()
     assert (logits.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9
 

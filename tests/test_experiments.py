@@ -18,6 +18,7 @@ from keel.errors import ConfigError
 from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.maxlr_report import judge, sign_test
+from keel.experiments.paper import plot_ratios, ratios, trend
 from keel.model import KeelLM
 
 from conftest import QUIET_TRAINER, TINY_MODEL
@@ -243,3 +244,18 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
     assert float(rows[1]["ppl_increase"]) == pytest.approx(0.0, abs=1e-6)
     assert abs(float(rows[0]["ppl_increase"])) > 1e-3
     assert (out / "redundancy.png").stat().st_size > 0
+
+
+def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
+    """Where Keel resolves and Pre-LN never learns there is no ratio, but the report and the plot say so."""
+    def row(scheme, seed, lr):
+        return {"row": scheme, "seed": seed, "depth": 16, "width": 32, "resolved": lr is not None,
+                "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01}
+
+    rows = [row("keel", 1, 0.2), row("preln", 1, 0.4), row("keel", 2, 0.1), row("preln", 2, None),
+            row("keel", 3, None), row("preln", 3, 0.3)]
+    assert ratios(rows) == [0.5, None]  # seed 3: Keel unresolved, nothing to compare
+    table, points = trend({"depth-d16": rows}, {16: ("depth-d16", 16, 32)}, "blocks")
+    assert table[0]["keel / preln (per seed)"] == "0.5; Pre-LN unresolved in 1"
+    plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
+    assert (tmp_path / "ratio.png").stat().st_size > 0

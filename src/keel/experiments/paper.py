@@ -84,16 +84,22 @@ def sign_tests(rows: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
             if (test := compare(rows, a, b, depth)) is not None]
 
 
-def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float]:
-    """Per seed, a's max LR over b's, where both are resolved."""
+def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float | None]:
+    """Per seed where a is resolved, a's max LR over b's; None where b is not (b never learned: no ratio, but not
+    nothing to report)."""
     by = {(r["row"], r["seed"]): r for r in rows}
     out = []
     for (label, seed), row in by.items():
-        if label == a and (b, seed) in by:
-            x, y = max_lr_value(row), max_lr_value(by[b, seed])
-            if x is not None and y is not None:
-                out.append(x / y)
+        if label == a and (b, seed) in by and (x := max_lr_value(row)) is not None:
+            y = max_lr_value(by[b, seed])
+            out.append(None if y is None else x / y)
     return out
+
+
+def _ratio_cell(values: list[float | None]) -> str:
+    known = ", ".join(f"{x:.2g}" for x in values if x is not None)
+    unresolved = sum(x is None for x in values)
+    return "; ".join(filter(None, (known, unresolved and f"Pre-LN unresolved in {unresolved}"))) or "-"
 
 
 def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], name: str) -> tuple[list[dict], dict]:
@@ -112,7 +118,7 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
                 entry[f"{scheme} loss-optimal"] = _fmt(_median([r["loss_optimal_lr"] for r in runs
                                                                 if r["loss_optimal_lr"] is not None]))
         points[value] = ratios(rows)
-        entry["keel / preln (per seed)"] = ", ".join(f"{x:.2g}" for x in points[value]) or "-"
+        entry["keel / preln (per seed)"] = _ratio_cell(points[value])
         table.append(entry)
     return table, points
 
@@ -125,20 +131,34 @@ def save(fig, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_ratios(depth: dict, width: dict, batch: list[float], path: Path) -> None:
+def plot_ratios(depth: dict, width: dict, batch: list[float | None], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, points, label in ((axes[0], depth, "depth (blocks), width 32"), (axes[1], width, "width, 16 blocks")):
-        for x, values in points.items():
+        known = {x: [v for v in values if v is not None] for x, values in points.items()}
+        for x, values in known.items():
             ax.plot([x] * len(values), values, "o", color="tab:blue", alpha=0.6)
-        xs = [x for x in points if points[x]]
-        ax.plot(xs, [statistics.median(points[x]) for x in xs], "-", color="tab:blue", label="median" if xs else None)
-        if label.startswith("width") and batch:
-            ax.plot([64] * len(batch), batch, "s", color="tab:red", alpha=0.7, label="8x tokens per step")
+        xs = [x for x in known if known[x]]
+        ax.plot(xs, [statistics.median(known[x]) for x in xs], "-", color="tab:blue", label="median" if xs else None)
+        # seeds where Keel learned and Pre-LN did not: no ratio, marked along the top edge with their count
+        unresolved = {x: sum(v is None for v in values) for x, values in points.items() if None in values}
+        top = ax.get_xaxis_transform()  # x in data, y in axes fractions
+        ax.plot(list(unresolved), [0.95] * len(unresolved), "^", color="tab:orange", transform=top,
+                label="Keel learned, Pre-LN did not (seeds)" if unresolved else None)
+        for x, count in unresolved.items():
+            ax.annotate(str(count), (x, 0.95), xycoords=top, xytext=(7, -4), textcoords="offset points", fontsize=8)
+        if unresolved:
+            ax.set_xlim(min([*points, *unresolved]) / 1.3, max([*points, *unresolved]) * 1.3)
+        batch_known = [v for v in batch if v is not None]
+        if label.startswith("width") and batch_known:
+            ax.plot([64] * len(batch_known), batch_known, "s", color="tab:red", alpha=0.7, label="8x tokens per step")
         ax.axhline(1, color="grey", linewidth=1)
-        if xs:
+        if points:
             ax.set_xscale("log", base=2)
+        if xs:
             ax.set_yscale("log")
+            values = [1, *batch_known, *(v for x in xs for v in known[x])]
+            ax.set_ylim(min(values) / 1.3, max(values) * 2)  # headroom: the top edge's markers above the data
         ax.set_xlabel(label)
         ax.set_ylabel("Keel max LR / Pre-LN max LR")
         ax.grid(alpha=0.3)

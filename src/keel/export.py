@@ -102,17 +102,17 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     config = hf_config(cfg, eos, checkpoint.get("global_step"))
     with torch.device("meta"):
         model = KeelForCausalLM(config)
-    state = to_hf_names(model_state_dict(checkpoint))
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    if set(state) - {"lm_head.weight"} != expected - {"lm_head.weight"}:
+    state = to_hf_names(model_state_dict(checkpoint))  # tied: KeelLM's state names the shared head too
+    expected = set(model.state_dict())
+    if set(state) != expected:
         raise ConfigError(f"export: {checkpoint_path}'s weights do not match its own config (missing "
                           f"{sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]})")
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     model.to(DTYPES[dtype])
-    for name, param in model.named_parameters():  # the norms' gains stay fp32 (modeling_keel.py says why)
-        if "norm" in name:
+    for name, param in model.named_parameters():  # what transformers keeps fp32 on loading (modeling_keel.py)
+        if any(module in name for module in KeelForCausalLM._keep_in_fp32_modules_strict):
             param.data = param.data.float()
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     type(config).register_for_auto_class()

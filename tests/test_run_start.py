@@ -37,9 +37,10 @@ def test_help_lists_the_config_groups_and_print_config_shows_the_new_keys(capsys
     assert "init_from: runs/a/checkpoints/last.ckpt" in printed and "  loggers:\n  - csv\n  - tensorboard\n" in printed
 
 
-@pytest.mark.parametrize(("scheme", "alpha"), [("keel", "1 (2 sublayers), 8 (6 sublayers)"), ("preln", "1 (8 sublayers)"),
-                                              ("deepnorm", "1.682 (8 sublayers)")])
-def test_summary_states_the_model_and_the_plan(scheme, alpha):
+@pytest.mark.parametrize(("scheme", "alpha", "init"), [("keel", "1 (2 sublayers), 8 (6 sublayers)", "normal"),
+                                                      ("preln", "1 (8 sublayers)", "gpt2"),
+                                                      ("deepnorm", "1.682 (8 sublayers)", "xavier")])
+def test_summary_states_the_model_and_the_plan(scheme, alpha, init):
     cfg = load_config(overrides=["model.depth=4", "model.width=64", "model.seq_len=64", "model.vocab_size=1000",
                                  f"model.scheme={scheme}", "trainer.max_steps=50", "trainer.micro_batch_size=2",
                                  "trainer.grad_accum=3"])
@@ -51,9 +52,10 @@ def test_summary_states_the_model_and_the_plan(scheme, alpha):
     assert lines[1] == f"parameters  {params:,} ({params - embedding:,} non-embedding)"
     assert lines[2] == f"alpha       {alpha}"
     assert lines[3] == "sublayers   " + ", ".join(f"{formula} ({n})" for formula, n in formulas(cfg.model))
-    assert lines[5].startswith(f"steps       50 x 384 tokens = {tokens:,} tokens ({tokens / params:.3g} tokens/parameter")
-    assert "precision 32-true, strategy single, world size 1" in lines[7]
-    assert lines[7].endswith("torch.compile per block (compiled during the first steps)")  # trainer=cpu's default
+    assert lines[4].startswith(f"init        {init} ({scheme}'s own recipe, model.init=auto): ")
+    assert lines[6].startswith(f"steps       50 x 384 tokens = {tokens:,} tokens ({tokens / params:.3g} tokens/parameter")
+    assert "precision 32-true, strategy single, world size 1" in lines[8]
+    assert lines[8].endswith("torch.compile per block (compiled during the first steps)")  # trainer=cpu's default
 
 
 def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):

@@ -19,13 +19,13 @@ from torch import nn
 
 from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
 from keel.ops.rms_norm import rms_norm
-from keel.schemes import ModelConfig, SublayerSpec, needs_final_norm, sublayer_specs
+from keel.schemes import ModelConfig, SublayerSpec, deepnorm_beta, needs_final_norm, sublayer_specs
 
 
 @torch.no_grad()
 def _deepnorm_init(model: KeelLM) -> None:
     """DeepNet's beta on both FFN matrices, the v and out projections; never q, k."""
-    beta = model.cfg.deepnorm_beta or (8 * model.cfg.depth) ** -0.25
+    beta = deepnorm_beta(model.cfg)
     for block in model.blocks:
         attn = block.attn.branch
         attn.qkv.weight[(attn.n_heads + attn.kv_heads) * attn.head_dim :].mul_(beta)
@@ -33,6 +33,21 @@ def _deepnorm_init(model: KeelLM) -> None:
             linear.weight.mul_(beta)
 
 
+@torch.no_grad()
+def _xavier_blocks(model: KeelLM) -> None:
+    """model.init=xavier (DeepNet's Fig. 2, gain 1): each of q, k, v, out, FFN up (gate and up apart) and down
+    Xavier-normal with its own fans, std sqrt(2 / (fan_in + fan_out)); DeepNorm's beta then gives the gain beta."""
+    for block in model.blocks:
+        attn, ffn = block.attn.branch, block.ffn.branch
+        qkv_rows = [attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.kv_heads * attn.head_dim]
+        up_rows = [ffn.up.out_features // 2] * 2 if ffn.swiglu else [ffn.up.out_features]
+        matrices = [*attn.qkv.weight.split(qkv_rows), attn.out.weight, *ffn.up.weight.split(up_rows), ffn.down.weight]
+        for matrix in matrices:  # row slices are views: each is initialized in place
+            nn.init.xavier_normal_(matrix)
+
+
+# The embedding's std by model.init where it is not init_std: unit's N(0, 1); Mix-LN's code draws N(0, 2/5)
+EMBEDDING_STD = {"unit": 1.0, "mixln": 0.4**0.5}
 # Schemes whose init differs from the common one (model.init): adjustments run after it, keyed by keel.schemes.SCHEMES
 # name. Kept here, not in the torch-free Scheme, because they are torch code that knows the modules' layout.
 SCHEME_INITS: dict[str, Callable[[KeelLM], None]] = {"deepnorm": _deepnorm_init}
@@ -187,21 +202,24 @@ class KeelLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        cfg = self.cfg
+        """model.init (docs/schemes.md#initialization): a common draw, then the kind's and the scheme's changes."""
+        cfg, kind = self.cfg, self.cfg.init_kind
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                std = module.in_features**-0.5 if cfg.init == "unit" else cfg.init_std
-                if cfg.init == "megatron":
+                std = module.in_features**-0.5 if kind == "unit" else cfg.init_std
+                if kind == "megatron":
                     nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
                 else:
                     nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.RMSNorm) and module.weight is not None:
                 nn.init.ones_(module.weight)
-        nn.init.normal_(self.embed.weight, std=1.0 if cfg.init == "unit" else cfg.init_std)
-        if cfg.init == "megatron":  # the residual branches' last matrices, scaled down with depth (Shoeybi et al.)
+        nn.init.normal_(self.embed.weight, std=EMBEDDING_STD.get(kind, cfg.init_std))
+        if kind in ("gpt2", "megatron"):  # the residual branches' last matrices, scaled down with depth
             for block in self.blocks:
                 for linear in (block.attn.branch.out, block.ffn.branch.down):
                     linear.weight.mul_((2 * cfg.depth) ** -0.5)
+        if kind == "xavier":
+            _xavier_blocks(self)
         if (scheme_init := SCHEME_INITS.get(cfg.scheme)) is not None:
             scheme_init(self)
 

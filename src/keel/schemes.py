@@ -31,7 +31,8 @@ from keel.errors import require
 
 FFN_KINDS = ("gelu", "swiglu")
 KEEL_FIRST_BLOCK = ("v1", "v2")
-INIT_KINDS = ("normal", "unit", "megatron")
+# model.init: `auto` = the scheme's own recipe (Scheme.init); the rest apply to every scheme (docs/schemes.md#initialization)
+INIT_KINDS = ("auto", "normal", "gpt2", "megatron", "xavier", "mixln", "unit")
 
 
 @dataclass
@@ -46,9 +47,11 @@ class ModelConfig:
     seq_len: int = 256
     rope_theta: float = 1e4
     tie_embeddings: bool = False
-    # normal: N(0, init_std^2); unit: Linear N(0, 1/fan_in), embedding N(0, 1); megatron: N(0, init_std^2)
-    # truncated at 3 std, the output projections (attention out, FFN down) at init_std / sqrt(2 * depth)
-    init: str = "normal"
+    # auto: the scheme's own literature's recipe (Scheme.init). normal: N(0, init_std^2); gpt2: normal, the output
+    # projections (attention out, FFN down) at init_std / sqrt(2 * depth); megatron: gpt2 truncated at 3 std;
+    # xavier: the blocks' matrices Xavier-normal (DeepNet); mixln: normal, the embedding N(0, 2/5);
+    # unit: Linear N(0, 1/fan_in), embedding N(0, 1). DeepNorm's beta applies on top of any of them.
+    init: str = "auto"
     init_std: float = 0.02
     norm_eps: float = 1e-5
     scheme: str = "keel"
@@ -91,6 +94,11 @@ class ModelConfig:
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
             require(value is None or value > 0, f"model.{key}", f"must be > 0 or null (scheme default), got {value}")
+
+    @property
+    def init_kind(self) -> str:
+        """The init in force: model.init, or the scheme's own recipe when it is `auto`."""
+        return scheme_of(self).init if self.init == "auto" else self.init
 
     @property
     def L(self) -> int:
@@ -138,6 +146,11 @@ def _keel(cfg: ModelConfig) -> BlockSpecs:
     return [first] + [(keel, keel)] * (cfg.depth - 1)
 
 
+def deepnorm_beta(cfg: ModelConfig) -> float:
+    """DeepNet's init gain for v, out and both FFN matrices (keel.model.SCHEME_INITS)."""
+    return cfg.deepnorm_beta or (8 * cfg.depth) ** -0.25
+
+
 def _deepnorm(cfg: ModelConfig) -> BlockSpecs:
     deep = SublayerSpec(norm_in=False, norm_out=True, alpha=cfg.deepnorm_alpha or (2 * cfg.depth) ** 0.25)
     return [(deep, deep)] * cfg.depth
@@ -166,10 +179,12 @@ def _unless_last_normalized(cfg: ModelConfig) -> bool:
 
 @dataclass(frozen=True)
 class Scheme:
-    """Everything scheme-specific but its init (keel.model.SCHEME_INITS, torch code): adding a scheme is one entry
+    """Everything scheme-specific but its init's torch code (keel.model.SCHEME_INITS): adding a scheme is one entry
     in SCHEMES (and its section in docs/schemes.md)."""
 
     blocks: Callable[[ModelConfig], BlockSpecs]  # (attention, FFN) spec of every block
+    # the init its own literature trains it with (model.init=auto; one of INIT_KINDS; sources in docs/schemes.md)
+    init: str = "normal"
     final_norm: Callable[[ModelConfig], bool] = lambda cfg: True  # a norm before the head
     # the block that gradient ratios call "bottom" (keel.gradflow): the first that is like the others
     bottom_block: Callable[[ModelConfig], int] = lambda cfg: 0
@@ -184,12 +199,12 @@ SCHEMES = {
     # block 0 has alpha = 1, unlike the rest: not "bottom"
     "keel": Scheme(_keel, final_norm=_unless_last_normalized, bottom_block=lambda cfg: min(1, cfg.depth - 1),
                    alpha_field="keel_alpha", alpha=lambda cfg: cfg.keel_alpha or float(cfg.L)),
-    "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth),
+    "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth, init="gpt2"),
     "postln": Scheme(lambda cfg: [(POST, POST)] * cfg.depth, final_norm=lambda cfg: cfg.postln_final_norm),
-    "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized),
-    "hybridnorm": Scheme(_hybridnorm),
-    "hybridnorm_star": Scheme(_hybridnorm_star, variant_of="hybridnorm"),
-    "mixln": Scheme(_mixln),
+    "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized, init="xavier"),
+    "hybridnorm": Scheme(_hybridnorm, init="megatron"),
+    "hybridnorm_star": Scheme(_hybridnorm_star, init="megatron", variant_of="hybridnorm"),
+    "mixln": Scheme(_mixln, init="mixln"),
 }
 PAPER_SCHEMES = tuple(name for name, scheme in SCHEMES.items() if scheme.variant_of is None)
 
@@ -207,6 +222,24 @@ def formulas(cfg: ModelConfig) -> list[tuple[str, int]]:
     """The scheme's distinct sublayer formulas in order of first use, each with how many sublayers use it."""
     counts = Counter(spec.formula() for block in sublayer_specs(cfg) for spec in block)
     return list(counts.items())
+
+
+def init_description(cfg: ModelConfig) -> str:
+    """The init in force in words, e.g. `gpt2 (preln's own recipe, model.init=auto): N(0, 0.02^2), attention out
+    and FFN down x 1/sqrt(2 x 16)` (the start-up summary)."""
+    kind, std, depth = cfg.init_kind, cfg.init_std, cfg.depth
+    what = {
+        "normal": f"every matrix and the embedding N(0, {std:g}^2)",
+        "gpt2": f"N(0, {std:g}^2), attention out and FFN down x 1/sqrt(2 x {depth})",
+        "megatron": f"N(0, {std:g}^2) cut at 3 std, attention out and FFN down x 1/sqrt(2 x {depth})",
+        "xavier": f"the blocks' matrices Xavier-normal, embedding and head N(0, {std:g}^2)",
+        "mixln": f"every matrix N(0, {std:g}^2), the embedding N(0, 2/5)",
+        "unit": "Linear N(0, 1/fan_in), embedding N(0, 1)",
+    }[kind]
+    if cfg.scheme == "deepnorm":
+        what += f"; DeepNorm's beta {deepnorm_beta(cfg):.4g} on v, out and both FFN matrices"
+    origin = f"{cfg.scheme}'s own recipe, model.init=auto" if cfg.init == "auto" else f"model.init={kind}"
+    return f"{kind} ({origin}): {what}"
 
 
 def sublayer_specs(cfg: ModelConfig) -> BlockSpecs:

@@ -12,7 +12,7 @@ from keel.config import Config
 from keel.flops import flops_per_token
 from keel.model import KeelLM
 from keel.parallel import resolve_accelerator, resolve_precision
-from keel.schemes import formulas, sublayer_specs
+from keel.schemes import formulas, init_description, sublayer_specs
 
 
 def alphas(cfg) -> str:
@@ -35,6 +35,7 @@ def model_summary(model: KeelLM) -> list[str]:
         f"parameters  {params:,} ({model.num_params(embeddings=False):,} non-embedding)",
         f"alpha       {alphas(c)}",
         f"sublayers   {sublayers(c)}",
+        f"init        {init_description(c)}",
         f"FLOPs/token {flops_per_token(c):.3g} (training: forward + backward)",
     ]
 

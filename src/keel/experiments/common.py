@@ -159,7 +159,7 @@ def run_row(run_dir: str | Path) -> dict[str, Any]:
     row: dict[str, Any] = {
         "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.L, "width": m.width,
         "alpha": alpha(m) if (alpha := scheme_of(m).alpha) is not None else None,
-        "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
+        "init": m.init_kind, "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
         "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
     }
     if (s := read_stability(run_dir)) is not None:

@@ -72,8 +72,12 @@ ALL_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 ba
 # PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
 PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
 .PHONY: paper-data $(addprefix paper-,$(ALL_GRIDS))
+# Every scheme trains from its own literature's init (model.init=auto); the shared-init comparison is the same grids
+# with one init for all, e.g. `make paper ARGS=model.init=normal PAPER_OUT=runs/paper-shared-init`; name that tree in
+# PAPER_SHARED_INIT and the report adds what depends on the init.
+PAPER_SHARED_INIT ?=
 paper: $(addprefix paper-,$(PAPER_GRIDS))
-	$(if $(filter 1,$(PAPER_SCALE)),,$(KEEL) paper-report $(PAPER_OUT))
+	$(if $(filter 1,$(PAPER_SCALE)),,$(KEEL) paper-report $(PAPER_OUT) $(if $(PAPER_SHARED_INIT),--shared-init $(PAPER_SHARED_INIT)))
 
 paper-data: install
 	$(KEEL) data $(filter data=% data.%,$(ARGS))
@@ -98,10 +102,10 @@ paper-batch-8x: paper-data
 # The criterion's check: the ramp twice as slow (a real LR limit stays at its LR, an artefact moves with the step)
 paper-ramp-2x: paper-data
 	$(MAXLR) --schemes keel,preln --seeds 1,2 --steps 1120 --eval-every 40 callbacks.stability.spike_patience=80 $(ARGS)
-# HybridNorm with its authors' init (Megatron-scaled output projections) and a ramp from 1e-4
+# HybridNorm with the shared init and with its authors' (Megatron-scaled output projections), on a ramp from 1e-4
 paper-hybridnorm: paper-data
 	$(MAXLR) --schemes hybridnorm --variant hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron \
-		--seeds $(TREND_SEEDS) --start-lr 1e-4 --steps 720 $(ARGS)
+		--seeds $(TREND_SEEDS) --start-lr 1e-4 --steps 720 model.init=normal $(ARGS)
 # Past 1000 layers: 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks, three schemes; then Keel
 # without the outer norms' per-channel gains (docs/experiments.md, section 3)
 DEEP1024 = $(KEEL) sweep --depths 1024 --lrs 0.01 --out $(PAPER_OUT)/$(subst paper-,,$@) model.width=32 \

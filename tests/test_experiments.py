@@ -18,7 +18,7 @@ from keel.errors import ConfigError
 from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.maxlr_report import judge, sign_test
-from keel.experiments.paper import plot_ratios, ratios, trend
+from keel.experiments.paper import init_sensitivity, plot_ratios, ratios, trend
 from keel.model import KeelLM
 
 from conftest import QUIET_TRAINER, TINY_MODEL
@@ -174,6 +174,9 @@ def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     assert cli_main(["maxlr", "--depths", "48", "model.width=32", "--schemes", "keel", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (model["depth"], model["width"], model["n_heads"]) == (48, 32, 4)  # a model key: no miniature
+    assert cli_main(["maxlr", "--schemes", "preln", "model.init=normal", "--print-config"]) == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (model["init"], model["width"]) == ("normal", 64)  # the shared init for all: still the miniature
     for bad in (["--variant", "noinner"], ["--only", "nope"], ["--start-lr", "5"]):
         with pytest.raises(ConfigError):
             maxlr_main(["--out", str(out), *bad])
@@ -250,7 +253,8 @@ def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
     """Where Keel resolves and Pre-LN never learns there is no ratio, but the report and the plot say so."""
     def row(scheme, seed, lr):
         return {"row": scheme, "seed": seed, "depth": 16, "width": 32, "resolved": lr is not None,
-                "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01}
+                "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01,
+                "init": "gpt2" if scheme == "preln" else "normal"}
 
     rows = [row("keel", 1, 0.2), row("preln", 1, 0.4), row("keel", 2, 0.1), row("preln", 2, None),
             row("keel", 3, None), row("preln", 3, 0.3)]
@@ -259,3 +263,20 @@ def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
     assert table[0]["keel / preln (per seed)"] == "0.5; Pre-LN unresolved in 1"
     plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
     assert (tmp_path / "ratio.png").stat().st_size > 0
+
+
+def test_the_init_table_sets_each_schemes_recipe_beside_the_shared_init():
+    """Only schemes whose init differs between the two trees are compared; Keel's rows (the same runs) are not."""
+    def row(scheme, seed, lr, init, best):
+        return {"row": scheme, "seed": seed, "depth": 16, "width": 128, "resolved": lr is not None,
+                "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01, "init": init,
+                "best_heldout": best}
+
+    own = [row("keel", 1, 0.17, "normal", 5.6), row("preln", 1, 0.17, "gpt2", 5.9), row("preln", 2, 0.1, "gpt2", 6.1)]
+    shared = [row("keel", 1, 0.17, "normal", 5.6), row("preln", 1, None, "normal", 6.3),
+              row("preln", 2, None, "normal", 6.4)]
+    (entry,) = init_sensitivity({"width-w128": own}, {"width-w128": shared, "depth-d16": shared})
+    assert entry == {"grid": "width-w128", "blocks x width": "16 x 128", "scheme": "preln",
+                     "own init": "gpt2", "own: learned": "2/2", "own: max LR median": "0.135",
+                     "own: best held-out median": "6", "shared init": "normal", "shared: learned": "0/2",
+                     "shared: max LR median": "-", "shared: best held-out median": "6.35"}

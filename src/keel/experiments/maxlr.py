@@ -24,7 +24,7 @@ per run (DIR/commands.sh, or a SLURM array DIR/sweep.sbatch with --sbatch option
 protocol in-process, so a probe's intended failure is a result, not a failed job.
 
 The CPU miniature (16 blocks of width 64, 4 heads, 128-token sequences, 8 sequences per step, one thread) applies
-only when no model group or model.* key is given: `keel maxlr model=paper_d64 trainer=gpu` runs the paper's
+only when no model group or model.* key is given (model.init and model.init_std aside): `keel maxlr model=paper_d64 trainer=gpu` runs the paper's
 model. callbacks.stability.* (but spike_ceiling*, set from the unigram loss) and trainer.val_batches override the
 protocol's stopping settings. The ramp's defaults were chosen on the miniature (docs/experiments.md): at another
 scale check that every scheme learns on the ramp before it breaks, and change --start-lr, --peak-lr and --steps.
@@ -114,8 +114,13 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return slug(name), items
 
 
+# model.* keys that leave the model's shape alone: given, the miniature still applies (make paper ARGS=model.init=normal)
+NOT_SHAPE = ("model.init", "model.init_std")
+
+
 def uses_miniature(overrides: list[str]) -> bool:
-    return not any(item.partition("=")[0] == "model" or item.startswith("model.") for item in overrides)
+    keys = [item.partition("=")[0] for item in overrides]
+    return not any(key == "model" or (key.startswith("model.") and key not in NOT_SHAPE) for key in keys)
 
 
 def build_grid(args: argparse.Namespace) -> list[Run]:

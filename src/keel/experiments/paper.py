@@ -7,8 +7,10 @@ depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, wid
 (batch-8x); the two-ramp check (ramp-2x against table1-d16, seed by seed); HybridNorm; and the 1,024-block runs
 (deep1024, a `keel sweep`, and deep1024-nogain, Keel with model.out_norm_gain=false): held-out loss, non-finite
 steps and per-block gradient norms against depth; and Keel without its outer norms' gains beside the keel rows
-of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256). A grid not run yet is listed as
-missing; the rest is reported.
+of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256). Every table names the init in
+force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between DIR (by default
+each scheme's own recipe) and DIR2 (the grids run with one init for all), side by side. A grid not run yet is
+listed as missing; the rest is reported.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def _table(rows: list[dict]) -> str:
     return markdown_table(rows, list(dict.fromkeys(k for row in rows for k in row)))
 
 
+def _inits(rows) -> str:
+    """The init in force of these runs (model.init resolved: keel.schemes.ModelConfig.init_kind)."""
+    return ", ".join(dict.fromkeys(r["init"] for r in rows))
+
+
 def _median_range(values: list[float]) -> str:
     return f"{_fmt(_median(values))} [{_fmt(min(values))}-{_fmt(max(values))}]" if values else "-"
 
@@ -65,7 +72,7 @@ def seed_table(rows: list[dict]) -> list[dict]:
         runs = {r["seed"]: r for r in rows if r["row"] == label}
         values = [v for v in map(max_lr_value, runs.values()) if v is not None]
         optimal = [r["loss_optimal_lr"] for r in runs.values() if r["loss_optimal_lr"] is not None]
-        entry = {"scheme": label}
+        entry = {"scheme": label, "init": _inits(runs.values())}
         entry |= {f"seed {seed}": _cell(runs[seed]) if seed in runs else "" for seed in seeds}
         entry |= {
             "resolved": f"{len(values)}/{len(runs)}",
@@ -113,6 +120,7 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
         for scheme in ("keel", "preln", "postln"):
             runs = [r for r in rows if r["row"] == scheme]
             if runs:
+                entry[f"{scheme} init"] = _inits(runs)
                 values = [v for v in map(max_lr_value, runs) if v is not None]
                 entry[f"{scheme} max LR"] = f"{_fmt(_median(values))} ({len(values)}/{len(runs)})"
                 entry[f"{scheme} loss-optimal"] = _fmt(_median([r["loss_optimal_lr"] for r in runs
@@ -226,11 +234,15 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     return table
 
 
-def report(out: Path) -> str:
+MAXLR_GRIDS = ("table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
+               "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256")
+
+
+def collect_grids(out: Path) -> tuple[dict[str, list[dict]], list[str]]:
+    """Every max-LR grid of out judged (keel maxlr collect), and the ones missing or with no finished run."""
     grids: dict[str, list[dict]] = {}
     missing = []
-    for grid in ("table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
-                 "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256"):
+    for grid in MAXLR_GRIDS:
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
@@ -238,6 +250,32 @@ def report(out: Path) -> str:
                 missing.append(f"{grid} ({err})")
         else:
             missing.append(grid)
+    return grids, missing
+
+
+def init_sensitivity(grids: dict[str, list[dict]], shared: dict[str, list[dict]]) -> list[dict]:
+    """Per grid and scheme whose init differs between the two trees (each scheme's own recipe; one init for all):
+    how many seeds learned, the median max LR and the best held-out loss under each."""
+    table = []
+    for grid, rows in grids.items():
+        for label in dict.fromkeys(r["row"] for r in rows):
+            own = [r for r in rows if r["row"] == label]
+            other = [r for r in shared.get(grid, []) if r["row"] == label]
+            if not other or _inits(own) == _inits(other):
+                continue
+            entry = {"grid": grid, "blocks x width": f"{own[0]['depth']} x {own[0]['width']}", "scheme": label}
+            for name, runs in (("own", own), ("shared", other)):
+                values = [v for v in map(max_lr_value, runs) if v is not None]
+                entry |= {f"{name} init": _inits(runs), f"{name}: learned": f"{len(values)}/{len(runs)}",
+                          f"{name}: max LR median": _fmt(_median(values)),
+                          f"{name}: best held-out median": _fmt(_median([r["best_heldout"] for r in runs
+                                                                         if r["best_heldout"] is not None]))}
+            table.append(entry)
+    return table
+
+
+def report(out: Path, shared_init: Path | None = None) -> str:
+    grids, missing = collect_grids(out)
     text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
     if missing:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
@@ -284,6 +322,9 @@ def report(out: Path) -> str:
         if table:
             text += ["## 1,024 blocks", "", _table(table),
                      "", "![1,024 blocks](deep1024.png)", ""]
+    if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
+        text += [f"## What depends on the init: each scheme's own recipe ({out}) against one init for all "
+                 f"({shared_init})", "", "Learned: seeds whose max LR is resolved.", "", _table(table), ""]
     return "\n".join(text)
 
 
@@ -291,8 +332,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="keel paper-report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dir", nargs="?", default="runs/paper")
-    out = Path(parser.parse_args(argv).dir)
-    text = report(out)
+    parser.add_argument("--shared-init", type=Path, help="the same grids run with one init for every scheme "
+                        "(make paper ARGS=model.init=normal PAPER_OUT=DIR): adds the init-sensitivity table")
+    args = parser.parse_args(argv)
+    out = Path(args.dir)
+    text = report(out, args.shared_init)
     (out / "report.md").write_text(text)
     print(text)
     print(f"keel paper-report: wrote {out}/report.md")

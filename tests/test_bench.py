@@ -104,3 +104,14 @@ def test_peak_flops_come_from_one_table(monkeypatch, name, dtype, peak):
     assert device_peak_flops(torch.device("cuda"), dtype) == peak
     assert device_peak_flops(torch.device("cuda"), dtype, override=5e12) == 5e12
     assert device_peak_flops(torch.device("cpu"), dtype) is None
+
+
+def test_the_cpu_peak_probe_is_sized_to_the_cpus_speed():
+    """A CPU without fast bf16 (~1 GFLOP/s, AVX2 only) gets small probe matmuls, not minutes of 2048^3 ones; a
+    fast one the full 2048 (the size a 256^3 matmul's time predicts to take <= 0.5 s)."""
+    from keel.devices import MATMUL_SIZE, probe_size
+
+    seconds_at_256 = lambda flops: 2 * 256**3 / flops  # noqa: E731
+    assert probe_size(seconds_at_256(1e9)) == 512  # 0.27 s each: 10 repeats in ~3 s
+    assert probe_size(seconds_at_256(47e9)) == MATMUL_SIZE  # this project's fp32 rate: 0.37 s each
+    assert probe_size(1.0) == 256  # never below the first size

@@ -42,8 +42,8 @@ from torch import nn
 from keel.config import OptimConfig, load_config
 from keel.devices import (
     MATMUL_REPEATS,
-    MATMUL_SIZE,
     device_name,
+    matmul_size,
     measured_matmul_flops,
     reset_peak_resident,
     resident_bytes,
@@ -67,8 +67,8 @@ def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     figure is given or known), because a shared or virtual machine's peak drifts by tens of percent in minutes."""
     if (peak := device_peak_flops(device, dtype, args.peak_flops or 0.0)) is not None:
         return peak, "--peak-flops" if args.peak_flops else f"spec sheet, {device_name(device)}"
-    size = f"{MATMUL_SIZE}x{MATMUL_SIZE}"
-    return None, (f"measured each round: best of {MATMUL_REPEATS} {size} {args.dtype} matmuls, "
+    size = matmul_size(device, dtype, max(args.threads))
+    return None, (f"measured each round: best of {MATMUL_REPEATS} {size}x{size} {args.dtype} matmuls, "
                   f"{max(args.threads)} threads; median over rounds")
 
 

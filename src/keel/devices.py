@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import time
@@ -11,6 +12,11 @@ from pathlib import Path
 import torch
 
 MATMUL_SIZE, MATMUL_REPEATS = 2048, 10
+# On a CPU the probe's matmuls are sized to it: the largest power of two up to MATMUL_SIZE whose one matmul is
+# predicted (from a 256^3 one) to take at most this. A CPU without fast bf16 (AVX2 only: ~1 GFLOP/s) would
+# otherwise spend minutes on 2048^3 bf16 matmuls.
+PROBE_SECONDS = 0.5
+PROBE_START = 256
 
 
 def synchronize(device: torch.device) -> None:
@@ -31,10 +37,32 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def probe_size(seconds_at_start: float) -> int:
+    """The CPU probe's matmul size, given how long one PROBE_START^3 matmul took (time grows with size^3)."""
+    size = PROBE_START
+    while size < MATMUL_SIZE and seconds_at_start * (2 * size / PROBE_START) ** 3 <= PROBE_SECONDS:
+        size *= 2
+    return size
+
+
+@functools.lru_cache
+def matmul_size(device: torch.device, dtype: torch.dtype, threads: int) -> int:
+    """MATMUL_SIZE on a GPU; on a CPU, sized to its speed in this dtype (probe_size), once per process."""
+    if device.type != "cpu":
+        return MATMUL_SIZE
+    torch.set_num_threads(threads)
+    a = torch.randn(PROBE_START, PROBE_START, dtype=dtype)
+    a @ a  # first call: allocation, kernel selection
+    start = time.perf_counter()
+    a @ a
+    return probe_size(time.perf_counter() - start)
+
+
 def measured_matmul_flops(device: torch.device, dtype: torch.dtype, threads: int) -> float:
     """The best FLOP/s of MATMUL_REPEATS square matmuls: what this device reaches on the easiest possible work."""
+    size = matmul_size(device, dtype, threads)
     torch.set_num_threads(threads)
-    a, b = (torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=dtype) for _ in range(2))
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b  # first call: allocation, kernel selection
     best = float("inf")
     for _ in range(MATMUL_REPEATS):
@@ -43,7 +71,7 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, threads: int
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * MATMUL_SIZE**3 / best
+    return 2 * size**3 / best
 
 
 def resident_bytes(peak: bool = False) -> int:

@@ -159,8 +159,8 @@ def run_row(run_dir: str | Path) -> dict[str, Any]:
     row: dict[str, Any] = {
         "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.L, "width": m.width,
         "alpha": alpha(m) if (alpha := scheme_of(m).alpha) is not None else None,
-        "init": m.init_kind, "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
-        "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
+        "init": m.init_kind, "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr,
+        "schedule": cfg.optim.schedule, "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
     }
     if (s := read_stability(run_dir)) is not None:
         row |= {"steps": s["steps"], "failed": s["failed"], "failure": s["kind"], "onset_step": s["step"],

@@ -24,8 +24,8 @@ per run (DIR/commands.sh, or a SLURM array DIR/sweep.sbatch with --sbatch option
 protocol in-process, so a probe's intended failure is a result, not a failed job.
 
 The CPU miniature (16 blocks of width 64, 4 heads, 128-token sequences, 8 sequences per step, one thread) applies
-only when no model group or model.* key is given (model.init and model.init_std aside): `keel maxlr model=paper_d64 trainer=gpu` runs the paper's
-model. callbacks.stability.* (but spike_ceiling*, set from the unigram loss) and trainer.val_batches override the
+only when no model group or model.* key is given (model.init and model.init_std aside): `keel maxlr
+model=paper_d64 trainer=gpu` runs the paper's model. callbacks.stability.* (but spike_ceiling*, set from the unigram loss) and trainer.val_batches override the
 protocol's stopping settings. The ramp's defaults were chosen on the miniature (docs/experiments.md): at another
 scale check that every scheme learns on the ramp before it breaks, and change --start-lr, --peak-lr and --steps.
 """

@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from keel.config import load_config, to_dict  # noqa: E402
 from keel.data.shards import VAL_DOCS  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
+from keel.evaluation.generated import generate_tasks  # noqa: E402
 from keel.export import export, verify  # noqa: E402
 from keel.model import KeelLM, next_token_loss  # noqa: E402
 from keel.training import train  # noqa: E402
@@ -49,6 +52,16 @@ VARIANTS = {
     "hybridnorm_star": ["model.scheme=hybridnorm_star", "model.rope_theta=500"],
     "mixln": ["model.scheme=mixln", "model.depth=4", "model.mixln_post_fraction=0.5"],
 }
+
+
+def standalone(script: str, *args) -> str:
+    """Run script (python -c, its args in sys.argv[1:]) in a fresh interpreter where keel cannot be imported, as
+    a user of the export has it: the exported directory must stand alone. Returns its stdout."""
+    prelude = "import sys\nsys.modules['keel'] = None  # any import of keel fails\n"
+    done = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script), *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
 
 
 def hf_model(directory: Path, **kwargs):
@@ -109,6 +122,43 @@ def test_the_export_computes_what_keel_computes(variant, tokenizer_json, tmp_pat
         torch.testing.assert_close(logits[0], model(padded[:1])[0], rtol=0, atol=1e-5)
 
 
+PACKED_FORWARD = """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    directory, work = sys.argv[1:3]
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    # TRL's packing (bfd) collates padding-free: one row, position_ids restarting at 0, cu_seq_lens, no mask
+    collator = DataCollatorForLanguageModeling(pad_token_id=model.config.pad_token_id, padding_free=True)
+    batch = collator([{"input_ids": ids} for ids in torch.load(f"{work}/examples.pt")])
+    assert "attention_mask" not in batch and "cu_seq_lens_q" in batch
+    model.train()
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)  # as SFTTrainer.compute_loss calls it
+    torch.save({"position_ids": batch["position_ids"], "logits": out.logits, "loss": out.loss}, f"{work}/packed.pt")
+"""
+
+
+def test_packed_sequences_from_trls_collator_are_each_computed_alone(tokenizer_json, tmp_path):
+    """TRL's padding-free packing: every example's logits are its logits alone, and the loss is theirs."""
+    model, checkpoint = random_checkpoint(VARIANTS["keel-v2-alpha-swiglu-gqa"], tokenizer_json, tmp_path / "m.ckpt")
+    directory = export(str(checkpoint), tmp_path / "hf")
+    generator = torch.Generator().manual_seed(3)
+    examples = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (9, 5, 12)]
+    torch.save(examples, tmp_path / "examples.pt")
+    standalone(PACKED_FORWARD, directory, tmp_path)
+    packed = torch.load(tmp_path / "packed.pt")
+    assert packed["position_ids"][0].tolist() == [i for ids in examples for i in range(len(ids))]
+    with torch.no_grad():
+        alone = [model(torch.tensor([ids]))[0] for ids in examples]
+        torch.testing.assert_close(packed["logits"][0], torch.cat(alone), rtol=0, atol=1e-5)
+        # labels: each example's tokens after its first, as unpacked
+        losses = [next_token_loss(model, torch.tensor([ids])) * (len(ids) - 1) for ids in examples]
+    assert packed["loss"].item() == pytest.approx(sum(losses).item() / sum(len(ids) - 1 for ids in examples),
+                                                  rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def exported(tiny_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "hf"
@@ -116,7 +166,7 @@ def exported(tiny_run, tmp_path_factory) -> Path:
     return out
 
 
-def test_the_directory_loads_offline_and_its_tokenizer_starts_documents_as_training_does(exported, tiny_run):
+def test_the_directory_loads_offline_and_its_tokenizer_encodes_as_keel_does(exported, tiny_run):
     names = {path.name for path in exported.iterdir()}
     assert {"config.json", "configuration_keel.py", "modeling_keel.py", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "generation_config.json"} <= names
@@ -136,9 +186,9 @@ def test_the_directory_loads_offline_and_its_tokenizer_starts_documents_as_train
     _, tokenizer = load_hf(exported)
     assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.pad_token_id == eos
     text = "def main(argv):\n    return 0\n"
-    assert tokenizer(text).input_ids == [eos, *keel_tokenizer.encode(text, add_special_tokens=False).ids]
-    assert tokenizer(text, add_special_tokens=False).input_ids == keel_tokenizer.encode(
-        text, add_special_tokens=False).ids
+    plain = keel_tokenizer.encode(text, add_special_tokens=False).ids  # as the shards and `--model keel` encode
+    assert tokenizer(text).input_ids == tokenizer(text, add_special_tokens=False).input_ids == plain
+    assert tokenizer(tokenizer.eos_token + text).input_ids == [eos, *plain]  # a document's start, as in training
 
 
 def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
@@ -147,7 +197,7 @@ def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
                      "--max-new-tokens", "20", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     model, tokenizer = load_hf(exported)
-    inputs = tokenizer(prompt, return_tensors="pt")  # EOS first, as keel generate puts it
+    inputs = tokenizer(tokenizer.eos_token + prompt, return_tensors="pt")  # EOS first, as keel generate puts it
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     new = out[0, inputs.input_ids.shape[1]:].tolist()
@@ -210,29 +260,67 @@ def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path, caps
         train(tiny_config(tiny_data, tmp_path / "resumed", *STEPS, f"resume={exported}"))
 
 
-def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus_dir, tiny_run, exported, tmp_path):
-    corpus = tmp_path / "corpus"  # held-out documents for the generated tasks (the tiny run holds out one)
+LM_EVAL_HF = """
+    import json
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    directory, tasks, limit, out = sys.argv[1:5]
+    results = simple_evaluate(model="hf", model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
+                              tasks=["last_token"], task_manager=TaskManager(include_path=tasks), limit=int(limit),
+                              device="cpu", log_samples=True)
+    samples = sorted(results["samples"]["last_token"], key=lambda sample: sample["doc_id"])
+    json.dump({"metrics": results["results"]["last_token"],
+               "loglikelihoods": [float(response[0][0]) for sample in samples for response in sample["resps"]]},
+              open(out, "w"))
+"""
+# keel_last_token's own YAML, reading its generated file directly (the bundled one loads it through keel)
+LAST_TOKEN_TASK = """task: last_token
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {path}}}}}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{target}}}}"
+target_delimiter: ""
+metric_list:
+  - {{metric: perplexity, aggregation: perplexity, higher_is_better: false}}
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+"""
+
+
+def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus_dir, tokenizer_json, tmp_path):
+    """At lm-eval's defaults (add_bos_token unset), on requests that fit seq_len whole, so an added BOS would show."""
+    corpus = tmp_path / "corpus"  # held-out documents for the generated tasks
     corpus.mkdir()
     (corpus / VAL_DOCS).write_text("".join(json.dumps({"text": path.read_text()}) + "\n"
                                            for path in sorted(corpus_dir.glob("*.py"))[:6]))
-    # keel_last_token: one identifier per request (lm-eval's hf model refuses continuations over seq_len, 32 here)
-    common = ["--tasks", "keel_last_token", "--limit", "24", "--device", "cpu", "--log_samples",
-              "--metadata", json.dumps({"corpus_dir": str(corpus)})]
-    runs = {"keel": ["--model_args", f"checkpoint={tiny_run / 'checkpoints' / LAST}"],
-            "hf": ["--model", "hf", "--model_args", f"pretrained={exported},trust_remote_code=True,dtype=float32"]}
-    scores, loglikelihoods = {}, {}
-    for name, model_args in runs.items():
-        assert cli_main(["eval", *model_args, *common, "--output_path", str(tmp_path / name)]) == 0
-        [results] = (tmp_path / name).rglob("results_*.json")
-        scores[name] = json.loads(results.read_text())["results"]
-        loglikelihoods[name] = [float(response[0][0]) for samples in sorted((tmp_path / name).rglob("samples_*"))
-                                for line in samples.read_text().splitlines()
-                                for response in json.loads(line)["resps"]]
-    assert len(loglikelihoods["hf"]) >= 24
-    assert loglikelihoods["hf"] == pytest.approx(loglikelihoods["keel"], abs=1e-4)
-    metrics = {metric: value for metric, value in scores["keel"]["keel_last_token"].items()
+    seq_len, limit = 512, 24
+    _, checkpoint = random_checkpoint([f"model.seq_len={seq_len}"], tokenizer_json, tmp_path / "model.ckpt")
+    directory = export(str(checkpoint), tmp_path / "hf")
+    task_file = generate_tasks(corpus)["keel_last_token"]
+    docs = [json.loads(line) for line in task_file.read_text().splitlines()[:limit]]
+    lengths = [len(Tokenizer.from_str(tokenizer_json).encode(doc["context"] + doc["target"]).ids) for doc in docs]
+    assert max(lengths) < seq_len  # nothing left-truncated: a BOS in front would be scored
+    keel_out = tmp_path / "keel"
+    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "keel_last_token", "--limit",
+                     str(limit), "--device", "cpu", "--log_samples", "--output_path", str(keel_out),
+                     "--metadata", json.dumps({"corpus_dir": str(corpus)})]) == 0
+    [results] = keel_out.rglob("results_*.json")
+    keel_metrics = json.loads(results.read_text())["results"]["keel_last_token"]
+    keel_samples = sorted((json.loads(line) for samples in keel_out.rglob("samples_*")
+                           for line in samples.read_text().splitlines()), key=lambda sample: sample["doc_id"])
+    keel_loglikelihoods = [float(response[0][0]) for sample in keel_samples for response in sample["resps"]]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "last_token.yaml").write_text(LAST_TOKEN_TASK.format(path=json.dumps(str(task_file))))
+    standalone(LM_EVAL_HF, directory, tasks, limit, tmp_path / "hf.json")
+    hf = json.loads((tmp_path / "hf.json").read_text())
+    assert len(hf["loglikelihoods"]) == len(keel_loglikelihoods) == limit
+    assert hf["loglikelihoods"] == pytest.approx(keel_loglikelihoods, abs=1e-4)
+    metrics = {metric: value for metric, value in keel_metrics.items()
                if isinstance(value, float) and "stderr" not in metric}
-    assert metrics and all(scores["hf"]["keel_last_token"][metric] == pytest.approx(value, rel=1e-5)
+    assert metrics and all(hf["metrics"][metric] == pytest.approx(value, rel=1e-5)
                            for metric, value in metrics.items())
 
 

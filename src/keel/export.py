@@ -9,8 +9,8 @@ loads offline, `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True
     configuration_keel.py      the config class   } self-contained (torch and transformers only): the directory's
     modeling_keel.py           the model class    } remote code, from keel/hf/
     model.safetensors          the weights (sharded, with an index, past --max-shard-size)
-    tokenizer.json, tokenizer_config.json   the run's tokenizer; encoding with special tokens puts the
-                               end-of-document token first, as before every document in the training shards
+    tokenizer.json, tokenizer_config.json   the run's tokenizer, adding no special tokens (as Keel encodes);
+                               its end-of-document token is EOS, BOS and padding
     generation_config.json     that token as EOS (decoding stops there), BOS and padding
 
 The directory appears whole or not at all (written beside it, then renamed); an existing non-empty --out is
@@ -65,17 +65,16 @@ def hf_config(cfg, eos: int, step: int | None):
 
 
 def hf_tokenizer(tokenizer_json: str, seq_len: int):
-    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding, and put first
-    when special tokens are added (every training document follows one)."""
+    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding. It adds no
+    special token, with or without add_special_tokens, so that lm-eval's `hf` model encodes (and scores) every
+    request as `--model keel` does: a request is a window of text, usually from a document's middle, as a
+    training window is; an EOS before it would say that a document starts there."""
     from tokenizers import Tokenizer
-    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
     eos_id = eos_id_of(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
-    tokenizer.post_processor = TemplateProcessing(single=f"{eos} $A", pair=f"{eos} $A {eos} $B",
-                                                  special_tokens=[(eos, eos_id)])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos,
                                       model_max_length=seq_len)
     return wrapped, eos_id

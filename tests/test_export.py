@@ -25,6 +25,7 @@ from keel.cli import main as cli_main  # noqa: E402
 from keel.config import load_config, to_dict  # noqa: E402
 from keel.data.shards import VAL_DOCS  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
+from keel.decoding import generate  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
 from keel.evaluation.generated import generate_tasks  # noqa: E402
 from keel.export import export, verify  # noqa: E402
@@ -159,6 +160,75 @@ def test_packed_sequences_from_trls_collator_are_each_computed_alone(tokenizer_j
                                                   rel=1e-5)
 
 
+LOOK_INSIDE = """
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    directory, work = sys.argv[1:3]
+    ids, mask = torch.load(f"{work}/inputs.pt")
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    eager = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, attn_implementation="eager")
+    base = AutoModel.from_pretrained(directory, trust_remote_code=True)
+    assert eager.config._attn_implementation == "eager"
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        # the logit lens: each block's stream through the final norm and the head (the last is normed already)
+        norm = model.model.norm or torch.nn.Identity()
+        lens = [model.lm_head(norm(h)) for h in hidden[:-1]] + [model.lm_head(hidden[-1])]
+        seen = eager(ids, attention_mask=mask, output_attentions=True)
+        prompt = ids[:1, :4]
+        greedy = {cache: model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation=cache)[0]
+                  for cache in ("dynamic", "static")}
+        torch.save({"hidden": hidden, "lens": torch.stack(lens), "eager_logits": seen.logits,
+                    "attentions": seen.attentions, "base": base(ids).last_hidden_state, "base_class": type(base).__name__,
+                    "greedy": greedy}, f"{work}/inside.pt")
+"""
+
+
+def test_hidden_states_attentions_base_model_and_static_cache_as_llamas(tokenizer_json, tmp_path):
+    """output_hidden_states (a logit lens over them), output_attentions under attn_implementation="eager",
+    AutoModel, and generate(cache_implementation="static"), standalone, against Keel's model."""
+    model, checkpoint = random_checkpoint(["model.scheme=hybridnorm", "model.n_kv_heads=2"], tokenizer_json,
+                                          tmp_path / "m.ckpt")
+    directory = export(str(checkpoint), tmp_path / "hf")
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 left-padded by 3
+    torch.save((ids, mask), tmp_path / "inputs.pt")
+    standalone(LOOK_INSIDE, directory, tmp_path)
+    inside = torch.load(tmp_path / "inside.pt")
+    streams = []  # Keel's: the embedding's output and each block's
+    hooks = [module.register_forward_hook(lambda _, args, out: streams.append(out.float()))
+             for module in (model.embed, *model.blocks)]
+    with torch.no_grad():
+        logits = model(ids)
+        for hook in hooks:
+            hook.remove()
+        final = model.final_norm(streams[-1])
+        expected = [*streams[:-1], final]
+        lens = torch.stack([model.head(model.final_norm(h)) for h in streams])
+        unpadded = model(ids[1:, 3:])
+    assert len(inside["hidden"]) == model.cfg.depth + 1
+    for got, want in zip(inside["hidden"], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(inside["lens"], lens, rtol=0, atol=1e-4)
+    torch.testing.assert_close(inside["lens"][-1], logits, rtol=0, atol=1e-5)
+    # eager attention computes the same model, and its weights are causal distributions over the real tokens
+    torch.testing.assert_close(inside["eager_logits"][0], logits[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(inside["eager_logits"][1, 3:], unpadded[0], rtol=0, atol=1e-5)
+    assert len(inside["attentions"]) == model.cfg.depth
+    future = torch.ones(12, 12, dtype=torch.bool).triu(1)  # (query, key): the keys after the query
+    for weights in inside["attentions"]:  # (B, H, query, key); row 1's first 3 queries are padding
+        assert weights.shape == (2, model.cfg.n_heads, 12, 12)
+        torch.testing.assert_close(weights.sum(-1)[1, :, 3:], torch.ones(model.cfg.n_heads, 9))
+        assert not weights[0][:, future].any() and not weights[1, :, 3:][:, future[3:]].any()
+        assert not weights[1, :, 3:, :3].any()  # nor the padding
+    assert inside["base_class"] == "KeelModel"
+    torch.testing.assert_close(inside["base"], final, rtol=0, atol=1e-5)
+    keel_greedy = generate(model, ids[:1, :4], 8, stop_tokens=(eos_id_of(Tokenizer.from_str(tokenizer_json)),))[0]
+    assert inside["greedy"]["static"].tolist() == inside["greedy"]["dynamic"].tolist() == keel_greedy.tolist()
+
+
 @pytest.fixture(scope="module")
 def exported(tiny_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "hf"
@@ -171,7 +241,7 @@ def test_the_directory_loads_offline_and_its_tokenizer_encodes_as_keel_does(expo
     assert {"config.json", "configuration_keel.py", "modeling_keel.py", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "generation_config.json"} <= names
     config = json.loads((exported / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig",
+    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig", "AutoModel": "modeling_keel.KeelModel",
                                   "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
     # the remote code is self-contained: it imports torch, transformers and itself only
     for name in ("configuration_keel.py", "modeling_keel.py"):

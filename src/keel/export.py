@@ -116,6 +116,7 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     type(config).register_for_auto_class()
     KeelForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    config.auto_map = {"AutoModel": "modeling_keel.KeelModel"}  # the base model too (value heads, embeddings)
 
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from keel.errors import ConfigError  # noqa: E402
 from keel.evaluation.generated import generate_tasks  # noqa: E402
 from keel.export import export, verify  # noqa: E402
 from keel.model import KeelLM, next_token_loss  # noqa: E402
+from keel.schemes import formulas  # noqa: E402
 from keel.training import train  # noqa: E402
 
 from conftest import write_sharded  # noqa: E402
@@ -250,7 +251,8 @@ def test_the_directory_loads_offline_and_its_tokenizer_encodes_as_keel_does(expo
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
         assert {module.split(".")[0] for module in imported} <= {"__future__", "torch", "transformers"}
     _, cfg, tokenizer_json = load_model(tiny_run / "checkpoints" / LAST)
-    assert config["keel"] == to_dict(cfg)
+    assert config["keel"]["model"] == to_dict(cfg)["model"]
+    assert config["keel"]["run"]["dir"] == "run" and config["keel"]["data"]["dir"] == Path(cfg.data.dir).name
     keel_tokenizer = Tokenizer.from_str(tokenizer_json)
     eos = eos_id_of(keel_tokenizer)
     _, tokenizer = load_hf(exported)
@@ -259,6 +261,34 @@ def test_the_directory_loads_offline_and_its_tokenizer_encodes_as_keel_does(expo
     plain = keel_tokenizer.encode(text, add_special_tokens=False).ids  # as the shards and `--model keel` encode
     assert tokenizer(text).input_ids == tokenizer(text, add_special_tokens=False).input_ids == plain
     assert tokenizer(tokenizer.eos_token + text).input_ids == [eos, *plain]  # a document's start, as in training
+
+
+MODEL_CARD = """
+    import json
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(sys.argv[1])
+    print(json.dumps({"metadata": card.data.to_dict(), "text": card.text}))
+"""
+
+
+def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(exported, tiny_run,
+                                                                                 tmp_path_factory):
+    card = json.loads(standalone(MODEL_CARD, exported / "README.md"))  # as the hub reads it
+    assert {key: card["metadata"].get(key) for key in ("license", "library_name", "pipeline_tag")} == {
+        "license": "other", "library_name": "transformers", "pipeline_tag": "text-generation"}
+    _, cfg, _ = load_model(tiny_run / "checkpoints" / LAST)
+    heldout = scalars(tiny_run, "val/loss")
+    text = card["text"]
+    assert f"scheme `{cfg.model.scheme}`" in text and "trust_remote_code=True" in text and "## Intended use" in text
+    assert all(f"- `{formula}`: {count} sublayers" in text for formula, count in formulas(cfg.model))
+    assert f"30 optimizer steps of {cfg.device_tokens_per_step:,} tokens" in text
+    assert f"Held-out loss: {heldout[max(heldout)]:.4f} nats per token at step 30" in text
+    assert "the Python standard library's source files" not in text  # the tiny run's data: text files
+    machine = [str(tmp_path_factory.getbasetemp()), str(Path.home())]  # where the run, data and corpus live
+    for path in exported.iterdir():
+        content = path.read_bytes()
+        assert not [place for place in machine if place.encode() in content], path.name
 
 
 def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):

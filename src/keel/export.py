@@ -12,6 +12,9 @@ loads offline, `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True
     tokenizer.json, tokenizer_config.json   the run's tokenizer, adding no special tokens (as Keel encodes);
                                its end-of-document token is EOS, BOS and padding
     generation_config.json     that token as EOS (decoding stops there), BOS and padding
+    README.md                  the model card: hub metadata, usage, the scheme's formulas, training, license
+
+No file holds a path of the machine that trained it: every absolute path in the run's config is cut to its name.
 
 The directory appears whole or not at all (written beside it, then renamed); an existing non-empty --out is
 refused. Keel reads an exported directory back too: `init_from=DIR` starts a run from its weights.
@@ -32,6 +35,7 @@ from keel.config import from_dict, to_dict
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.export_format import to_hf_names
+from keel.model_card import model_card
 from keel.schemes import needs_final_norm, sublayer_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,9 +63,21 @@ def hf_config(cfg, eos: int, step: int | None):
         rms_norm_eps=model.norm_eps, initializer_range=model.init_std, out_norm_gain=model.out_norm_gain,
         final_norm=needs_final_norm(model), scheme=model.scheme,
         sublayers=[[asdict(attn), asdict(ffn)] for attn, ffn in sublayer_specs(model)],
-        keel=to_dict(cfg), trained_steps=step, tie_word_embeddings=model.tie_embeddings,
+        keel=without_machine_paths(to_dict(cfg)), trained_steps=step, tie_word_embeddings=model.tie_embeddings,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
     )
+
+
+def without_machine_paths(value):
+    """value (the run's config as a dict) with every absolute local path cut to its last part: run.dir, data.dir,
+    init_from... name places on the machine that trained the model, which an export is shared beyond."""
+    if isinstance(value, dict):
+        return {key: without_machine_paths(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [without_machine_paths(item) for item in value]
+    if isinstance(value, str) and os.path.isabs(os.path.expanduser(value)):
+        return Path(value).name
+    return value
 
 
 def hf_tokenizer(tokenizer_json: str, seq_len: int):
@@ -80,8 +96,10 @@ def hf_tokenizer(tokenizer_json: str, seq_len: int):
     return wrapped, eos_id
 
 
-def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:
-    """Write checkpoint_path's model, tokenizer and generation defaults to out (module docstring)."""
+def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB",
+           license: str = "other") -> Path:
+    """Write checkpoint_path's model, tokenizer, generation defaults and model card (under license, an SPDX id
+    or the hub's "other") to out (module docstring)."""
     _, KeelForCausalLM = _transformers()
     from transformers import GenerationConfig
 
@@ -123,6 +141,8 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     try:
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(partial)
+        card = model_card(from_dict(config.keel), config.trained_steps, checkpoint["keel"].get("heldout"), license)
+        (partial / "README.md").write_text(card)
         mode = 0o666 & ~_umask()  # transformers writes the weights 0600: readable as every other file here
         for path in partial.iterdir():
             path.chmod(mode)
@@ -174,12 +194,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="the matrices' dtype (the norms' gains stay fp32); default fp32, as trained")
     parser.add_argument("--max-shard-size", default="5GB", help="weights past this go into several shards + an index")
+    parser.add_argument("--license", default="other",
+                        help="the model card's license: an SPDX id such as apache-2.0 (default: other, none chosen)")
     parser.add_argument("--verify", action="store_true",
                         help="then load the directory with transformers and compare it with the checkpoint's model "
                              "(logits, greedy decoding); the whole model is held twice in memory")
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint.removeprefix("checkpoint=")
-    out = export(checkpoint, Path(args.out), args.dtype, args.max_shard_size)
+    out = export(checkpoint, Path(args.out), args.dtype, args.max_shard_size, args.license)
     files = sorted(path.name for path in out.iterdir())
     print(f"keel export: wrote {out}: {', '.join(files)}")
     print(f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")

@@ -56,6 +56,7 @@ class KeelLitModule(L.LightningModule):
         # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
         self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
         self._grad_norms: torch.Tensor | None = None  # this step's, once asked for (grad_norms())
+        self.heldout: dict | None = None  # the last validation, {"step", "loss"}: checkpoints keep it (model cards)
 
     def configure_model(self) -> None:
         parallelize(self.model, self.cfg.trainer, getattr(self, "device_mesh", None))
@@ -102,6 +103,7 @@ class KeelLitModule(L.LightningModule):
         self.val_tokens.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", loss.exp(), sync_dist=False)
+        self.heldout = {"step": self.global_step, "loss": loss.item()}
 
     def configure_optimizers(self):
         optim = self.cfg.optim
@@ -111,10 +113,12 @@ class KeelLitModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["keel"] = {"config": to_dict(self.cfg), "tokenizer_json": self.tokenizer_json}
+        checkpoint["keel"] = {"config": to_dict(self.cfg), "tokenizer_json": self.tokenizer_json,
+                              "heldout": self.heldout}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_same_model(self.cfg, checkpoint)
+        self.heldout = checkpoint["keel"].get("heldout")
         saved_accum = from_dict(checkpoint["keel"]["config"]).trainer.grad_accum
         rescale_batch_progress(checkpoint, saved_accum, self.cfg.trainer.grad_accum)
 

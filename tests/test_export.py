@@ -424,34 +424,66 @@ def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus
                            for metric, value in metrics.items())
 
 
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHATS = [{"messages": [{"role": "user", "content": f"what is {a} + {b}?"},
+                       {"role": "assistant", "content": f"{a + b}"}]} for a in range(8) for b in range(4)]
+CHAT_TEMPLATE_CHECK = """
+    import json
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import has_generation_markers, is_chat_template_stop_token_trained
+
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+    chat = json.loads(sys.argv[2])
+    whole = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    prompt = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True, return_dict=True)
+    print(json.dumps({"ids": whole["input_ids"], "assistant": whole["assistant_masks"], "prompt": prompt["input_ids"],
+                      "markers": has_generation_markers(tokenizer.chat_template),
+                      "stop_trained": is_chat_template_stop_token_trained(tokenizer)}))
+"""
+
+
+def test_the_chat_template_ends_turns_with_eos_and_marks_the_assistants(exported, tokenizer_json):
+    chat = [*CHATS[5]["messages"], {"role": "user", "content": "and 2 + 4?"}, {"role": "assistant", "content": "6"}]
+    rendered = json.loads(standalone(CHAT_TEMPLATE_CHECK, exported, json.dumps(chat)))
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eos = eos_id_of(tokenizer)
+    ids, assistant = rendered["ids"], rendered["assistant"]
+    assert ids[0] == eos and ids.count(eos) == 1 + len(chat)  # a document start, and every turn ended
+    turns = tokenizer.decode(ids, skip_special_tokens=False).split(tokenizer.id_to_token(eos))[1:-1]
+    assert turns == [f"{message['role']}:\n{message['content']}" for message in chat]
+    # the loss of TRL's assistant_only_loss: each answer and the EOS after it, nothing else
+    spans = [run for run in "".join(map(str, assistant)).split("0") if run]
+    marked = tokenizer.decode([token for token, flag in zip(ids, assistant) if flag], skip_special_tokens=False)
+    assert len(spans) == 2 and marked == "".join(message["content"] + tokenizer.id_to_token(eos)
+                                                 for message in chat[1::2])
+    assert rendered["markers"] and rendered["stop_trained"]  # TRL's own checks
+    # generation continues the prompt as training saw the chat: the prompt is the chat's own prefix
+    prompt = rendered["prompt"]
+    assert ids[:len(prompt)] == prompt and tokenizer.decode(prompt).endswith("assistant:\n")
 
 
 def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path):
+    """SFT on the export's own chat template, packed (TRL's bfd, padding-free) and on the answers only."""
     trl = pytest.importorskip("trl", reason="the TRL test needs the test extra")
     from datasets import Dataset
 
-    chats = [{"messages": [{"role": "user", "content": f"what is {a} + {b}?"},
-                           {"role": "assistant", "content": f"{a + b}"}]} for a in range(8) for b in range(4)]
-    template = tmp_path / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
     model, tokenizer = load_hf(exported)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4,
-                         learning_rate=1e-3, max_length=32, chat_template_path=str(template), report_to=[],
+                         learning_rate=1e-3, max_length=32, packing=True, assistant_only_loss=True, report_to=[],
                          logging_steps=1, save_strategy="no", use_cpu=True, dataloader_num_workers=0)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats),
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHATS),
                              processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "attention_mask" not in batch and batch["position_ids"].shape[0] == 1  # packed, padding-free
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     trainer.save_model(tmp_path / "tuned")
     tuned, tuned_tokenizer = load_hf(tmp_path / "tuned")
-    assert tuned_tokenizer.chat_template == CHAT_TEMPLATE
+    assert tuned_tokenizer.chat_template == tokenizer.chat_template
     changed = [name for name, param in tuned.named_parameters() if not torch.equal(param, before[name])]
     assert len(changed) == len(before)  # every parameter trained, and saved
-    prompt = tuned_tokenizer.apply_chat_template(chats[0]["messages"][:1], add_generation_prompt=True,
+    prompt = tuned_tokenizer.apply_chat_template(CHATS[0]["messages"][:1], add_generation_prompt=True,
                                                  return_tensors="pt", return_dict=True)
     with torch.no_grad():
         assert tuned.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]

@@ -11,6 +11,7 @@ loads offline, `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True
     model.safetensors          the weights (sharded, with an index, past --max-shard-size)
     tokenizer.json, tokenizer_config.json   the run's tokenizer, adding no special tokens (as Keel encodes);
                                its end-of-document token is EOS, BOS and padding
+    chat_template.jinja        chats for fine-tuning: turns ending in EOS, the assistant's marked as generated
     generation_config.json     that token as EOS (decoding stops there), BOS and padding
     README.md                  the model card: hub metadata, usage, the scheme's formulas, training, license
 
@@ -39,6 +40,20 @@ from keel.model_card import model_card
 from keel.schemes import needs_final_norm, sublayer_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# For fine-tuning on chats (TRL): a chat is a document, so it starts after EOS, and every turn ends with EOS, which
+# generation stops at. The assistant's content and its EOS are marked as generated ({% generation %}): what
+# TRL's assistant_only_loss trains on, so the model learns to stop. "role:\n" keeps the content's first token the
+# same whether the generation prompt or the whole chat is encoded.
+CHAT_TEMPLATE = (
+    "{{- eos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- message['role'] + ':\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- message['content'] + eos_token -}}{%- endgeneration -%}"
+    "{%- else -%}{{- message['content'] + eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'assistant:\n' -}}{%- endif -%}"
+)
 
 
 def _transformers():
@@ -81,7 +96,8 @@ def without_machine_paths(value):
 
 
 def hf_tokenizer(tokenizer_json: str, seq_len: int):
-    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding. It adds no
+    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding, and a chat
+    template (CHAT_TEMPLATE). It adds no
     special token, with or without add_special_tokens, so that lm-eval's `hf` model encodes (and scores) every
     request as `--model keel` does: a request is a window of text, usually from a document's middle, as a
     training window is; an EOS before it would say that a document starts there."""
@@ -92,7 +108,7 @@ def hf_tokenizer(tokenizer_json: str, seq_len: int):
     eos_id = eos_id_of(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos,
-                                      model_max_length=seq_len)
+                                      model_max_length=seq_len, chat_template=CHAT_TEMPLATE)
     return wrapped, eos_id
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -56,14 +57,16 @@ VARIANTS = {
 }
 
 
-def standalone(script: str, *args) -> str:
+def standalone(script: str, *args, pythonpath: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run script (python -c, its args in sys.argv[1:]) in a fresh interpreter where keel cannot be imported, as
-    a user of the export has it: the exported directory must stand alone. Returns its stdout."""
+    a user of the export has it: the exported directory must stand alone. pythonpath: packages to use before this
+    environment's; check: that it succeeds."""
     prelude = "import sys\nsys.modules['keel'] = None  # any import of keel fails\n"
+    env = os.environ if pythonpath is None else {**os.environ, "PYTHONPATH": str(pythonpath)}
     done = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script), *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 or not check, done.stderr[-4000:]
+    return done
 
 
 def hf_model(directory: Path, **kwargs):
@@ -274,7 +277,7 @@ MODEL_CARD = """
 
 def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(exported, tiny_run,
                                                                                  tmp_path_factory):
-    card = json.loads(standalone(MODEL_CARD, exported / "README.md"))  # as the hub reads it
+    card = json.loads(standalone(MODEL_CARD, exported / "README.md").stdout)  # as the hub reads it
     assert {key: card["metadata"].get(key) for key in ("license", "library_name", "pipeline_tag")} == {
         "license": "other", "library_name": "transformers", "pipeline_tag": "text-generation"}
     _, cfg, _ = load_model(tiny_run / "checkpoints" / LAST)
@@ -289,6 +292,34 @@ def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(
     for path in exported.iterdir():
         content = path.read_bytes()
         assert not [place for place in machine if place.encode() in content], path.name
+
+
+TRANSFORMERS_4 = """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, text = sys.argv[1:3]
+    print(transformers.__version__, AutoTokenizer.from_pretrained(directory).encode(text))
+    AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+"""
+
+
+@pytest.mark.slow
+def test_transformers_4_loads_the_tokenizer_and_refuses_the_model_in_one_line(exported, tokenizer_json, tmp_path):
+    """transformers 4.57 (the last 4.x) installed beside this environment's torch, from PyPI."""
+    target = tmp_path / "transformers4"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                str(target), "transformers==4.57.6", "tokenizers>=0.22,<0.23",
+                                "huggingface_hub>=0.34,<1.0"], capture_output=True, text=True)
+    if installed.returncode:
+        pytest.skip(f"cannot install transformers 4.57 here: {installed.stderr.strip()[-300:]}")
+    text = "def main(argv):\n    return 0\n"
+    done = standalone(TRANSFORMERS_4, exported, text, pythonpath=target, check=False)
+    version, ids = done.stdout.split(" ", 1)
+    assert version == "4.57.6" and json.loads(ids) == Tokenizer.from_str(tokenizer_json).encode(text).ids
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        "ImportError: transformers>=5.24 is required for a normal functioning of this module, but found "
+        "transformers==4.57.6.")
 
 
 def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
@@ -443,7 +474,7 @@ CHAT_TEMPLATE_CHECK = """
 
 def test_the_chat_template_ends_turns_with_eos_and_marks_the_assistants(exported, tokenizer_json):
     chat = [*CHATS[5]["messages"], {"role": "user", "content": "and 2 + 4?"}, {"role": "assistant", "content": "6"}]
-    rendered = json.loads(standalone(CHAT_TEMPLATE_CHECK, exported, json.dumps(chat)))
+    rendered = json.loads(standalone(CHAT_TEMPLATE_CHECK, exported, json.dumps(chat)).stdout)
     tokenizer = Tokenizer.from_str(tokenizer_json)
     eos = eos_id_of(tokenizer)
     ids, assistant = rendered["ids"], rendered["assistant"]

@@ -24,6 +24,7 @@ refused. Keel reads an exported directory back too: `init_from=DIR` starts a run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from dataclasses import asdict
@@ -157,6 +158,7 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     try:
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(partial)
+        name_tokenizer_class_for_every_version(partial / "tokenizer_config.json")
         card = model_card(from_dict(config.keel), config.trained_steps, checkpoint["keel"].get("heldout"), license)
         (partial / "README.md").write_text(card)
         mode = 0o666 & ~_umask()  # transformers writes the weights 0600: readable as every other file here
@@ -168,6 +170,14 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def name_tokenizer_class_for_every_version(tokenizer_config: Path) -> None:
+    """transformers 5 saves its fast tokenizer's class as TokenizersBackend, which 4.x does not know; both know
+    PreTrainedTokenizerFast (in 5, the same class), so the tokenizer alone loads on 4.x too."""
+    settings = json.loads(tokenizer_config.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def _umask() -> int:

@@ -92,6 +92,12 @@ class KeelLitModule(L.LightningModule):
         total = torch.linalg.vector_norm(self.grad_norms())
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, total)
 
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        # After the last optimizer step: Lightning validates when a stop is asked for, so the final model gets its
+        # held-out loss even when max_steps is not a multiple of val_every_n_steps (else it ends unvalidated)
+        if self.trainer.global_step >= self.trainer.max_steps:
+            self.trainer.should_stop = True
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         tokens = batch[:, 1:].numel()
         self.val_loss_sum.update(next_token_loss(self.model, batch) * tokens)

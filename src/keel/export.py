@@ -98,10 +98,9 @@ def without_machine_paths(value):
 
 def hf_tokenizer(tokenizer_json: str, seq_len: int):
     """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding, and a chat
-    template (CHAT_TEMPLATE). It adds no
-    special token, with or without add_special_tokens, so that lm-eval's `hf` model encodes (and scores) every
-    request as `--model keel` does: a request is a window of text, usually from a document's middle, as a
-    training window is; an EOS before it would say that a document starts there."""
+    template (CHAT_TEMPLATE). It adds no special token, with or without add_special_tokens, so that lm-eval's `hf`
+    model encodes (and scores) every request as `--model keel` does: a request is a window of text, usually from a
+    document's middle, as a training window is; an EOS before it would say that a document starts there."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 

@@ -173,7 +173,6 @@ class KeelPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["KeelBlock"]
     _supports_sdpa = True
-    _supports_attention_backend = True
     # output_hidden_states: the stream entering the first block and leaving each block, the last after the final
     # norm; output_attentions: each attention's weights (attn_implementation="eager") - as transformers' Llama
     _can_record_outputs = {"hidden_states": KeelBlock, "attentions": KeelAttention}

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,9 +26,12 @@ from keel.cli import main as cli_main  # noqa: E402
 from keel.config import load_config, to_dict  # noqa: E402
 from keel.data.shards import VAL_DOCS  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
+from keel.decoding import generate  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
+from keel.evaluation.generated import generate_tasks  # noqa: E402
 from keel.export import export, verify  # noqa: E402
 from keel.model import KeelLM, next_token_loss  # noqa: E402
+from keel.schemes import formulas  # noqa: E402
 from keel.training import train  # noqa: E402
 
 from conftest import write_sharded  # noqa: E402
@@ -49,6 +55,18 @@ VARIANTS = {
     "hybridnorm_star": ["model.scheme=hybridnorm_star", "model.rope_theta=500"],
     "mixln": ["model.scheme=mixln", "model.depth=4", "model.mixln_post_fraction=0.5"],
 }
+
+
+def standalone(script: str, *args, pythonpath: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run script (python -c, its args in sys.argv[1:]) in a fresh interpreter where keel cannot be imported, as
+    a user of the export has it: the exported directory must stand alone. pythonpath: packages to use before this
+    environment's; check: that it succeeds."""
+    prelude = "import sys\nsys.modules['keel'] = None  # any import of keel fails\n"
+    env = os.environ if pythonpath is None else {**os.environ, "PYTHONPATH": str(pythonpath)}
+    done = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 or not check, done.stderr[-4000:]
+    return done
 
 
 def hf_model(directory: Path, **kwargs):
@@ -109,6 +127,112 @@ def test_the_export_computes_what_keel_computes(variant, tokenizer_json, tmp_pat
         torch.testing.assert_close(logits[0], model(padded[:1])[0], rtol=0, atol=1e-5)
 
 
+PACKED_FORWARD = """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    directory, work = sys.argv[1:3]
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    # TRL's packing (bfd) collates padding-free: one row, position_ids restarting at 0, cu_seq_lens, no mask
+    collator = DataCollatorForLanguageModeling(pad_token_id=model.config.pad_token_id, padding_free=True)
+    batch = collator([{"input_ids": ids} for ids in torch.load(f"{work}/examples.pt")])
+    assert "attention_mask" not in batch and "cu_seq_lens_q" in batch
+    model.train()
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)  # as SFTTrainer.compute_loss calls it
+    torch.save({"position_ids": batch["position_ids"], "logits": out.logits, "loss": out.loss}, f"{work}/packed.pt")
+"""
+
+
+def test_packed_sequences_from_trls_collator_are_each_computed_alone(tokenizer_json, tmp_path):
+    """TRL's padding-free packing: every example's logits are its logits alone, and the loss is theirs."""
+    model, checkpoint = random_checkpoint(VARIANTS["keel-v2-alpha-swiglu-gqa"], tokenizer_json, tmp_path / "m.ckpt")
+    directory = export(str(checkpoint), tmp_path / "hf")
+    generator = torch.Generator().manual_seed(3)
+    examples = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (9, 5, 12)]
+    torch.save(examples, tmp_path / "examples.pt")
+    standalone(PACKED_FORWARD, directory, tmp_path)
+    packed = torch.load(tmp_path / "packed.pt")
+    assert packed["position_ids"][0].tolist() == [i for ids in examples for i in range(len(ids))]
+    with torch.no_grad():
+        alone = [model(torch.tensor([ids]))[0] for ids in examples]
+        torch.testing.assert_close(packed["logits"][0], torch.cat(alone), rtol=0, atol=1e-5)
+        # labels: each example's tokens after its first, as unpacked
+        losses = [next_token_loss(model, torch.tensor([ids])) * (len(ids) - 1) for ids in examples]
+    assert packed["loss"].item() == pytest.approx(sum(losses).item() / sum(len(ids) - 1 for ids in examples),
+                                                  rel=1e-5)
+
+
+LOOK_INSIDE = """
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    directory, work = sys.argv[1:3]
+    ids, mask = torch.load(f"{work}/inputs.pt")
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    eager = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, attn_implementation="eager")
+    base = AutoModel.from_pretrained(directory, trust_remote_code=True)
+    assert eager.config._attn_implementation == "eager"
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        # the logit lens: each block's stream through the final norm and the head (the last is normed already)
+        norm = model.model.norm or torch.nn.Identity()
+        lens = [model.lm_head(norm(h)) for h in hidden[:-1]] + [model.lm_head(hidden[-1])]
+        seen = eager(ids, attention_mask=mask, output_attentions=True)
+        prompt = ids[:1, :4]
+        greedy = {cache: model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation=cache)[0]
+                  for cache in ("dynamic", "static")}
+        torch.save({"hidden": hidden, "lens": torch.stack(lens), "eager_logits": seen.logits,
+                    "attentions": seen.attentions, "base": base(ids).last_hidden_state, "base_class": type(base).__name__,
+                    "greedy": greedy}, f"{work}/inside.pt")
+"""
+
+
+def test_hidden_states_attentions_base_model_and_static_cache_as_llamas(tokenizer_json, tmp_path):
+    """output_hidden_states (a logit lens over them), output_attentions under attn_implementation="eager",
+    AutoModel, and generate(cache_implementation="static"), standalone, against Keel's model."""
+    model, checkpoint = random_checkpoint(["model.scheme=hybridnorm", "model.n_kv_heads=2"], tokenizer_json,
+                                          tmp_path / "m.ckpt")
+    directory = export(str(checkpoint), tmp_path / "hf")
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 left-padded by 3
+    torch.save((ids, mask), tmp_path / "inputs.pt")
+    standalone(LOOK_INSIDE, directory, tmp_path)
+    inside = torch.load(tmp_path / "inside.pt")
+    streams = []  # Keel's: the embedding's output and each block's
+    hooks = [module.register_forward_hook(lambda _, args, out: streams.append(out.float()))
+             for module in (model.embed, *model.blocks)]
+    with torch.no_grad():
+        logits = model(ids)
+        for hook in hooks:
+            hook.remove()
+        final = model.final_norm(streams[-1])
+        expected = [*streams[:-1], final]
+        lens = torch.stack([model.head(model.final_norm(h)) for h in streams])
+        unpadded = model(ids[1:, 3:])
+    assert len(inside["hidden"]) == model.cfg.depth + 1
+    for got, want in zip(inside["hidden"], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(inside["lens"], lens, rtol=0, atol=1e-4)
+    torch.testing.assert_close(inside["lens"][-1], logits, rtol=0, atol=1e-5)
+    # eager attention computes the same model, and its weights are causal distributions over the real tokens
+    torch.testing.assert_close(inside["eager_logits"][0], logits[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(inside["eager_logits"][1, 3:], unpadded[0], rtol=0, atol=1e-5)
+    assert len(inside["attentions"]) == model.cfg.depth
+    future = torch.ones(12, 12, dtype=torch.bool).triu(1)  # (query, key): the keys after the query
+    for weights in inside["attentions"]:  # (B, H, query, key); row 1's first 3 queries are padding
+        assert weights.shape == (2, model.cfg.n_heads, 12, 12)
+        torch.testing.assert_close(weights.sum(-1)[1, :, 3:], torch.ones(model.cfg.n_heads, 9))
+        assert not weights[0][:, future].any() and not weights[1, :, 3:][:, future[3:]].any()
+        assert not weights[1, :, 3:, :3].any()  # nor the padding
+    assert inside["base_class"] == "KeelModel"
+    torch.testing.assert_close(inside["base"], final, rtol=0, atol=1e-5)
+    keel_greedy = generate(model, ids[:1, :4], 8, stop_tokens=(eos_id_of(Tokenizer.from_str(tokenizer_json)),))[0]
+    assert inside["greedy"]["static"].tolist() == inside["greedy"]["dynamic"].tolist() == keel_greedy.tolist()
+
+
 @pytest.fixture(scope="module")
 def exported(tiny_run, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "hf"
@@ -116,12 +240,12 @@ def exported(tiny_run, tmp_path_factory) -> Path:
     return out
 
 
-def test_the_directory_loads_offline_and_its_tokenizer_starts_documents_as_training_does(exported, tiny_run):
+def test_the_directory_loads_offline_and_its_tokenizer_encodes_as_keel_does(exported, tiny_run):
     names = {path.name for path in exported.iterdir()}
     assert {"config.json", "configuration_keel.py", "modeling_keel.py", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "generation_config.json"} <= names
     config = json.loads((exported / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig",
+    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig", "AutoModel": "modeling_keel.KeelModel",
                                   "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
     # the remote code is self-contained: it imports torch, transformers and itself only
     for name in ("configuration_keel.py", "modeling_keel.py"):
@@ -130,15 +254,72 @@ def test_the_directory_loads_offline_and_its_tokenizer_starts_documents_as_train
         imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
         assert {module.split(".")[0] for module in imported} <= {"__future__", "torch", "transformers"}
     _, cfg, tokenizer_json = load_model(tiny_run / "checkpoints" / LAST)
-    assert config["keel"] == to_dict(cfg)
+    assert config["keel"]["model"] == to_dict(cfg)["model"]
+    assert config["keel"]["run"]["dir"] == "run" and config["keel"]["data"]["dir"] == Path(cfg.data.dir).name
     keel_tokenizer = Tokenizer.from_str(tokenizer_json)
     eos = eos_id_of(keel_tokenizer)
     _, tokenizer = load_hf(exported)
     assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.pad_token_id == eos
     text = "def main(argv):\n    return 0\n"
-    assert tokenizer(text).input_ids == [eos, *keel_tokenizer.encode(text, add_special_tokens=False).ids]
-    assert tokenizer(text, add_special_tokens=False).input_ids == keel_tokenizer.encode(
-        text, add_special_tokens=False).ids
+    plain = keel_tokenizer.encode(text, add_special_tokens=False).ids  # as the shards and `--model keel` encode
+    assert tokenizer(text).input_ids == tokenizer(text, add_special_tokens=False).input_ids == plain
+    assert tokenizer(tokenizer.eos_token + text).input_ids == [eos, *plain]  # a document's start, as in training
+
+
+MODEL_CARD = """
+    import json
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(sys.argv[1])
+    print(json.dumps({"metadata": card.data.to_dict(), "text": card.text}))
+"""
+
+
+def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(exported, tiny_run,
+                                                                                 tmp_path_factory):
+    card = json.loads(standalone(MODEL_CARD, exported / "README.md").stdout)  # as the hub reads it
+    assert {key: card["metadata"].get(key) for key in ("license", "library_name", "pipeline_tag")} == {
+        "license": "other", "library_name": "transformers", "pipeline_tag": "text-generation"}
+    _, cfg, _ = load_model(tiny_run / "checkpoints" / LAST)
+    heldout = scalars(tiny_run, "val/loss")
+    text = card["text"]
+    assert f"scheme `{cfg.model.scheme}`" in text and "trust_remote_code=True" in text and "## Intended use" in text
+    assert all(f"- `{formula}`: {count} sublayers" in text for formula, count in formulas(cfg.model))
+    assert f"30 optimizer steps of {cfg.device_tokens_per_step:,} tokens" in text
+    assert f"Held-out loss: {heldout[max(heldout)]:.4f} nats per token at step 30" in text
+    assert "the Python standard library's source files" not in text  # the tiny run's data: text files
+    machine = [str(tmp_path_factory.getbasetemp()), str(Path.home())]  # where the run, data and corpus live
+    for path in exported.iterdir():
+        content = path.read_bytes()
+        assert not [place for place in machine if place.encode() in content], path.name
+
+
+TRANSFORMERS_4 = """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, text = sys.argv[1:3]
+    print(transformers.__version__, AutoTokenizer.from_pretrained(directory).encode(text))
+    AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+"""
+
+
+@pytest.mark.slow
+def test_transformers_4_loads_the_tokenizer_and_refuses_the_model_in_one_line(exported, tokenizer_json, tmp_path):
+    """transformers 4.57 (the last 4.x) installed beside this environment's torch, from PyPI."""
+    target = tmp_path / "transformers4"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                                str(target), "transformers==4.57.6", "tokenizers>=0.22,<0.23",
+                                "huggingface_hub>=0.34,<1.0"], capture_output=True, text=True)
+    if installed.returncode:
+        pytest.skip(f"cannot install transformers 4.57 here: {installed.stderr.strip()[-300:]}")
+    text = "def main(argv):\n    return 0\n"
+    done = standalone(TRANSFORMERS_4, exported, text, pythonpath=target, check=False)
+    version, ids = done.stdout.split(" ", 1)
+    assert version == "4.57.6" and json.loads(ids) == Tokenizer.from_str(tokenizer_json).encode(text).ids
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
+        "ImportError: transformers>=5.24 is required for a normal functioning of this module, but found "
+        "transformers==4.57.6.")
 
 
 def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
@@ -147,7 +328,7 @@ def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
                      "--max-new-tokens", "20", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     model, tokenizer = load_hf(exported)
-    inputs = tokenizer(prompt, return_tensors="pt")  # EOS first, as keel generate puts it
+    inputs = tokenizer(tokenizer.eos_token + prompt, return_tensors="pt")  # EOS first, as keel generate puts it
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     new = out[0, inputs.input_ids.shape[1]:].tolist()
@@ -210,60 +391,130 @@ def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path, caps
         train(tiny_config(tiny_data, tmp_path / "resumed", *STEPS, f"resume={exported}"))
 
 
-def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus_dir, tiny_run, exported, tmp_path):
-    corpus = tmp_path / "corpus"  # held-out documents for the generated tasks (the tiny run holds out one)
+LM_EVAL_HF = """
+    import json
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    directory, tasks, limit, out = sys.argv[1:5]
+    results = simple_evaluate(model="hf", model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
+                              tasks=["last_token"], task_manager=TaskManager(include_path=tasks), limit=int(limit),
+                              device="cpu", log_samples=True)
+    samples = sorted(results["samples"]["last_token"], key=lambda sample: sample["doc_id"])
+    json.dump({"metrics": results["results"]["last_token"],
+               "loglikelihoods": [float(response[0][0]) for sample in samples for response in sample["resps"]]},
+              open(out, "w"))
+"""
+# keel_last_token's own YAML, reading its generated file directly (the bundled one loads it through keel)
+LAST_TOKEN_TASK = """task: last_token
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {path}}}}}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{target}}}}"
+target_delimiter: ""
+metric_list:
+  - {{metric: perplexity, aggregation: perplexity, higher_is_better: false}}
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+"""
+
+
+def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus_dir, tokenizer_json, tmp_path):
+    """At lm-eval's defaults (add_bos_token unset), on requests that fit seq_len whole, so an added BOS would show."""
+    corpus = tmp_path / "corpus"  # held-out documents for the generated tasks
     corpus.mkdir()
     (corpus / VAL_DOCS).write_text("".join(json.dumps({"text": path.read_text()}) + "\n"
                                            for path in sorted(corpus_dir.glob("*.py"))[:6]))
-    # keel_last_token: one identifier per request (lm-eval's hf model refuses continuations over seq_len, 32 here)
-    common = ["--tasks", "keel_last_token", "--limit", "24", "--device", "cpu", "--log_samples",
-              "--metadata", json.dumps({"corpus_dir": str(corpus)})]
-    runs = {"keel": ["--model_args", f"checkpoint={tiny_run / 'checkpoints' / LAST}"],
-            "hf": ["--model", "hf", "--model_args", f"pretrained={exported},trust_remote_code=True,dtype=float32"]}
-    scores, loglikelihoods = {}, {}
-    for name, model_args in runs.items():
-        assert cli_main(["eval", *model_args, *common, "--output_path", str(tmp_path / name)]) == 0
-        [results] = (tmp_path / name).rglob("results_*.json")
-        scores[name] = json.loads(results.read_text())["results"]
-        loglikelihoods[name] = [float(response[0][0]) for samples in sorted((tmp_path / name).rglob("samples_*"))
-                                for line in samples.read_text().splitlines()
-                                for response in json.loads(line)["resps"]]
-    assert len(loglikelihoods["hf"]) >= 24
-    assert loglikelihoods["hf"] == pytest.approx(loglikelihoods["keel"], abs=1e-4)
-    metrics = {metric: value for metric, value in scores["keel"]["keel_last_token"].items()
+    seq_len, limit = 512, 24
+    _, checkpoint = random_checkpoint([f"model.seq_len={seq_len}"], tokenizer_json, tmp_path / "model.ckpt")
+    directory = export(str(checkpoint), tmp_path / "hf")
+    task_file = generate_tasks(corpus)["keel_last_token"]
+    docs = [json.loads(line) for line in task_file.read_text().splitlines()[:limit]]
+    lengths = [len(Tokenizer.from_str(tokenizer_json).encode(doc["context"] + doc["target"]).ids) for doc in docs]
+    assert max(lengths) < seq_len  # nothing left-truncated: a BOS in front would be scored
+    keel_out = tmp_path / "keel"
+    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "keel_last_token", "--limit",
+                     str(limit), "--device", "cpu", "--log_samples", "--output_path", str(keel_out),
+                     "--metadata", json.dumps({"corpus_dir": str(corpus)})]) == 0
+    [results] = keel_out.rglob("results_*.json")
+    keel_metrics = json.loads(results.read_text())["results"]["keel_last_token"]
+    keel_samples = sorted((json.loads(line) for samples in keel_out.rglob("samples_*")
+                           for line in samples.read_text().splitlines()), key=lambda sample: sample["doc_id"])
+    keel_loglikelihoods = [float(response[0][0]) for sample in keel_samples for response in sample["resps"]]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "last_token.yaml").write_text(LAST_TOKEN_TASK.format(path=json.dumps(str(task_file))))
+    standalone(LM_EVAL_HF, directory, tasks, limit, tmp_path / "hf.json")
+    hf = json.loads((tmp_path / "hf.json").read_text())
+    assert len(hf["loglikelihoods"]) == len(keel_loglikelihoods) == limit
+    assert hf["loglikelihoods"] == pytest.approx(keel_loglikelihoods, abs=1e-4)
+    metrics = {metric: value for metric, value in keel_metrics.items()
                if isinstance(value, float) and "stderr" not in metric}
-    assert metrics and all(scores["hf"]["keel_last_token"][metric] == pytest.approx(value, rel=1e-5)
+    assert metrics and all(hf["metrics"][metric] == pytest.approx(value, rel=1e-5)
                            for metric, value in metrics.items())
 
 
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHATS = [{"messages": [{"role": "user", "content": f"what is {a} + {b}?"},
+                       {"role": "assistant", "content": f"{a + b}"}]} for a in range(8) for b in range(4)]
+CHAT_TEMPLATE_CHECK = """
+    import json
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import has_generation_markers, is_chat_template_stop_token_trained
+
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+    chat = json.loads(sys.argv[2])
+    whole = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    prompt = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True, return_dict=True)
+    print(json.dumps({"ids": whole["input_ids"], "assistant": whole["assistant_masks"], "prompt": prompt["input_ids"],
+                      "markers": has_generation_markers(tokenizer.chat_template),
+                      "stop_trained": is_chat_template_stop_token_trained(tokenizer)}))
+"""
+
+
+def test_the_chat_template_ends_turns_with_eos_and_marks_the_assistants(exported, tokenizer_json):
+    chat = [*CHATS[5]["messages"], {"role": "user", "content": "and 2 + 4?"}, {"role": "assistant", "content": "6"}]
+    rendered = json.loads(standalone(CHAT_TEMPLATE_CHECK, exported, json.dumps(chat)).stdout)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    eos = eos_id_of(tokenizer)
+    ids, assistant = rendered["ids"], rendered["assistant"]
+    assert ids[0] == eos and ids.count(eos) == 1 + len(chat)  # a document start, and every turn ended
+    turns = tokenizer.decode(ids, skip_special_tokens=False).split(tokenizer.id_to_token(eos))[1:-1]
+    assert turns == [f"{message['role']}:\n{message['content']}" for message in chat]
+    # the loss of TRL's assistant_only_loss: each answer and the EOS after it, nothing else
+    spans = [run for run in "".join(map(str, assistant)).split("0") if run]
+    marked = tokenizer.decode([token for token, flag in zip(ids, assistant) if flag], skip_special_tokens=False)
+    assert len(spans) == 2 and marked == "".join(message["content"] + tokenizer.id_to_token(eos)
+                                                 for message in chat[1::2])
+    assert rendered["markers"] and rendered["stop_trained"]  # TRL's own checks
+    # generation continues the prompt as training saw the chat: the prompt is the chat's own prefix
+    prompt = rendered["prompt"]
+    assert ids[:len(prompt)] == prompt and tokenizer.decode(prompt).endswith("assistant:\n")
 
 
 def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path):
+    """SFT on the export's own chat template, packed (TRL's bfd, padding-free) and on the answers only."""
     trl = pytest.importorskip("trl", reason="the TRL test needs the test extra")
     from datasets import Dataset
 
-    chats = [{"messages": [{"role": "user", "content": f"what is {a} + {b}?"},
-                           {"role": "assistant", "content": f"{a + b}"}]} for a in range(8) for b in range(4)]
-    template = tmp_path / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
     model, tokenizer = load_hf(exported)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4,
-                         learning_rate=1e-3, max_length=32, chat_template_path=str(template), report_to=[],
+                         learning_rate=1e-3, max_length=32, packing=True, assistant_only_loss=True, report_to=[],
                          logging_steps=1, save_strategy="no", use_cpu=True, dataloader_num_workers=0)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(chats),
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHATS),
                              processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "attention_mask" not in batch and batch["position_ids"].shape[0] == 1  # packed, padding-free
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     trainer.save_model(tmp_path / "tuned")
     tuned, tuned_tokenizer = load_hf(tmp_path / "tuned")
-    assert tuned_tokenizer.chat_template == CHAT_TEMPLATE
+    assert tuned_tokenizer.chat_template == tokenizer.chat_template
     changed = [name for name, param in tuned.named_parameters() if not torch.equal(param, before[name])]
     assert len(changed) == len(before)  # every parameter trained, and saved
-    prompt = tuned_tokenizer.apply_chat_template(chats[0]["messages"][:1], add_generation_prompt=True,
+    prompt = tuned_tokenizer.apply_chat_template(CHATS[0]["messages"][:1], add_generation_prompt=True,
                                                  return_tensors="pt", return_dict=True)
     with torch.no_grad():
         assert tuned.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]

@@ -33,7 +33,7 @@ from keel.training import Interrupted, launched_as_rank_zero, train
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 from test_distributed import _sharded_checkpoint
-from test_pretrain import scalars, tiny_config
+from test_pretrain import CrashAtStep, scalars, tiny_config
 
 STEPS = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
          "trainer.val_batches=2"]
@@ -508,7 +508,9 @@ def test_a_directory_that_is_no_checkpoint_is_called_so_with_the_checkpoint_mean
 
 def test_compare_of_a_run_without_validation_says_so(tiny_data, tmp_path, capsys):
     short, empty = tmp_path / "short", tmp_path / "empty"
-    train(tiny_config(tiny_data, short, "trainer.max_steps=2", "trainer.val_every_n_steps=4"))  # train/loss only
+    with pytest.raises(RuntimeError, match="simulated crash"):  # killed before its first validation: train/loss only
+        train(tiny_config(tiny_data, short, "trainer.max_steps=4", "trainer.val_every_n_steps=4"), [CrashAtStep(2)])
+    capsys.readouterr()  # (the crash's message)
     (empty / "tb").mkdir(parents=True)  # no events at all
     for run in (short, empty):
         assert cli_main(["compare", str(run), "--out", str(tmp_path / "compare.png")]) == 2

@@ -147,3 +147,28 @@ def test_a_logger_is_one_record(tiny_data, tmp_path, monkeypatch):
         assert [row["step"] for row in csv.DictReader(f) if row["train/loss"]] == ["0", "1", "2", "3"]
     assert ToyLogger.texts and all(tag == "stability/events" for tag, _, _ in ToyLogger.texts)
     assert ToyLogger.closed
+
+
+def test_tensorboards_custom_scalars_show_the_losses_first_then_the_tasks(tiny_run):
+    """The layout every run writes, read back from its event files; its loss chart draws the run's two losses."""
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    acc = EventAccumulator(str(tiny_run / "tb"))
+    acc.Reload()
+    [event] = acc.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    assert [category.title for category in layout.category] == ["loss", "downstream tasks", "training"]
+
+    def drawn(category: int, chart: int, tags: list[str]) -> list[str]:
+        patterns = layout.category[category].chart[chart].multiline.tag
+        return [tag for tag in tags if any(re.match(pattern, tag) for pattern in patterns)]
+
+    assert sorted(drawn(0, 0, acc.Tags()["scalars"])) == ["train/loss", "val/loss"]
+    tasks = ["eval/keel_next_line/acc_mutual_info", "eval/keel_next_line/acc", "eval/keel_last_token/perplexity",
+             "eval/keel_gsm8k/exact_match/strict-match", "eval/disagree/keel_next_line", "eval/spearman/keel_next_line",
+             "time/downstream_eval_s"]  # eval tags as docs/evaluation.md names them
+    assert drawn(1, 0, tasks) == [tasks[0], tasks[1], tasks[3]]
+    assert drawn(1, 1, tasks) == [tasks[2]] and drawn(1, 2, tasks) == [tasks[5]]

@@ -88,6 +88,17 @@ def test_fp16_with_clipping_is_refused_at_load_time(capsys):
     assert "trainer.precision: 16-mixed" in err and "bf16-mixed" in err and "optim.grad_clip=0" in err
     assert cli_main(["pretrain", "--print-config", "trainer.precision=16-mixed", "optim.grad_clip=0"]) == 0
 
+def test_a_run_ends_with_a_validation_of_its_final_model(tiny_data, tmp_path):
+    """max_steps not a multiple of val_every_n_steps: validated at step 5 and at the last, step 7; the last
+    checkpoint records the final one (the model card's held-out loss)."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, "trainer.max_steps=7", "trainer.val_every_n_steps=5", "trainer.val_batches=1"))
+    val = scalars(run, "val/loss")
+    assert sorted(val) == [4, 6] and sorted(scalars(run, "train/loss")) == list(range(7))
+    heldout = torch.load(run / "checkpoints" / LAST, weights_only=True)["keel"]["heldout"]
+    assert heldout["step"] == 7 and heldout["loss"] == pytest.approx(val[6], rel=1e-6)
+
+
 def test_training_logs_scalars_and_learns(tiny_data, tmp_path):
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, run, "trainer.max_steps=60", "trainer.val_every_n_steps=30", "trainer.val_batches=4",

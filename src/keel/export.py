@@ -9,9 +9,13 @@ loads offline, `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True
     configuration_keel.py      the config class   } self-contained (torch and transformers only): the directory's
     modeling_keel.py           the model class    } remote code, from keel/hf/
     model.safetensors          the weights (sharded, with an index, past --max-shard-size)
-    tokenizer.json, tokenizer_config.json   the run's tokenizer; encoding with special tokens puts the
-                               end-of-document token first, as before every document in the training shards
+    tokenizer.json, tokenizer_config.json   the run's tokenizer, adding no special tokens (as Keel encodes);
+                               its end-of-document token is EOS, BOS and padding
+    chat_template.jinja        chats for fine-tuning: turns ending in EOS, the assistant's marked as generated
     generation_config.json     that token as EOS (decoding stops there), BOS and padding
+    README.md                  the model card: hub metadata, usage, the scheme's formulas, training, license
+
+No file holds a path of the machine that trained it: every absolute path in the run's config is cut to its name.
 
 The directory appears whole or not at all (written beside it, then renamed); an existing non-empty --out is
 refused. Keel reads an exported directory back too: `init_from=DIR` starts a run from its weights.
@@ -20,6 +24,7 @@ refused. Keel reads an exported directory back too: `init_from=DIR` starts a run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from dataclasses import asdict
@@ -32,9 +37,24 @@ from keel.config import from_dict, to_dict
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.export_format import to_hf_names
+from keel.model_card import model_card
 from keel.schemes import needs_final_norm, sublayer_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# For fine-tuning on chats (TRL): a chat is a document, so it starts after EOS, and every turn ends with EOS, which
+# generation stops at. The assistant's content and its EOS are marked as generated ({% generation %}): what
+# TRL's assistant_only_loss trains on, so the model learns to stop. "role:\n" keeps the content's first token the
+# same whether the generation prompt or the whole chat is encoded.
+CHAT_TEMPLATE = (
+    "{{- eos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- message['role'] + ':\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- message['content'] + eos_token -}}{%- endgeneration -%}"
+    "{%- else -%}{{- message['content'] + eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'assistant:\n' -}}{%- endif -%}"
+)
 
 
 def _transformers():
@@ -59,30 +79,43 @@ def hf_config(cfg, eos: int, step: int | None):
         rms_norm_eps=model.norm_eps, initializer_range=model.init_std, out_norm_gain=model.out_norm_gain,
         final_norm=needs_final_norm(model), scheme=model.scheme,
         sublayers=[[asdict(attn), asdict(ffn)] for attn, ffn in sublayer_specs(model)],
-        keel=to_dict(cfg), trained_steps=step, tie_word_embeddings=model.tie_embeddings,
+        keel=without_machine_paths(to_dict(cfg)), trained_steps=step, tie_word_embeddings=model.tie_embeddings,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
     )
 
 
+def without_machine_paths(value):
+    """value (the run's config as a dict) with every absolute local path cut to its last part: run.dir, data.dir,
+    init_from... name places on the machine that trained the model, which an export is shared beyond."""
+    if isinstance(value, dict):
+        return {key: without_machine_paths(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [without_machine_paths(item) for item in value]
+    if isinstance(value, str) and os.path.isabs(os.path.expanduser(value)):
+        return Path(value).name
+    return value
+
+
 def hf_tokenizer(tokenizer_json: str, seq_len: int):
-    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding, and put first
-    when special tokens are added (every training document follows one)."""
+    """The run's tokenizer for transformers: its end-of-document token as EOS, BOS and padding, and a chat
+    template (CHAT_TEMPLATE). It adds no special token, with or without add_special_tokens, so that lm-eval's `hf`
+    model encodes (and scores) every request as `--model keel` does: a request is a window of text, usually from a
+    document's middle, as a training window is; an EOS before it would say that a document starts there."""
     from tokenizers import Tokenizer
-    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
     eos_id = eos_id_of(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
-    tokenizer.post_processor = TemplateProcessing(single=f"{eos} $A", pair=f"{eos} $A {eos} $B",
-                                                  special_tokens=[(eos, eos_id)])
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos,
-                                      model_max_length=seq_len)
+                                      model_max_length=seq_len, chat_template=CHAT_TEMPLATE)
     return wrapped, eos_id
 
 
-def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:
-    """Write checkpoint_path's model, tokenizer and generation defaults to out (module docstring)."""
+def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB",
+           license: str = "other") -> Path:
+    """Write checkpoint_path's model, tokenizer, generation defaults and model card (under license, an SPDX id
+    or the hub's "other") to out (module docstring)."""
     _, KeelForCausalLM = _transformers()
     from transformers import GenerationConfig
 
@@ -117,12 +150,16 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     type(config).register_for_auto_class()
     KeelForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    config.auto_map = {"AutoModel": "modeling_keel.KeelModel"}  # the base model too (value heads, embeddings)
 
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(partial)
+        name_tokenizer_class_for_every_version(partial / "tokenizer_config.json")
+        card = model_card(from_dict(config.keel), config.trained_steps, checkpoint["keel"].get("heldout"), license)
+        (partial / "README.md").write_text(card)
         mode = 0o666 & ~_umask()  # transformers writes the weights 0600: readable as every other file here
         for path in partial.iterdir():
             path.chmod(mode)
@@ -132,6 +169,14 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def name_tokenizer_class_for_every_version(tokenizer_config: Path) -> None:
+    """transformers 5 saves its fast tokenizer's class as TokenizersBackend, which 4.x does not know; both know
+    PreTrainedTokenizerFast (in 5, the same class), so the tokenizer alone loads on 4.x too."""
+    settings = json.loads(tokenizer_config.read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tokenizer_config.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def _umask() -> int:
@@ -174,12 +219,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="the matrices' dtype (the norms' gains stay fp32); default fp32, as trained")
     parser.add_argument("--max-shard-size", default="5GB", help="weights past this go into several shards + an index")
+    parser.add_argument("--license", default="other",
+                        help="the model card's license: an SPDX id such as apache-2.0 (default: other, none chosen)")
     parser.add_argument("--verify", action="store_true",
                         help="then load the directory with transformers and compare it with the checkpoint's model "
                              "(logits, greedy decoding); the whole model is held twice in memory")
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint.removeprefix("checkpoint=")
-    out = export(checkpoint, Path(args.out), args.dtype, args.max_shard_size)
+    out = export(checkpoint, Path(args.out), args.dtype, args.max_shard_size, args.license)
     files = sorted(path.name for path in out.iterdir())
     print(f"keel export: wrote {out}: {', '.join(files)}")
     print(f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")

@@ -56,6 +56,7 @@ class KeelLitModule(L.LightningModule):
         # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
         self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
         self._grad_norms: torch.Tensor | None = None  # this step's, once asked for (grad_norms())
+        self.heldout: dict | None = None  # the last validation, {"step", "loss"}: checkpoints keep it (model cards)
 
     def configure_model(self) -> None:
         parallelize(self.model, self.cfg.trainer, getattr(self, "device_mesh", None))
@@ -91,6 +92,12 @@ class KeelLitModule(L.LightningModule):
         total = torch.linalg.vector_norm(self.grad_norms())
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, total)
 
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        # After the last optimizer step: Lightning validates when a stop is asked for, so the final model gets its
+        # held-out loss even when max_steps is not a multiple of val_every_n_steps (else it ends unvalidated)
+        if self.trainer.global_step >= self.trainer.max_steps:
+            self.trainer.should_stop = True
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         tokens = batch[:, 1:].numel()
         self.val_loss_sum.update(next_token_loss(self.model, batch) * tokens)
@@ -102,6 +109,7 @@ class KeelLitModule(L.LightningModule):
         self.val_tokens.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", loss.exp(), sync_dist=False)
+        self.heldout = {"step": self.global_step, "loss": loss.item()}
 
     def configure_optimizers(self):
         optim = self.cfg.optim
@@ -111,10 +119,12 @@ class KeelLitModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["keel"] = {"config": to_dict(self.cfg), "tokenizer_json": self.tokenizer_json}
+        checkpoint["keel"] = {"config": to_dict(self.cfg), "tokenizer_json": self.tokenizer_json,
+                              "heldout": self.heldout}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_same_model(self.cfg, checkpoint)
+        self.heldout = checkpoint["keel"].get("heldout")
         saved_accum = from_dict(checkpoint["keel"]["config"]).trainer.grad_accum
         rescale_batch_progress(checkpoint, saved_accum, self.cfg.trainer.grad_accum)
 

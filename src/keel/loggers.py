@@ -62,11 +62,37 @@ def artifact_name(tag: str, step: int, suffix: str) -> str:
     return f"{tag}/step_{step:06d}{suffix}"
 
 
+# TensorBoard's Custom Scalars tab, in this order: what a run is judged by first (its other tabs sort tags by name, so
+# there Lightning's flat `epoch` chart comes first and the losses last). Each chart: the tags (regexes matched from
+# the start) drawn together; docs/tensorboard.md.
+LAYOUT = {
+    "loss": {
+        "training and held-out loss (nats per token)": ["Multiline", ["train/loss$", "val/loss$"]],
+        "held-out perplexity": ["Multiline", ["val/ppl$"]],
+    },
+    "downstream tasks": {
+        "accuracy": ["Multiline", ["eval/[^/]+/acc", "eval/[^/]+/exact_match"]],
+        "perplexity": ["Multiline", ["eval/[^/]+/[^/]*perplexity"]],
+        "loss against score over the run (Spearman)": ["Multiline", ["eval/spearman/"]],
+    },
+    "training": {
+        "learning rate": ["Multiline", ["lr/"]],
+        "global gradient norm (before clipping)": ["Multiline", ["grad/global$"]],
+        "stability": ["Multiline", ["stability/loss_excess$", "stability/failed$"]],
+        "tokens per second": ["Multiline", ["perf/tokens_per_s$"]],
+    },
+}
+
+
 class TensorBoard(LoggerKind):
     name, logger_class = "tensorboard", "lightning.pytorch.loggers:TensorBoardLogger"
 
     def build(self, run_dir, run_name, run_id):
         return self.cls()(save_dir=run_dir, name=TENSORBOARD, version="", default_hp_metric=False)
+
+    def log_config(self, logger, config):
+        super().log_config(logger, config)
+        logger.experiment.add_custom_scalars(LAYOUT)
 
     def log_text(self, logger, tag, text, step):
         logger.experiment.add_text(tag, text, global_step=step)

@@ -80,7 +80,7 @@ def eos_id_of(tokenizer: Tokenizer) -> int:
 
 def same_tokenizer(tokenizer_json: str, other_json: str) -> bool:
     """Whether two tokenizer.json texts encode alike as Keel encodes (never adding special tokens): equal but for
-    their post-processors (`keel export` adds one that puts EOS first, for transformers users)."""
+    their post-processors (exports by an older `keel export` add one that puts EOS first)."""
     specs = [json.loads(text) for text in (tokenizer_json, other_json)]
     for spec in specs:
         spec.pop("post_processor", None)

@@ -15,7 +15,13 @@ file and modeling_keel.py need not know the schemes: `sublayers[i] = [attention,
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
+from transformers.utils.versions import require_version
+
+# Before any import that older versions lack (transformers 4.x has no PreTrainedConfig): a one-line ImportError
+# naming the version needed, not a traceback from deep inside. keel.model_card states the same requirement.
+require_version("transformers>=5.24")
+
+from transformers import PreTrainedConfig  # noqa: E402
 
 PRE_LN = {"norm_in": True, "norm_out": False, "alpha": 1.0, "skip_from_norm_in": False, "qkv_norm": False}
 

@@ -11,6 +11,10 @@ with its choices read from config.sublayers (configuration_keel.py). The residua
 norm are fp32 whatever the weights' dtype (Keel's branch is ~1/L of alpha * x + F, which bf16 cannot resolve), and
 the norms' gains load in fp32 even into a bf16 model; only the branches' matmuls and the head run in the weights'
 dtype.
+
+Around the blocks it works as transformers' Llama does: the attention mask from create_causal_mask (padding, the
+cache, packed sequences), the attention from the config's attn_implementation (sdpa, or eager with its weights),
+and hidden states and attentions recorded by capture_outputs.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_keel import KeelConfig
 
@@ -49,12 +57,35 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # (B, Hkv, T, hd) -> (B, Hkv * n_rep, T, hd): each key/value head shared by n_rep query heads
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention as explicit matmuls, returning its weights (B, H, T, keys) too: attn_implementation="eager", for
+    output_attentions. attention_mask is additive (transformers' eager mask)."""
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 class KeelAttention(nn.Module):
     def __init__(self, config: KeelConfig, layer_idx: int, qkv_norm: bool) -> None:
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
+        self.is_causal = True
         self.n_heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                       config.head_dim)
+        self.num_key_value_groups = self.n_heads // self.kv_heads
+        self.scaling = self.head_dim**-0.5
         self.qkv = nn.Linear(config.hidden_size, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         # HybridNorm: q, k and v each RMS-normalized per head (one gain of size head_dim, shared by heads)
@@ -63,7 +94,8 @@ class KeelAttention(nn.Module):
             self.q_norm, self.k_norm, self.v_norm = (KeelRMSNorm(self.head_dim, config.rms_norm_eps) for _ in range(3))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: Cache | None) -> torch.Tensor:
+                cache: Cache | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The branch's output (B, T, C) and, under eager attention, the attention weights (B, H, T, keys)."""
         B, T, _ = x.shape
         x = x.to(self.qkv.weight.dtype)
         q, k, v = self.qkv(x).split(
@@ -75,13 +107,10 @@ class KeelAttention(nn.Module):
             q, k, v = (norm(t).type_as(t) for norm, t in ((self.q_norm, q), (self.k_norm, k), (self.v_norm, v)))
         q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        gqa = self.kv_heads != self.n_heads
-        if mask is None:  # no cache, no padding: plain causal attention
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        y, weights = attention(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.out(y.reshape(B, T, -1)), weights
 
 
 class KeelFeedForward(nn.Module):
@@ -113,11 +142,12 @@ class KeelSublayer(nn.Module):
         self.norm_in = KeelRMSNorm(config.hidden_size, eps) if spec["norm_in"] else None
         self.norm_out = KeelRMSNorm(config.hidden_size, eps, config.out_norm_gain) if spec["norm_out"] else None
 
-    def forward(self, x: torch.Tensor, *branch_args) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *branch_args, **branch_kwargs) -> torch.Tensor:
         # x: (B, T, C) fp32 stream
         h = self.norm_in(x) if self.norm_in is not None else x
         skip = h if self.skip_from_norm_in else x
-        f = self.branch(h, *branch_args).float()
+        f = self.branch(h, *branch_args, **branch_kwargs)
+        f = (f[0] if isinstance(f, tuple) else f).float()  # attention returns its weights too (output_attentions)
         if self.norm_out is not None:
             return self.norm_out(f, skip, self.alpha)
         return torch.add(f, skip, alpha=self.alpha)
@@ -131,9 +161,9 @@ class KeelBlock(GradientCheckpointingLayer):
         self.ffn = KeelSublayer(config, ffn_spec, KeelFeedForward(config))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: Cache | None = None) -> torch.Tensor:
+                cache: Cache | None = None, **kwargs) -> torch.Tensor:
         # cache by keyword: under gradient checkpointing (TRL's default) transformers drops it
-        return self.ffn(self.attn(x, rope, mask, cache))
+        return self.ffn(self.attn(x, rope, mask, cache, **kwargs))
 
 
 class KeelPreTrainedModel(PreTrainedModel):
@@ -143,6 +173,9 @@ class KeelPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["KeelBlock"]
     _supports_sdpa = True
+    # output_hidden_states: the stream entering the first block and leaving each block, the last after the final
+    # norm; output_attentions: each attention's weights (attn_implementation="eager") - as transformers' Llama
+    _can_record_outputs = {"hidden_states": KeelBlock, "attentions": KeelAttention}
     # Keel's per-channel gains multiply over the depth: bf16's 8 mantissa bits would flatten them (docs/export.md)
     _keep_in_fp32_modules_strict = ["norm"]
 
@@ -164,6 +197,9 @@ class KeelModel(KeelPreTrainedModel):
         angles = position_ids[:, None, :, None].float() * inv_freq
         return angles.cos(), angles.sin()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @merge_with_config_defaults  # use_cache: the config's, off under gradient checkpointing
+    @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
@@ -172,24 +208,21 @@ class KeelModel(KeelPreTrainedModel):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()  # (B, T, C)
         B, T, _ = x.shape
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            if attention_mask is not None:  # left padding: a row's positions count its real tokens only
+            if attention_mask is not None and attention_mask.ndim == 2:  # left padding: count real tokens only
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
+                past = cache.get_seq_length() if cache is not None else 0
                 position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
-        mask = None
-        if past > 0 or (attention_mask is not None and not bool(attention_mask.all())):
-            keys = torch.arange(past + T, device=x.device)
-            mask = keys <= torch.arange(past, past + T, device=x.device)[:, None]  # (T, past + T) causal
-            if attention_mask is not None:  # padded keys hidden; a query always sees itself (no empty rows)
-                mask = mask & (attention_mask[:, None, None, :].bool() | (keys == keys[past:, None]))
+        # causal, padded keys hidden, and (with neither a cache nor a 2D mask) packed sequences - position_ids
+        # restarting at 0, as TRL's padding-free collator sends them - kept apart; None: plain causal attention
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                                  position_ids=position_ids)
         rope = self.rope(position_ids)
         for block in self.layers:
-            x = block(x, rope, mask, cache=cache)
+            x = block(x, rope, mask, cache=cache, **kwargs)
         if self.norm is not None:
             x = self.norm(x)
         return BaseModelOutputWithPast(last_hidden_state=x, cache=cache if use_cache else None)
@@ -212,13 +245,14 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         """Logits (B, T, vocab) in the head's dtype; with labels (B, T), also the mean next-token cross-entropy
         (labels shifted inside, -100 ignored), as Keel's next_token_loss on the same tokens."""
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         x = outputs.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else outputs.last_hidden_state
         logits = self.lm_head(x.to(self.lm_head.weight.dtype))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 __all__ = ["KeelForCausalLM", "KeelModel", "KeelPreTrainedModel"]

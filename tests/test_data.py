@@ -31,7 +31,7 @@ from keel import cli
 from keel.config import Config, DataConfig, load_config
 from keel.data.loading import KeelDataModule, open_dataset, token_loader
 from keel.data.preparation import SPAN_CHARS, DataDirLock, is_validation, prepare
-from keel.data.shards import STAGING
+from keel.data.shards import MANIFEST, PUBLISHING, STAGING, TOKENIZER
 from keel.data.sources import SOURCES, read_documents
 from keel.data.sources.stdlib import STDLIB_EXCLUDED_DIRS
 from keel.data.sources.text_files import cut_text
@@ -961,3 +961,31 @@ def test_a_second_build_of_a_data_dir_is_refused_naming_the_holder(built, tmp_pa
     (shards / STAGING / "train" / "chunk-0-0.bin").write_bytes(b"partial")
     assert cli.main(["data", *overrides]) == 0
     assert not (shards / STAGING).exists() and (shards / LOCK).read_text() == ""  # released
+
+
+def test_keel_data_never_removes_what_no_build_wrote(built, tmp_path, capsys):
+    """`keel data data.paths=[corp/train/*.txt,corp/val/*.txt] data.dir=corp` deleted the whole corpus: publishing
+    replaced train/, val/, tokenizer.json and manifest.json in data.dir whether or not keel had made them."""
+    corpus = tmp_path / "corp"
+    write_corpus(corpus / "train")
+    write_corpus(corpus / "val")
+    (corpus / TOKENIZER).write_text("{}")  # the user's own
+    before = files_of(corpus)
+    overrides = [*overrides_for(corpus), f"data.paths=[{corpus}/train/*.txt,{corpus}/val/*.txt]"]
+    assert cli.main(["data", *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"keel data: config error: data.dir={corpus} holds tokenizer.json, train/, val/, which no keel build wrote (a "
+        "build would replace them); nothing was changed: choose a new or empty data.dir"]
+    assert files_of(corpus) == before
+    # an earlier build is replaced (--force), and one whose move into place was stopped is rebuilt; a user's file
+    # inside a split is not shards
+    shards = tmp_path / "shards"
+    shutil.copytree(built.dir, shards)
+    (shards / MANIFEST).unlink()
+    (shards / PUBLISHING).write_bytes(b"")  # as an interrupted publish leaves it
+    assert cli.main(["data", *overrides_for(shards, corpus=built.root / "corpus")]) == 0
+    assert not (shards / PUBLISHING).exists() and json.loads((shards / MANIFEST).read_text())["tokens"]
+    (shards / "val" / "notes.txt").write_text("mine")
+    assert cli.main(["data", "--force", *overrides_for(shards, corpus=built.root / "corpus")]) == 2
+    assert "holds val/, which no keel build wrote" in capsys.readouterr().err
+    assert (shards / "val" / "notes.txt").read_text() == "mine"

@@ -41,8 +41,8 @@ from tqdm import tqdm
 
 from keel.config import Config, DataConfig, load_config
 from keel.data.shards import (
-    MANIFEST, SPLITS, STAGING, TOKENIZER, VAL_DOCS, chunk_digests, data_path, require_sequences, sha256, storage,
-    tokens_per_chunk,
+    MANIFEST, PUBLISHING, SPLITS, STAGING, TOKENIZER, VAL_DOCS, chunk_digests, data_path, refuse_foreign_files,
+    require_sequences, sha256, storage, tokens_per_chunk,
 )
 from keel.data.sources import get_source, read_documents
 from keel.data.sources.base import MAX_UNDECODABLE, SkippedFiles
@@ -402,6 +402,7 @@ def prepare(cfg: Config, force: bool = False) -> dict:
     with contextlib.nullcontext() if "://" in data.dir else DataDirLock(data.dir):
         if (manifest := _up_to_date(cfg, fs, force)) is not None:  # built meanwhile by the lock's last holder
             return manifest
+        refuse_foreign_files(fs, data.dir)  # before any work: a build would replace them
         staging = data_path(data.dir, STAGING)
         if fs.exists(staging):  # left by a build killed before it could remove it (the lock says none is running)
             fs.rm(staging, recursive=True)
@@ -487,7 +488,11 @@ def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tupl
 def _publish(fs: fsspec.AbstractFileSystem, staging: str, data_dir: str) -> None:
     """Moves a whole staged build into data.dir. The old manifest goes first, so data.dir reads as an unfinished build
     until the new one, moved last, marks it complete. Locally every move is a rename on one filesystem: no space
-    is needed, and the earlier build is kept until here."""
+    is needed, and the earlier build is kept until here. Interrupted, the PUBLISHING mark says what is there is
+    keel's to replace."""
+    refuse_foreign_files(fs, data_dir)  # again: the build took a while
+    with writing(data_path(data_dir, PUBLISHING)):
+        fs.pipe_file(data_path(data_dir, PUBLISHING), b"")
     if fs.exists(data_path(data_dir, MANIFEST)):
         fs.rm_file(data_path(data_dir, MANIFEST))
     for name in (TOKENIZER, VAL_DOCS, *SPLITS, MANIFEST):
@@ -499,6 +504,7 @@ def _publish(fs: fsspec.AbstractFileSystem, staging: str, data_dir: str) -> None
                 fs.mv(path, f"{target}/{posixpath.basename(path)}")
         else:
             fs.mv(source, target)
+    fs.rm_file(data_path(data_dir, PUBLISHING))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,11 +37,32 @@ def measurement_bytes(cfg: ModelConfig, batch: int) -> int:
     return 8 * parameter_count(cfg) + activation_bytes(cfg, batch * cfg.seq_len) + BLOCK_BYTES * cfg.depth
 
 
+def model_bytes(cfg: ModelConfig) -> int:
+    """KeelLM(cfg) built in fp32, beside the weights it is loaded from: its parameters, the blocks' objects and its
+    RoPE tables (angles, cosines and sines: seq_len x head_dim / 2 floats each)."""
+    return 4 * parameter_count(cfg) + BLOCK_BYTES * cfg.depth + 6 * cfg.seq_len * cfg.head_dim
+
+
+def check_model_fits(cfg: ModelConfig, what: str) -> None:
+    """Refuse to build a model read from a file (`what` names it) that this machine cannot hold, before building it."""
+    check_fits(model_bytes(cfg), f"{what}: its model (model.depth={cfg.depth}, model.width={cfg.width}, "
+               f"model.seq_len={cfg.seq_len})", parameter_count(cfg), "fp32 weights",
+               "use a machine with more memory")
+
+
 def training_bytes(cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpointed: bool = False) -> int:
     """One training process: its share of weights, gradients and AdamW state (1 / shards under FSDP), one
     micro-batch's activations, the blocks' fixed cost and the process's own."""
     return (16 * parameter_count(cfg) // shards + activation_bytes(cfg, micro_batch * cfg.seq_len, checkpointed)
             + BLOCK_BYTES * cfg.depth + PROCESS_BYTES)
+
+
+def check_steps_fit(models: list[ModelConfig], batch: int, what: str, remedy: str) -> None:
+    """Refuse training steps of every model in `models` (of `batch` sequences each), all held at once in this
+    process, that do not fit in this machine's memory; what: the sizes, in words."""
+    need = PROCESS_BYTES + sum(training_bytes(cfg, batch) - PROCESS_BYTES for cfg in models)
+    check_fits(need, f"{what}, {len(models)} model(s) held at once", parameter_count(models[0]),
+               "weights, gradients and AdamW state, per model", remedy)
 
 
 def available_bytes() -> int:

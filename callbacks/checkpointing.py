@@ -86,7 +86,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._start_step = 0
         self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
-        self._last_finite_step: int | None = None  # of the last save of this run with finite weights
+        self._last_finite_step: int | None = None  # in last.ckpt, saved by this run with finite weights
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -162,7 +162,8 @@ class RunCheckpoint(ModelCheckpoint):
                     raise
                 raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or "
                                    "make it writable) and re-run the same command to continue from there") from None
-            self._last_finite_step = trainer.global_step
+            if Path(filepath).name == self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION:  # what _kept() names
+                self._last_finite_step = trainer.global_step
             return
         if self._last_global_step_saved == trainer.global_step:  # the step-numbered and last.ckpt saves: once
             return

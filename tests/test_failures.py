@@ -553,11 +553,17 @@ def tiny_checkpoint(tiny_data, tmp_path_factory) -> Path:
     return run / "checkpoints" / LAST
 
 
-def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoint, tmp_path, capsys):
+def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    from lm_eval.tasks import TaskManager
+
     common = ["eval", "--model_args", f"checkpoint={tiny_checkpoint}", "--device", "cpu", "--limit", "2"]
-    assert cli_main([*common, "--tasks", "no_such_task"]) == 2
+    indexed = []  # lm-eval's index of every task took minutes before it said a name was unknown
+    with monkeypatch.context() as patched:
+        patched.setattr(TaskManager, "__init__", lambda *args, **kwargs: indexed.append(args))
+        assert cli_main([*common, "--tasks", "keel_next_line,no_such_task"]) == 2
     err = capsys.readouterr().err
     assert "--tasks: Tasks not found: no_such_task; `keel eval ls tasks` lists the known ones" in err
+    assert not indexed
     metadata = json.dumps({"data_dir": str(tmp_path)})
     assert cli_main([*common, "--tasks", "keel_arc_easy", "--metadata", metadata]) == 2
     err = capsys.readouterr().err
@@ -675,3 +681,13 @@ def test_optimizer_values_torch_would_refuse_are_config_errors_naming_the_key_be
     assert done.stderr.splitlines() == ["keel pretrain: config error: optim.beta1: must be in [0, 1), got 1.5",
                                         "keel pretrain: config error: optim.beta2: must be in [0, 1), got -0.1",
                                         "keel pretrain: config error: optim.eps: must be > 0, got -1.0"]
+
+
+def test_overrides_after_config_are_overrides(tmp_path, capsys):
+    """`keel pretrain --config F run.dir=X`: the override after --config was refused as an unrecognized argument."""
+    config = tmp_path / "f.yaml"
+    config.write_text("trainer:\n  max_steps: 3\n")
+    argv = ["pretrain", "optim.lr=0.01", "--config", str(config), f"run.dir={tmp_path / 'x'}", "--print-config"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"dir: {tmp_path / 'x'}\n" in out and "max_steps: 3\n" in out and "lr: 0.01\n" in out

@@ -58,6 +58,10 @@ VARIANTS = {
 }
 
 
+class NotYetRun(ConfigError):
+    """A grid none of whose runs has finished: a report lists it as not (yet) run."""
+
+
 @dataclass
 class Verdict:
     failure: str | None  # divergence | nonfinite | None (none up to the end of the probe)
@@ -229,7 +233,7 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
             unigrams[key] = unigram_loss(cfg)
         rows.append(probe_row(run_dir, run["axes"]["row"], cfg, unigrams[key], margin))
     if not rows:
-        raise ConfigError(f"keel maxlr collect: no finished run in {out} yet ({len(pending)} listed)")
+        raise NotYetRun(f"keel maxlr collect: no finished run in {out} yet ({len(pending)} listed)")
     write_table(rows, out / "maxlr.csv")
     summary = summarize(rows)
     labels = list(dict.fromkeys(r["row"] for r in rows))

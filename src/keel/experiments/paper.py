@@ -22,7 +22,7 @@ from pathlib import Path
 from keel.errors import ConfigError
 from keel.artifacts import TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import load_run_config, markdown_table, pyplot
-from keel.experiments.maxlr_report import collect, compare, max_lr_value
+from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
 from keel.schemes import scheme_of
 
@@ -234,7 +234,7 @@ def report(out: Path) -> str:
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
-            except ConfigError as err:  # no finished run yet
+            except NotYetRun as err:
                 missing.append(f"{grid} ({err})")
         else:
             missing.append(grid)
@@ -292,6 +292,9 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dir", nargs="?", default="runs/paper")
     out = Path(parser.parse_args(argv).dir)
+    if not out.is_dir():
+        raise ConfigError(f"paper-report: {out} is not a directory; give the DIR `make paper` wrote (PAPER_OUT, by "
+                          "default runs/paper)")
     text = report(out)
     (out / "report.md").write_text(text)
     print(text)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import fsspec
 
-from keel.errors import ConfigError
+from keel.errors import STORAGE_FAILURES, ConfigError
 
 if TYPE_CHECKING:
     from keel.config import DataConfig
@@ -23,6 +25,20 @@ PUBLISHING = ".keel-publishing"  # present while a build is moved into place: wh
 SPLITS = ("train", "val")
 MANIFEST_KEYS = ("settings", "documents", "tokens", "vocab_size", "eos_id", "tokenizer_sha256")
 REBUILD = "rebuild with `keel data --force` (same data.* settings)"
+
+
+@contextlib.contextmanager
+def writing(what: str) -> Iterator[None]:
+    """Turns a write under it that storage refuses (a full disk, a quota, a file size limit, a read-only or
+    unwritable folder) into one line naming `what` was written and what to do, instead of a bare OSError (a write's
+    OSError names no file)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in STORAGE_FAILURES:
+            raise
+        problem, remedy = STORAGE_FAILURES[err.errno]
+        raise ConfigError(f"{problem} writing {what}: {remedy} or choose another data.dir / TMPDIR") from None
 
 
 def sha256(raw: bytes) -> str:

@@ -978,7 +978,7 @@ def test_keel_data_never_removes_what_no_build_wrote(built, tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"keel data: config error: data.dir={corpus} holds tokenizer.json, train/, val/, which no keel build wrote (a "
         "build would replace them); nothing was changed: choose a new or empty data.dir"]
-    assert files_of(corpus) == before
+    assert files_of(corpus) == before and not (corpus / LOCK).exists()
     # an earlier build is replaced (--force), and one whose move into place was stopped is rebuilt; a user's file
     # inside a split is not shards
     shards = tmp_path / "shards"

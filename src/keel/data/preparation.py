@@ -130,11 +130,11 @@ def prepare(cfg: Config, force: bool = False) -> dict:
     if (manifest := _up_to_date(cfg, fs, force)) is not None:
         return manifest
     given = load_tokenizer(data.tokenizer) if data.tokenizer else None  # before reading: fail fast
+    refuse_foreign_files(fs, data.dir)  # before any work or lock file: a build would replace them
     # an object store has no lock: two builds into one remote data.dir are not prevented
     with contextlib.nullcontext() if "://" in data.dir else DataDirLock(data.dir):
         if (manifest := _up_to_date(cfg, fs, force)) is not None:  # built meanwhile by the lock's last holder
             return manifest
-        refuse_foreign_files(fs, data.dir)  # before any work: a build would replace them
         staging = data_path(data.dir, STAGING)
         if fs.exists(staging):  # left by a build killed before it could remove it (the lock says none is running)
             fs.rm(staging, recursive=True)

@@ -138,11 +138,12 @@ def test_checkpoint_options_are_refused_where_they_cannot_apply(capsys, args, me
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+# Peak RSS from VmHWM: ru_maxrss would count the forking pytest process's own memory (it survives exec)
 GRADFLOW_PEAK = """
-import resource, sys
+import re, sys
 from keel import cli
 code = cli.main(["gradflow", *sys.argv[1:]])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024, file=sys.stderr)
 sys.exit(code)
 """
 

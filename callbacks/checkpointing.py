@@ -13,7 +13,6 @@ FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only aft
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import signal
@@ -25,14 +24,11 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from keel.errors import StorageError
+from keel.errors import STORAGE_FAILURES, StorageError
 from keel.rundir import say
 
 STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")
 NONFINITE = "nonfinite.ckpt"
-STORAGE_FAILURES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
-                    errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-                    errno.EPERM: "permission denied", errno.EFBIG: "the file is too large for this file system"}
 
 
 def storage_failure(err: BaseException) -> str | None:
@@ -45,7 +41,7 @@ def storage_failure(err: BaseException) -> str | None:
             continue
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno in STORAGE_FAILURES:
-            return f"{STORAGE_FAILURES[current.errno]} ({os.strerror(current.errno)})"
+            return f"{STORAGE_FAILURES[current.errno][0]} ({os.strerror(current.errno)})"
         failures = getattr(current, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
         if isinstance(failures, dict):
             pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
@@ -86,7 +82,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._start_step = 0
         self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
-        self._last_finite_step: int | None = None  # of the last save of this run with finite weights
+        self._last_finite_step: int | None = None  # in last.ckpt, saved by this run with finite weights
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -162,7 +158,8 @@ class RunCheckpoint(ModelCheckpoint):
                     raise
                 raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or "
                                    "make it writable) and re-run the same command to continue from there") from None
-            self._last_finite_step = trainer.global_step
+            if Path(filepath).name == self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION:  # what _kept() names
+                self._last_finite_step = trainer.global_step
             return
         if self._last_global_step_saved == trainer.global_step:  # the step-numbered and last.ckpt saves: once
             return

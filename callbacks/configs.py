@@ -14,14 +14,25 @@ from __future__ import annotations
 import importlib
 from abc import ABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from keel.errors import require
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
 
-    from keel.config import Config
+
+class RunSettings(Protocol):
+    """What the callbacks' check and build read of the run's keel.config.Config: named by its shape, not imported
+    (keel.config imports this module)."""
+
+    model: Any
+    trainer: Any
+    run: Any
+
+    @property
+    def device_tokens_per_step(self) -> int: ...
+
 
 ON_NONFINITE = ("skip", "stop")
 SIGNALS = ("train", "val")
@@ -45,10 +56,10 @@ class CallbackConfig(ABC):
         """The option's full key, for error messages."""
         return f"callbacks.{self.name}.{field}"
 
-    def check(self, cfg: Config) -> None:
+    def check(self, cfg: RunSettings) -> None:
         """Checks against the rest of the config (run at load time, when enabled); none by default."""
 
-    def build(self, cfg: Config) -> Callback:
+    def build(self, cfg: RunSettings) -> Callback:
         """The callback, for a run of cfg (by default: its class called with these options)."""
         return self.callback_class()(self)
 
@@ -75,11 +86,21 @@ class GradNormsConfig(CallbackConfig):
                 self.key("heatmap_every_n_steps"),
                 f"must be a multiple of {self.key('every_n_steps')}={self.every_n_steps} (0 = never)")
 
-    def check(self, cfg: Config) -> None:
+    def check(self, cfg: RunSettings) -> None:
         require(not self.activation_every_n_steps or (cfg.trainer.strategy != "fsdp" and not cfg.trainer.compile),
                 self.key("activation_every_n_steps"), "the activation-gradient profile (keel.gradflow) needs "
                 "unsharded, uncompiled blocks: set trainer.compile=false (trainer=cpu compiles by default) and a strategy "
                 "other than fsdp, or set it to 0")
+
+
+def divergence_bar(best: float, spike_margin: float, ceiling: float | None, ceiling_margin: float) -> float:
+    """The loss above which a run is diverging, the one rule of the stability monitor and of `keel maxlr`'s verdict:
+    the best loss so far + spike_margin, capped at `ceiling` (the unigram loss) once the best is ceiling_margin
+    below it - a model that has learned and falls back to unigram has failed, even within the margin."""
+    bar = best + spike_margin
+    if ceiling is not None and best <= ceiling - ceiling_margin:
+        bar = min(bar, ceiling)
+    return bar
 
 
 @dataclass
@@ -116,7 +137,7 @@ class StabilityConfig(CallbackConfig):
         require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
         require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
 
-    def build(self, cfg: Config) -> Callback:
+    def build(self, cfg: RunSettings) -> Callback:
         return self.callback_class()(self, cfg.run.dir)
 
 
@@ -135,7 +156,7 @@ class ThroughputConfig(CallbackConfig):
         require(self.window >= 2, self.key("window"), "must be >= 2")
         require(self.peak_flops >= 0, self.key("peak_flops"), "must be >= 0 (0 = look up)")
 
-    def build(self, cfg: Config) -> Callback:
+    def build(self, cfg: RunSettings) -> Callback:
         from keel.flops import flops_per_token  # not at the top: keel.flops imports torch, which keel.config must not
 
         return self.callback_class()(cfg.device_tokens_per_step, flops_per_token(cfg.model), self)
@@ -185,12 +206,12 @@ class EvalConfig(CallbackConfig):
     def key(self, field: str) -> str:
         return f"eval.{field}"
 
-    def check(self, cfg: Config) -> None:
+    def check(self, cfg: RunSettings) -> None:
         require(self.every_n_steps % cfg.trainer.val_every_n_steps == 0, self.key("every_n_steps"),
                 f"must be a multiple of trainer.val_every_n_steps={cfg.trainer.val_every_n_steps}, got "
                 f"{self.every_n_steps}: tasks run right after a validation, next to its loss")
 
-    def build(self, cfg: Config) -> Callback:
+    def build(self, cfg: RunSettings) -> Callback:
         return self.callback_class()(cfg)
 
 

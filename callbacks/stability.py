@@ -53,7 +53,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.callbacks.reporting import due, log_scalars, log_text
 from keel.artifacts import STABILITY
-from keel.callbacks.configs import StabilityConfig
+from keel.callbacks.configs import StabilityConfig, divergence_bar
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
 
@@ -209,10 +209,8 @@ class StabilityMonitor(Callback):
         """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
         self._best = min(self._best, value)
         self._excess = value - self._best
-        bar = self._best + self.config.spike_margin
         ceiling = self.config.spike_ceiling
-        if ceiling is not None and self._best <= ceiling - self.config.spike_ceiling_margin:
-            bar = min(bar, ceiling)
+        bar = divergence_bar(self._best, self.config.spike_margin, ceiling, self.config.spike_ceiling_margin)
         if value > bar:
             if self._over == 0:
                 self.counts["spikes"] += 1

@@ -74,7 +74,8 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
     """Shards + tokenizer built by `keel data`; returns the data.* overrides that select them."""
-    from keel.data.preparation import is_validation, main as data_main
+    from keel.data.preparation import main as data_main
+    from keel.data.spooling import is_validation
 
     data_dir = tmp_path_factory.mktemp("shards") / "tiny"
     # The split hashes each document's id, here its path under pytest's per-run temporary folder: take the first

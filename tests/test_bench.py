@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import statistics
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from keel.cli import main as cli_main
 from keel.flops import device_peak_flops, flops_per_token
+from keel.model import KeelLM
 from keel.ops.chunked_ce import DEFAULT_CHUNK
 from keel.schemes import ModelConfig
 
@@ -115,3 +117,16 @@ def test_the_cpu_peak_probe_is_sized_to_the_cpus_speed():
     assert probe_size(seconds_at_256(1e9)) == 512  # 0.27 s each: 10 repeats in ~3 s
     assert probe_size(seconds_at_256(47e9)) == MATMUL_SIZE  # this project's fp32 rate: 0.37 s each
     assert probe_size(1.0) == 256  # never below the first size
+
+
+def test_a_bench_too_big_for_this_machine_is_refused_before_any_model_is_built(monkeypatch, capsys):
+    """`--depth 100000 --width 4096` went past 10 GB in 73 s: it had no memory check."""
+    built = []
+    monkeypatch.setattr(KeelLM, "__init__", lambda *args: built.append(args))
+    assert cli_main(["bench", "--depth", "100000", "--width", "4096", "--device", "cpu", "--threads", "1,2"]) == 2
+    assert re.fullmatch(r"keel bench: config error: keel bench --depth 100000 --width 4096 --batch 8 x --seq-len 256, "
+                        r"4 model\(s\) held at once needs about [\d.]+ GiB \([\d,]+ parameters: weights, gradients and "
+                        r"AdamW state, per model; plus activations\), more than the [\d.]+ GiB available here; lower "
+                        r"them, or bench fewer --schemes, --loss-chunk, --compile or --threads values at once",
+                        capsys.readouterr().err.strip())
+    assert not built

@@ -26,12 +26,14 @@ import torch
 from litdata.streaming.writer import BinaryWriter
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-import keel.data.preparation
+import keel.data.shard_writing
+import keel.data.spooling
 from keel import cli
 from keel.config import Config, DataConfig, load_config
 from keel.data.loading import KeelDataModule, open_dataset, token_loader
-from keel.data.preparation import SPAN_CHARS, DataDirLock, is_validation, prepare
-from keel.data.shards import STAGING
+from keel.data.preparation import DataDirLock, prepare
+from keel.data.spooling import SPAN_CHARS, Spool, is_validation
+from keel.data.shards import MANIFEST, PUBLISHING, STAGING, TOKENIZER
 from keel.data.sources import SOURCES, read_documents
 from keel.data.sources.stdlib import STDLIB_EXCLUDED_DIRS
 from keel.data.sources.text_files import cut_text
@@ -321,7 +323,7 @@ def test_long_texts_reach_the_tokenizer_in_pieces_that_change_no_token(built):
 def test_the_shard_encoder_gives_the_tokenizer_bounded_texts_and_the_ids_of_whole_documents(built, tmp_path):
     tokenizer = Tokenizer.from_file(str(built.dir / "tokenizer.json"))
     texts = [long_text(SPAN_CHARS + 3 * PIECE_CHARS // 2), "a short document", long_text(PIECE_CHARS // 2, seed=4)]
-    spool = keel.data.preparation._Spool(str(tmp_path / "train.jsonl"))
+    spool = Spool(str(tmp_path / "train.jsonl"))
     with open(spool.path, "wb") as out:
         for number, text in enumerate(texts):
             spool.add(out, str(number), text)
@@ -333,7 +335,7 @@ def test_the_shard_encoder_gives_the_tokenizer_bounded_texts_and_the_ids_of_whol
             calls.append([len(text) for text in batch])
             return tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
 
-    ids = keel.data.preparation._SpanEncoder(Recording(), 0, np.dtype(np.uint16))((spool.path, span))
+    ids = keel.data.shard_writing.SpanEncoder(Recording(), 0, np.dtype(np.uint16))((spool.path, span))
     assert ids.tolist() == [i for text in texts for i in [*tokenizer.encode(text).ids, 0]]  # EOS (0) after each
     assert max(max(call) for call in calls) <= PIECE_CHARS
     assert len(calls) == 2 and sum(calls[0]) >= SPAN_CHARS and sum(calls[0]) - calls[0][-1] < SPAN_CHARS
@@ -611,7 +613,7 @@ def dispersion_p_value(cfg: Config, batches: int) -> float:
 def test_training_batches_are_a_uniform_sample(sourced_corpus, tmp_path, monkeypatch, shuffle_documents,
                                                shuffle_window, random_sample):
     # ~200 documents a chunk (as with litdata's default chunk size on a real corpus, not one chunk in all)
-    monkeypatch.setattr(keel.data.preparation, "SPAN_CHARS", 60_000)
+    monkeypatch.setattr(keel.data.spooling, "SPAN_CHARS", 60_000)
     monkeypatch.chdir(sourced_corpus)  # relative ids: the split, hence every figure here, is the same on each run
     cfg = config(tmp_path / "shards", f"data.shuffle_documents={shuffle_documents}",
                  f"data.shuffle_window={shuffle_window}", "data.doc_chars=0", "data.chunk_bytes=16KB",
@@ -808,9 +810,9 @@ def killed(self, span):  # as the out-of-memory killer would
 
 
 @pytest.mark.parametrize("failure, said", [
-    ((BinaryWriter, "write_chunk_to_file", full_disk), "no space left on device writing the shards in {shards}/"
+    ((BinaryWriter, "write_chunk_to_file", full_disk), "no space left on the device writing the shards in {shards}/"
      ".keel-build/train: free space or choose another data.dir / TMPDIR"),
-    ((keel.data.preparation._SpanEncoder, "__call__", killed), "the train shard writer (worker 0 of 1) was killed by "
+    ((keel.data.shard_writing.SpanEncoder, "__call__", killed), "the train shard writer (worker 0 of 1) was killed by "
      "SIGKILL (the kernel's out-of-memory killer sends it: use fewer data.prepare_workers, or more memory) before it "
      "was done"),
 ])
@@ -858,8 +860,8 @@ def test_writes_that_run_out_of_room_fail_in_one_line_without_hanging(built, tmp
     environment = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
     overrides = overrides_for(shards, corpus=built.root / "corpus")
     cases = [
-        (FORKS_MAY_WRITE_4KB, None, re.escape(f"file too large writing the shards in {shards}/.keel-build/train: ")),
-        (KEEL_DATA, write_at_most(16_384), re.escape(f"file too large writing the spooled corpus in {tmp}/keel-data-")
+        (FORKS_MAY_WRITE_4KB, None, re.escape(f"the file is too large (past a file size limit or the file system's) writing the shards in {shards}/.keel-build/train: ")),
+        (KEEL_DATA, write_at_most(16_384), re.escape(f"the file is too large (past a file size limit or the file system's) writing the spooled corpus in {tmp}/keel-data-")
          + r"\w+: "),
     ]
     for driver, preexec_fn, what in cases:
@@ -888,12 +890,12 @@ def interrupt_when(process: subprocess.Popen, line_starts: str) -> float:
 SLOW_SHARD_WRITERS = """
 import sys, time
 from keel import cli
-from keel.data import preparation
-encode = preparation._SpanEncoder.__call__
+from keel.data import shard_writing
+encode = shard_writing.SpanEncoder.__call__
 def encode_slowly(self, span):  # holds the forked shard writers at work, to be interrupted there
     time.sleep(600)
     return encode(self, span)
-preparation._SpanEncoder.__call__ = encode_slowly
+shard_writing.SpanEncoder.__call__ = encode_slowly
 sys.exit(cli.main(["data", *sys.argv[1:]]))
 """
 
@@ -961,3 +963,31 @@ def test_a_second_build_of_a_data_dir_is_refused_naming_the_holder(built, tmp_pa
     (shards / STAGING / "train" / "chunk-0-0.bin").write_bytes(b"partial")
     assert cli.main(["data", *overrides]) == 0
     assert not (shards / STAGING).exists() and (shards / LOCK).read_text() == ""  # released
+
+
+def test_keel_data_never_removes_what_no_build_wrote(built, tmp_path, capsys):
+    """`keel data data.paths=[corp/train/*.txt,corp/val/*.txt] data.dir=corp` deleted the whole corpus: publishing
+    replaced train/, val/, tokenizer.json and manifest.json in data.dir whether or not keel had made them."""
+    corpus = tmp_path / "corp"
+    write_corpus(corpus / "train")
+    write_corpus(corpus / "val")
+    (corpus / TOKENIZER).write_text("{}")  # the user's own
+    before = files_of(corpus)
+    overrides = [*overrides_for(corpus), f"data.paths=[{corpus}/train/*.txt,{corpus}/val/*.txt]"]
+    assert cli.main(["data", *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"keel data: config error: data.dir={corpus} holds tokenizer.json, train/, val/, which no keel build wrote (a "
+        "build would replace them); nothing was changed: choose a new or empty data.dir"]
+    assert files_of(corpus) == before and not (corpus / LOCK).exists()
+    # an earlier build is replaced (--force), and one whose move into place was stopped is rebuilt; a user's file
+    # inside a split is not shards
+    shards = tmp_path / "shards"
+    shutil.copytree(built.dir, shards)
+    (shards / MANIFEST).unlink()
+    (shards / PUBLISHING).write_bytes(b"")  # as an interrupted publish leaves it
+    assert cli.main(["data", *overrides_for(shards, corpus=built.root / "corpus")]) == 0
+    assert not (shards / PUBLISHING).exists() and json.loads((shards / MANIFEST).read_text())["tokens"]
+    (shards / "val" / "notes.txt").write_text("mine")
+    assert cli.main(["data", "--force", *overrides_for(shards, corpus=built.root / "corpus")]) == 2
+    assert "holds val/, which no keel build wrote" in capsys.readouterr().err
+    assert (shards / "val" / "notes.txt").read_text() == "mine"

@@ -103,7 +103,7 @@ def test_maxlr_nonfinite_and_open_excursions_fail():
     assert both.failure == "divergence" and both.onset_step == 99
 
 
-def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
+def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path, capsys):
     out = tmp_path / "maxlr"
     peak = 20.0  # absurd for AdamW: every run must fail on the way up
     argv = ["maxlr", "--schemes", "preln,keel", "--depths", "2", "--steps", "24", "--peak-lr", str(peak),
@@ -150,12 +150,25 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path):
     paper = (tmp_path / "paper" / "report.md").read_text()
     section = paper.split("## Keel without its outer norms' gains, 16 x 64 (nogain-d16 beside table1-d16's keel rows)")[1]
     assert "| keel | " in section and "| keel-nogain | " in section and "| keel-nogain vs keel |" in section
+    # a truncated stability.json is named (it was JSONDecodeError's traceback), as is a missing directory
+    stability = tmp_path / "paper" / "nogain-d16" / "keel-d2-s1337" / "stability.json"
+    stability.write_text(stability.read_text()[:20])
+    capsys.readouterr()
+    assert cli_main(["paper-report", str(tmp_path / "paper")]) == 2
+    assert capsys.readouterr().err.startswith(f"keel paper-report: config error: {stability} cannot be read "
+                                              "(truncated?): ")
+    assert cli_main(["paper-report", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == (f"keel paper-report: config error: paper-report: {tmp_path / 'none'} is not a "
+                                       "directory; give the DIR `make paper` wrote (PAPER_OUT, by default runs/paper)\n")
 
 
 def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     out = tmp_path / "g"
     grid = ["maxlr", "--schemes", "keel,preln", "--alphas", "1,L", "--seeds", "1,2", "--out", str(out),
             "--variant", "noinner=model.scheme=keel,model.keel_inner_norm=false"]
+    assert cli_main([*grid, "--steps", "10", "--eval-every", "20"]) == 2  # no held-out loss would be measured
+    assert capsys.readouterr().err == ("keel maxlr: config error: --steps 10: must be at least --eval-every 20, or no "
+                                       "held-out loss is measured\n")
     assert cli_main([*grid, "--emit", "commands"]) == 0
     commands = (out / "commands.sh").read_text().splitlines()
     names = [c.split("--only ")[-1] for c in commands]

@@ -285,16 +285,18 @@ def test_nonfinite_weights_never_replace_or_prune_the_last_finite_checkpoint(tin
         f"{checkpoints / LAST} keeps step 2, the last finite checkpoint")
 
 
-@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "no space left on the device"),
-                                          (errno.EROFS, "the file system is read-only")])
+@pytest.mark.parametrize("code, reason, failing", [(errno.ENOSPC, "no space left on the device", "step000008.ckpt"),
+                                                   (errno.EROFS, "the file system is read-only", "step000008.ckpt"),
+                                                   (errno.ENOSPC, "no space left on the device", LAST)])
 def test_a_save_that_storage_refuses_is_one_line_naming_the_last_good_checkpoint(tiny_data, tmp_path, monkeypatch,
-                                                                                   capsys, code, reason):
+                                                                                   capsys, code, reason, failing):
     """The saves of step 8 fail as a full tmpfs makes torch's zip writer fail (its RuntimeError raised while
-    handling the OSError) or as a read-only file system does; step 4's checkpoint stays the last good one."""
+    handling the OSError) or as a read-only file system does; step 4's checkpoint stays the last good one. When
+    only last.ckpt fails (step000008.ckpt was written), the message said it kept step 8 while it held step 4."""
     save = AtomicCheckpointIO.save_checkpoint
 
     def failing_save(self, checkpoint, path, storage_options=None):
-        if checkpoint["global_step"] < 8:
+        if checkpoint["global_step"] < 8 or (failing == LAST and Path(path).name != LAST):  # step000008 written
             return save(self, checkpoint, path, storage_options)
         try:
             raise OSError(code, os.strerror(code))
@@ -308,7 +310,7 @@ def test_a_save_that_storage_refuses_is_one_line_naming_the_last_good_checkpoint
     assert cli_main(argv) == 1
     checkpoints = run / "checkpoints"
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"keel pretrain: checkpoint: cannot write {checkpoints / 'step000008.ckpt'}: {reason} ({os.strerror(code)}); "
+        f"keel pretrain: checkpoint: cannot write {checkpoints / failing}: {reason} ({os.strerror(code)}); "
         f"{checkpoints / LAST} keeps step 4, the last finite checkpoint. Free space (or make it writable) and re-run "
         "the same command to continue from there")
     assert read_checkpoint(checkpoints / LAST, weights=False)["global_step"] == 4
@@ -553,11 +555,17 @@ def tiny_checkpoint(tiny_data, tmp_path_factory) -> Path:
     return run / "checkpoints" / LAST
 
 
-def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoint, tmp_path, capsys):
+def test_eval_unknown_task_and_missing_task_data_are_clear_errors(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    from lm_eval.tasks import TaskManager
+
     common = ["eval", "--model_args", f"checkpoint={tiny_checkpoint}", "--device", "cpu", "--limit", "2"]
-    assert cli_main([*common, "--tasks", "no_such_task"]) == 2
+    indexed = []  # lm-eval's index of every task took minutes before it said a name was unknown
+    with monkeypatch.context() as patched:
+        patched.setattr(TaskManager, "__init__", lambda *args, **kwargs: indexed.append(args))
+        assert cli_main([*common, "--tasks", "keel_next_line,no_such_task"]) == 2
     err = capsys.readouterr().err
     assert "--tasks: Tasks not found: no_such_task; `keel eval ls tasks` lists the known ones" in err
+    assert not indexed
     metadata = json.dumps({"data_dir": str(tmp_path)})
     assert cli_main([*common, "--tasks", "keel_arc_easy", "--metadata", metadata]) == 2
     err = capsys.readouterr().err
@@ -577,11 +585,12 @@ def test_gradflow_refuses_sizes_that_will_not_fit_unless_forced(monkeypatch, cap
 
 def test_gradflow_counts_each_blocks_fixed_cost_at_tiny_width(monkeypatch, capsys):
     """At width 8 a block's Python objects and autograd graph (~112 KiB) outweigh its 800 parameters: 100,000
-    such blocks need ~12 GiB, which an estimate of parameters and activations alone put at ~1.4 GiB."""
+    such blocks need ~12 GiB, which an estimate of parameters and activations alone put at ~1.4 GiB; plus the
+    process itself, 1 GiB."""
     monkeypatch.setattr("keel.memory.available_bytes", lambda: 8 * 2**30)
     assert cli_main(["gradflow", "--depth", "100000", "--width", "8", "--heads", "2", "--seq-len", "8",
                      "--batch", "1"]) == 2
-    assert "needs about 12." in capsys.readouterr().err
+    assert "needs about 13.0 GiB" in capsys.readouterr().err
 
 
 def test_a_cpu_run_too_big_for_the_machine_is_refused_before_anything_is_allocated(tiny_data, tmp_path, monkeypatch,
@@ -614,3 +623,74 @@ def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_d
     err = capsys.readouterr().err
     assert "trainer.compile=true" in err and "keel-test-no-such-cxx" in err and "trainer.compile=false" in err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------- issue 34: nothing good lost, true messages
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_consolidate_refuses_an_existing_output_one_under_a_file_and_its_own_input(tmp_path, capsys):
+    """Given another run's resumable step000005.ckpt as output, consolidate replaced it with weights only."""
+    sharded, taken, blocker = tmp_path / "last.ckpt", tmp_path / "step000005.ckpt", tmp_path / "notes.txt"
+    _sharded_checkpoint(sharded)
+    torch.save({"optimizer_states": [], "global_step": 5}, taken)
+    blocker.write_text("mine")
+    before = taken.read_bytes()
+    for output, said in ((taken, f"{taken} already exists; choose a new output path (nothing is overwritten)"),
+                         (sharded, f"{sharded} already exists; choose a new output path (nothing is overwritten)"),
+                         (blocker / "out.ckpt", f"cannot write {blocker / 'out.ckpt'}: {blocker} is a file, not a "
+                                                "directory; choose another output path")):
+        assert cli_main(["consolidate", str(sharded), str(output)]) == 2
+        assert capsys.readouterr().err == f"keel consolidate: config error: consolidate: {said}\n"
+    assert taken.read_bytes() == before and blocker.read_text() == "mine"
+    assert read_checkpoint(sharded)["global_step"] == 3  # the input, untouched
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_payload_in_a_single_file_or_meta_pt_is_refused_naming_it_not_with_torchs_advice(tmp_path, capsys):
+    """They were refused, but as "corrupt or truncated?" with torch's advice that weights_only=False "will likely
+    succeed": the unsafe retry."""
+    marker = tmp_path / "payload-ran"
+    single, sharded = tmp_path / "downloaded.ckpt", tmp_path / "sharded.ckpt"
+    torch.save({"keel": {}, "state_dict": {}, "hook": Payload(marker)}, single)
+    _sharded_checkpoint(sharded)
+    torch.save({"keel": {}, "hook": Payload(marker)}, sharded / "meta.pt")
+    for path, file in ((single, single), (sharded, sharded / "meta.pt")):
+        for weights in (True, False):
+            with pytest.raises(ConfigError) as err:
+                read_checkpoint(path, weights=weights)
+            assert str(err.value) == (f"checkpoint: {file} refused: it refers to builtins.exec, which a checkpoint "
+                                      "never holds; it may have been made to run code when loaded: do not use this "
+                                      "checkpoint")
+        assert cli_main(["generate", f"checkpoint={path}"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "weights_only=False" not in err and "refers to builtins.exec" in err
+    assert not marker.exists()
+
+
+OPTIMIZER_VALUES = """
+import sys
+from keel import cli
+codes = [cli.main(["pretrain", override]) for override in sys.argv[1:]]
+print(codes, "torch" in sys.modules)
+"""
+
+
+def test_optimizer_values_torch_would_refuse_are_config_errors_naming_the_key_before_torch_loads():
+    """optim.beta1=1.5 and optim.eps=-1 ended in torch's ValueError traceback once the model was built (~45 s)."""
+    done = subprocess.run([sys.executable, "-c", OPTIMIZER_VALUES, "optim.beta1=1.5", "optim.beta2=-0.1",
+                           "optim.eps=-1"], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "[2, 2, 2] False\n"  # refused, and torch was never imported
+    assert done.stderr.splitlines() == ["keel pretrain: config error: optim.beta1: must be in [0, 1), got 1.5",
+                                        "keel pretrain: config error: optim.beta2: must be in [0, 1), got -0.1",
+                                        "keel pretrain: config error: optim.eps: must be > 0, got -1.0"]
+
+
+def test_overrides_after_config_are_overrides(tmp_path, capsys):
+    """`keel pretrain --config F run.dir=X`: the override after --config was refused as an unrecognized argument."""
+    config = tmp_path / "f.yaml"
+    config.write_text("trainer:\n  max_steps: 3\n")
+    argv = ["pretrain", "optim.lr=0.01", "--config", str(config), f"run.dir={tmp_path / 'x'}", "--print-config"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"dir: {tmp_path / 'x'}\n" in out and "max_steps: 3\n" in out and "lr: 0.01\n" in out

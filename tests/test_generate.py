@@ -74,6 +74,8 @@ def test_generate_errors_name_the_option(tiny_run, capsys):
     checkpoint = tiny_run / "checkpoints" / LAST
     assert cli_main(["generate", str(checkpoint), "--max-new-tokens", "32"]) == 2
     assert "--max-new-tokens must be in [1, 31] (the model's seq_len is 32)" in capsys.readouterr().err
+    assert cli_main(["generate", str(checkpoint), "--prompt", "def "]) == 0  # the default (100) was refused too
+    assert capsys.readouterr().out.startswith("def ")
     assert cli_main(["generate", str(checkpoint), "--threads", "0"]) == 2
     assert "generate: --threads must be >= 1, got 0" in capsys.readouterr().err
     assert cli_main(["generate", "checkpoint=/nonexistent.ckpt"]) == 2

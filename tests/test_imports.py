@@ -1,6 +1,6 @@
 """The package's import structure: every dependency points one way (no cycle among keel's modules, imports inside
-functions included, `if TYPE_CHECKING:` blocks left out), every module imports on its own in dependency order, and
-no module imports another's private name."""
+functions and `if TYPE_CHECKING:` blocks included: a circle for types alone is a circle of files all the same), every
+module imports on its own in dependency order, and no module imports another's private name."""
 
 from __future__ import annotations
 
@@ -24,15 +24,10 @@ def modules() -> dict[str, Path]:
 
 
 def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
-    """(module, name) for every `from keel... import name` / `import keel...` outside TYPE_CHECKING blocks; name is
+    """(module, name) for every `from keel... import name` / `import keel...`, type-only ones included; name is
     None for a plain import. A name that is itself a module counts as that module."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(block.test) for node in ast.walk(block)}
     found = []
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("keel"):
             found += [(f"{node.module}.{a.name}", None) if f"{node.module}.{a.name}" in known else (node.module, a.name)
                       for a in node.names]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from keel.errors import ConfigError
+
 CONFIG = "config.yaml"
 TENSORBOARD = "tb"
 STABILITY = "stability.json"
@@ -37,4 +39,10 @@ def read_scalars(run_dir: str | Path, tags: list[str] | None = None) -> dict[str
 def read_stability(run_dir: str | Path) -> dict | None:
     """The run's stability.json, or None when the stability monitor wrote none."""
     path = Path(run_dir) / STABILITY
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:  # a run killed as it wrote it (on a file system without atomic rename), or edited
+        raise ConfigError(f"{path} cannot be read (truncated?): {err}; delete it (the run's verdict is lost) or "
+                          "re-run that run") from None

@@ -52,6 +52,7 @@ from keel.devices import (
 from keel.errors import ConfigError
 from keel.flops import device_peak_flops, flops_per_token
 from keel.lit import make_optimizer
+from keel.memory import check_steps_fit
 from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import default_chunk
 from keel.parallel import compile_blocks
@@ -428,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if device.type == "cpu":  # each step variant keeps its model, gradients and AdamW state through the rounds
+        models = [model_config(args, *pair) for pair in itertools.product(args.schemes, args.loss_chunk)]
+        check_steps_fit(models * len(args.compile) * len(args.threads), args.batch, f"keel bench --depth {args.depth} "
+                        f"--width {args.width} --batch {args.batch} x --seq-len {args.seq_len}", "lower them, or bench "
+                        "fewer --schemes, --loss-chunk, --compile or --threads values at once")
     peak, peak_source = peak_flops(args, device, dtype)
     variants = build_variants(args, device)
     probe = None

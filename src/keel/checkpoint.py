@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from keel.config import Config, from_dict
 from keel.errors import ConfigError
 from keel.export_format import read_export
-from keel.model import KeelLM
+from keel.memory import check_model_fits
+from keel.model import KeelLM, check_state_fits
 
 LAST = "last.ckpt"
 SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint
@@ -103,12 +104,35 @@ class _WeightsOnlyBytesPlanner(DefaultLoadPlanner):
 def _why_not_weights_only(value: io.BytesIO) -> str:
     value.seek(0)
     try:  # torch's own error is a page of advice; this names the globals it refuses
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(value)
+        unsafe = unsafe_globals(value)
     except Exception as err:
         return f"is not a torch.save object ({describe_error(err)})"
     if not unsafe:
         return "cannot be read by torch.load(weights_only=True)"
     return f"refers to {', '.join(unsafe)}, which torch.load(weights_only=True) does not allow"
+
+
+def unsafe_globals(file) -> list[str]:
+    """The globals a torch.save file (path or file object) refers to that torch's weights-only unpickler refuses."""
+    return torch.serialization.get_unsafe_globals_in_checkpoint(file)
+
+
+def torch_load(path: Path, mmap: bool = False) -> Any:
+    """torch.load(weights_only=True) of one checkpoint file, its failure one line: a file that refers to code
+    (a payload) is refused naming it, never with torch's advice to retry with weights_only=False."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:
+        try:
+            unsafe = unsafe_globals(path)
+        except Exception:  # not even a zip of pickles: damaged
+            unsafe = []
+        if unsafe:
+            raise ConfigError(f"checkpoint: {path} refused: it refers to {', '.join(unsafe)}, which a checkpoint "
+                              "never holds; it may have been made to run code when loaded: do not use this "
+                              "checkpoint") from None
+        reason = describe_error(err).splitlines()[0]
+        raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {reason}") from None
 
 
 def refuse_payloads(path: Path) -> None:
@@ -280,7 +304,7 @@ def _read_sharded(path: Path, weights: bool) -> dict:
             if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
                 raise ConfigError(f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or truncated")
         refuse_payloads(path)
-        checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+        checkpoint = torch_load(path / SHARDED_META)
         if weights:
             checkpoint["state_dict"] = _sharded_weights(reader)
     except ConfigError:
@@ -303,10 +327,7 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
         if path.stat().st_size == 0:
             raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); resume from "
                               "another checkpoint (resume=PATH) or start afresh (resume=null)")
-        try:  # without the weights, mapped: only the entries used are read
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=not weights)
-        except Exception as err:
-            raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {describe_error(err)}") from None
+        checkpoint = torch_load(path, mmap=not weights)  # without the weights, mapped: only the entries used are read
     else:
         raise ConfigError(f"checkpoint: no file or directory at {path}")
     if not isinstance(checkpoint, dict) or "keel" not in checkpoint or (weights and "state_dict" not in checkpoint):
@@ -320,15 +341,34 @@ def model_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
 
 
+def checked_config(checkpoint: dict, path: str | Path) -> Config:
+    """The Config a checkpoint read by read_checkpoint holds, checked against its weights' shapes and this
+    machine's memory before a model of its size is built: the config is as untrusted as the file."""
+    cfg = from_dict(checkpoint["keel"]["config"])
+    check_state_fits(cfg.model, model_state_dict(checkpoint), f"checkpoint: {path}")
+    check_model_fits(cfg.model, f"checkpoint: {path}")
+    return cfg
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[KeelLM, Config, str | None]:
     """A trained KeelLM in eval mode, its Config and its tokenizer.json text, from a checkpoint file or directory."""
     checkpoint = read_checkpoint(path)
-    cfg = from_dict(checkpoint["keel"]["config"])
+    cfg = checked_config(checkpoint, path)
     model = KeelLM(cfg.model)
-    missing, unexpected = model.load_state_dict(model_state_dict(checkpoint), strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"checkpoint: {path} does not match its own config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.load_state_dict(model_state_dict(checkpoint))  # every name and shape checked above
     return model.to(device).eval(), cfg, checkpoint["keel"]["tokenizer_json"]
+
+
+def refuse_output(out: Path, command: str, option: str, empty_dir_ok: bool = False) -> None:
+    """A command's output (given as `option`) must be new, or with empty_dir_ok an empty directory, under folders
+    that are folders: nothing is overwritten, and a file in the way is named rather than raised by mkdir."""
+    if out.exists() and not (empty_dir_ok and out.is_dir() and not any(out.iterdir())):
+        what = " and is not an empty directory" if empty_dir_ok else ""
+        raise ConfigError(f"{command}: {out} already exists{what}; choose a new {option} (nothing is overwritten)")
+    blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{command}: cannot write {out}: {blocking} is a file, not a directory; choose another "
+                          f"{option}")
 
 
 def main(argv: list[str]) -> int:
@@ -344,6 +384,7 @@ def main(argv: list[str]) -> int:
     if not Path(args.sharded_dir).is_dir():
         raise ConfigError(f"consolidate: {args.sharded_dir} is not a sharded checkpoint directory "
                           "(a single-file checkpoint is already what load_model reads)")
+    refuse_output(Path(args.output), "consolidate", "output path")
     checkpoint = read_checkpoint(args.sharded_dir)
     AtomicCheckpointIO().save_checkpoint(checkpoint, args.output)
     params = sum(tensor.numel() for tensor in checkpoint["state_dict"].values())

@@ -110,6 +110,9 @@ class OptimConfig:
         require(self.schedule != "exp_warmup" or self.min_lr_ratio > 0, "optim.min_lr_ratio",
                  "must be > 0 with optim.schedule=exp_warmup (the ramp starts at lr * min_lr_ratio)")
         require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        for key in ("beta1", "beta2"):  # torch's AdamW would refuse them only once the model is built
+            require(0 <= getattr(self, key) < 1, f"optim.{key}", f"must be in [0, 1), got {getattr(self, key)}")
+        require(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
         require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
 
 

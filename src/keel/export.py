@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from keel.checkpoint import model_state_dict, read_checkpoint
-from keel.config import from_dict, to_dict
+from keel.checkpoint import checked_config, model_state_dict, read_checkpoint, refuse_output
+from keel.config import to_dict
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.export_format import to_hf_names
@@ -122,25 +122,19 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     if dtype not in DTYPES:
         raise ConfigError(f"export: --dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"export: {out} already exists and is not an empty directory; choose a new --out "
-                          "(nothing is overwritten)")
+    refuse_output(out, "export", "--out", empty_dir_ok=True)
     checkpoint = read_checkpoint(checkpoint_path)
     tokenizer_json = checkpoint["keel"].get("tokenizer_json")
     if not tokenizer_json:
         raise ConfigError(f"export: {checkpoint_path} holds no tokenizer (tokenizer_json); a model without its "
                           "tokenizer cannot be used outside Keel")
-    cfg = from_dict(checkpoint["keel"]["config"])
+    cfg = checked_config(checkpoint, checkpoint_path)
     tokenizer, eos = hf_tokenizer(tokenizer_json, cfg.model.seq_len)
     config = hf_config(cfg, eos, checkpoint.get("global_step"))
     with torch.device("meta"):
         model = KeelForCausalLM(config)
-    state = to_hf_names(model_state_dict(checkpoint))  # tied: KeelLM's state names the shared head too
-    expected = set(model.state_dict())
-    if set(state) != expected:
-        raise ConfigError(f"export: {checkpoint_path}'s weights do not match its own config (missing "
-                          f"{sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]})")
-    model.load_state_dict(state, assign=True)
+    # checked against the config above; tied: KeelLM's state names the shared head too
+    model.load_state_dict(to_hf_names(model_state_dict(checkpoint)), assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     model.to(DTYPES[dtype])

@@ -22,6 +22,8 @@ from keel.decoding import stream
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
+DEFAULT_NEW_TOKENS = 100
+
 
 def decoded_pieces(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: Iterator[int]) -> Iterator[str]:
     """The text each new token adds. A token can end inside a multi-byte character (byte-level BPE): its
@@ -58,7 +60,8 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="checkpoint=PATH or PATH (e.g. runs/default/checkpoints/last.ckpt)")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, a document from scratch)")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--max-new-tokens", type=int,
+                        help=f"default {DEFAULT_NEW_TOKENS}, or model.seq_len - 1 where that is less")
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 = all")
     parser.add_argument("--seed", type=int, default=1337)
@@ -74,6 +77,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"generate: --temperature and --top-k must be >= 0 (0 = greedy / all tokens), got "
                           f"--temperature {args.temperature} --top-k {args.top_k}")
     model, cfg, tokenizer_json = load_model(args.checkpoint.removeprefix("checkpoint="), args.device)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = min(DEFAULT_NEW_TOKENS, cfg.model.seq_len - 1)
     if not 1 <= args.max_new_tokens < cfg.model.seq_len:
         raise ConfigError(f"generate: --max-new-tokens must be in [1, {cfg.model.seq_len - 1}] "
                           f"(the model's seq_len is {cfg.model.seq_len}), got {args.max_new_tokens}")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+import time
 from dataclasses import asdict, replace
 
 import torch
@@ -40,6 +42,7 @@ from keel.schemes import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, ModelConfig, sch
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms", "input_top_share")
 MODEL_OPTIONS = {"scheme": "keel", "depth": 16, "width": 64, "heads": 4, "vocab": 256, "init": "normal", "alpha": None,
                  "keel_first_block": "v1"}  # defaults of a fresh model; a checkpoint brings its own
+PROBE_BLOCKS = 256  # deeper models are timed on this many blocks first, and their progress said
 
 
 def _norm(tensors) -> float:
@@ -59,19 +62,46 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detach_branches: bool = False) -> dict:
+class Progress:
+    """Lines on stderr through a long measurement (`every` blocks apart; 0: silent): forward and backward, blocks
+    done, seconds so far."""
+
+    def __init__(self, blocks: int, every: int = 0) -> None:
+        self.blocks, self.every, self.start = blocks, every, time.perf_counter()
+
+    def say(self, what: str) -> None:
+        if self.every:
+            print(f"keel gradflow: {what}, {time.perf_counter() - self.start:.0f} s", file=sys.stderr, flush=True)
+
+    def block(self, stage: str, done: int) -> None:
+        if self.every and done % self.every == 0:
+            self.say(f"{stage} {done:,} of {self.blocks:,} blocks")
+
+
+def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detach_branches: bool = False,
+                  progress: Progress | None = None) -> dict:
     """Gradient flow of one mean cross-entropy loss through `model`: a KeelLM, activation checkpointing
     allowed, not compiled or sharded (hooks). Uses autograd.grad, so parameters' .grad stay untouched."""
     sublayers = [sub for block in model.blocks for sub in (block.attn, block.ffn)]
     inputs: list[torch.Tensor] = [None] * len(sublayers)
     input_grads: list[torch.Tensor] = [None] * len(sublayers)
     outputs: list[torch.Tensor] = [None] * len(sublayers)
+    progress = progress or Progress(model.cfg.depth)
+
+    def input_grad(i: int):
+        def keep(grad: torch.Tensor) -> None:
+            input_grads[i] = grad
+            if i % 2 == 0:  # a block's input: the backward has passed through it
+                progress.block("backward", model.cfg.depth - i // 2)
+        return keep
 
     def record(i: int):
         def pre_hook(module, args):
             x = args[0]
             inputs[i] = x.detach()
-            x.register_hook(lambda grad: input_grads.__setitem__(i, grad))
+            x.register_hook(input_grad(i))
+            if i % 2 == 1:
+                progress.block("forward", i // 2 + 1)
 
         def hook(module, args, out):
             outputs[i] = out.detach()
@@ -132,12 +162,30 @@ def summarize(cfg: ModelConfig, rows: list[dict]) -> dict:
 
 
 def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, seed: int = 0,
-            model: KeelLM | None = None) -> dict:
+            model: KeelLM | None = None, progress: Progress | None = None) -> dict:
     """Measure `model` (default: a fresh one from cfg, seeded) on random tokens and random targets."""
     torch.manual_seed(seed)
-    model = KeelLM(cfg) if model is None else model
+    if model is None:
+        (progress or Progress(cfg.depth)).say(f"building {cfg.depth:,} blocks")
+        model = KeelLM(cfg)
     idx, targets = torch.randint(cfg.vocab_size, (2, batch, cfg.seq_len))
-    return measure_model(model, idx, targets, detach_branches)
+    return measure_model(model, idx, targets, detach_branches, progress)
+
+
+def announced(cfg: ModelConfig, batch: int, trained: bool) -> Progress:
+    """Past PROBE_BLOCKS blocks: the time a whole measurement will take, extrapolated from one of PROBE_BLOCKS blocks
+    timed here, said on stderr before it starts, and a Progress that reports every tenth of the blocks."""
+    if cfg.depth <= PROBE_BLOCKS:
+        return Progress(cfg.depth)
+    start = time.perf_counter()
+    measure(replace(cfg, depth=PROBE_BLOCKS), batch=batch)
+    seconds = (time.perf_counter() - start) * cfg.depth / PROBE_BLOCKS
+    if trained:  # its blocks are built already
+        seconds /= 2
+    print(f"keel gradflow: {cfg.scheme}, {cfg.depth:,} blocks: about {seconds / 60:.1f} min (extrapolated from "
+          f"{PROBE_BLOCKS} blocks), about {memory.measurement_bytes(cfg, batch) / 2**30:.1f} GiB", file=sys.stderr,
+          flush=True)
+    return Progress(cfg.depth, every=max(1, cfg.depth // 10))
 
 
 @torch.no_grad()
@@ -237,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, cfg, model in measured:
         if not args.force:
             check_fits(cfg, args.batch)
-        results[name] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed, model)}
+        progress = announced(cfg, args.batch, trained=model is not None)
+        results[name] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed, model,
+                                                          progress)}
     print(json.dumps({"options": vars(args), "schemes": results}, indent=1))
     if args.plot:
         mode = "skip path only" if args.detach_branches else "full gradient"

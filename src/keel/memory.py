@@ -5,7 +5,7 @@ The terms, each fitted to peak RSS measured on CPU (docs/model.md, "Memory estim
     per parameter      weights and gradients, 8 bytes (+ AdamW's two fp32 moments in training: 16)
     per token, block   what autograd keeps for the backward: (16 x width + 4 x FFN hidden) floats
     per block          the modules' Python objects and the autograd graph of one step, whatever the width
-    per process        torch, Lightning and the loggers (training only)
+    per process        torch, Lightning and the loggers
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from keel.model import parameter_counts
 from keel.schemes import ModelConfig
 
 BLOCK_BYTES = 112 * 2**10  # ~40 KiB of module objects + ~70 KiB of autograd graph per block, measured at width 8
-PROCESS_BYTES = 2**30  # a training process before its model: 0.9 GiB measured (1,000 x 8 and 256 x 64 runs)
+PROCESS_BYTES = 2**30  # a process before its model: 0.9 GiB measured in training (1,000 x 8 and 256 x 64 runs)
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -33,8 +33,24 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False) 
 
 
 def measurement_bytes(cfg: ModelConfig, batch: int) -> int:
-    """One forward and backward of `batch` sequences (keel.gradflow): weights, gradients, activations, blocks."""
-    return 8 * parameter_count(cfg) + activation_bytes(cfg, batch * cfg.seq_len) + BLOCK_BYTES * cfg.depth
+    """One forward and backward of `batch` sequences (keel.gradflow): weights, gradients, activations, blocks, and
+    the process itself (`keel gradflow --width 8 --seq-len 8 --batch 1`: 1.17 GiB peak at 3,000 blocks, 1.99 GiB at
+    10,000, i.e. 0.8 GiB + 123 KiB per block; estimated 1.36 and 2.2)."""
+    return (8 * parameter_count(cfg) + activation_bytes(cfg, batch * cfg.seq_len) + BLOCK_BYTES * cfg.depth
+            + PROCESS_BYTES)
+
+
+def model_bytes(cfg: ModelConfig) -> int:
+    """KeelLM(cfg) built in fp32, beside the weights it is loaded from: its parameters, the blocks' objects and its
+    RoPE tables (angles, cosines and sines: seq_len x head_dim / 2 floats each)."""
+    return 4 * parameter_count(cfg) + BLOCK_BYTES * cfg.depth + 6 * cfg.seq_len * cfg.head_dim
+
+
+def check_model_fits(cfg: ModelConfig, what: str) -> None:
+    """Refuse to build a model read from a file (`what` names it) that this machine cannot hold, before building it."""
+    check_fits(model_bytes(cfg), f"{what}: its model (model.depth={cfg.depth}, model.width={cfg.width}, "
+               f"model.seq_len={cfg.seq_len})", parameter_count(cfg), "fp32 weights",
+               "use a machine with more memory")
 
 
 def training_bytes(cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpointed: bool = False) -> int:
@@ -42,6 +58,14 @@ def training_bytes(cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpoi
     micro-batch's activations, the blocks' fixed cost and the process's own."""
     return (16 * parameter_count(cfg) // shards + activation_bytes(cfg, micro_batch * cfg.seq_len, checkpointed)
             + BLOCK_BYTES * cfg.depth + PROCESS_BYTES)
+
+
+def check_steps_fit(models: list[ModelConfig], batch: int, what: str, remedy: str) -> None:
+    """Refuse training steps of every model in `models` (of `batch` sequences each), all held at once in this
+    process, that do not fit in this machine's memory; what: the sizes, in words."""
+    need = PROCESS_BYTES + sum(training_bytes(cfg, batch) - PROCESS_BYTES for cfg in models)
+    check_fits(need, f"{what}, {len(models)} model(s) held at once", parameter_count(models[0]),
+               "weights, gradients and AdamW state, per model", remedy)
 
 
 def available_bytes() -> int:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.errors import ConfigError
 from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
 from keel.ops.rms_norm import rms_norm
 from keel.schemes import ModelConfig, SublayerSpec, deepnorm_beta, needs_final_norm, sublayer_specs
@@ -249,15 +250,56 @@ class KeelLM(nn.Module):
         return sum(counts.values()) - (0 if embeddings else counts["embedding"])
 
 
+def _layouts(cfg: ModelConfig) -> tuple[list, dict]:
+    """Each block's sublayer layout, and one meta-device Block per distinct layout (nothing allocated)."""
+    specs = sublayer_specs(cfg)
+    with torch.device("meta"):
+        return specs, {spec: Block(cfg, 0, *spec) for spec in set(specs)}
+
+
 def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     """KeelLM(cfg)'s parameters by part, counted without building it (one meta-device block per distinct layout,
     so no depth allocates anything): embedding, blocks, final_norm, head (0 when tied to the embedding)."""
-    specs = sublayer_specs(cfg)
-    with torch.device("meta"):
-        per_layout = {spec: sum(p.numel() for p in Block(cfg, 0, *spec).parameters()) for spec in set(specs)}
+    specs, blocks = _layouts(cfg)
+    per_layout = {spec: sum(p.numel() for p in block.parameters()) for spec, block in blocks.items()}
     return {"embedding": cfg.vocab_size * cfg.width, "blocks": sum(per_layout[spec] for spec in specs),
             "final_norm": cfg.width if needs_final_norm(cfg) else 0,
             "head": 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.width}
+
+
+def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """KeelLM(cfg).state_dict()'s names and shapes (a tied head named too), without building it."""
+    specs, blocks = _layouts(cfg)
+    per_layout = {spec: {name: tuple(t.shape) for name, t in block.state_dict().items()}
+                  for spec, block in blocks.items()}
+    shapes = {"embed.weight": (cfg.vocab_size, cfg.width)}
+    for index, spec in enumerate(specs):
+        shapes.update({f"blocks.{index}.{name}": shape for name, shape in per_layout[spec].items()})
+    if needs_final_norm(cfg):
+        shapes["final_norm.weight"] = (cfg.width,)
+    shapes["head.weight"] = (cfg.vocab_size, cfg.width)
+    return shapes
+
+
+def check_state_fits(cfg: ModelConfig, state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse weights (a KeelLM state_dict) that KeelLM(cfg) cannot hold, before anything of cfg's size is built:
+    the depth first (counted from the weights' names, so a config's depth alone costs nothing), then every name
+    and shape. what: e.g. "checkpoint: PATH" (a config read from a file is as untrusted as its weights)."""
+    depth = len({name.split(".")[1] for name in state if name.startswith("blocks.")})
+    if depth != cfg.depth:
+        raise ConfigError(f"{what}: its config says model.depth={cfg.depth}, its weights hold {depth} blocks; the "
+                          "config or the weights were edited or mixed up: use the checkpoint they came from")
+    expected = state_shapes(cfg)
+    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    wrong = [f"{name} {shapes[name]} (config: {shape})" for name, shape in expected.items()
+             if name in shapes and shapes[name] != shape]
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if wrong or missing or unexpected:
+        found = "; ".join(f"{kind} {', '.join(names[:3])}" + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+                          for kind, names in (("shapes", wrong), ("missing", missing), ("unexpected", unexpected))
+                          if names)
+        raise ConfigError(f"{what}: its weights do not match its model config ({found}): the config or the "
+                          "weights were edited or mixed up: use the checkpoint they came from")
 
 
 def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:

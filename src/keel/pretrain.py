@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
     parser.add_argument("overrides", nargs="*", help="group=choice (model=paper_d64) or key.path=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")

@@ -33,6 +33,7 @@ from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
 from keel.loggers import LOGGERS, kind_of
 from keel.memory import check_training_fits
+from keel.model import check_state_fits
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
 from keel.summary import run_summary
@@ -155,7 +156,9 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
         source_data = from_dict(checkpoint["keel"]["config"]).data.dir
         raise ConfigError(f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
                           f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")
-    module.model.load_state_dict(model_state_dict(checkpoint))
+    state = model_state_dict(checkpoint)
+    check_state_fits(cfg.model, state, f"init_from: {cfg.init_from}")  # an edited export: refused, not RuntimeError
+    module.model.load_state_dict(state)
     return f"model weights of {cfg.init_from} (step {checkpoint.get('global_step')}); new optimizer, schedule, data"
 
 

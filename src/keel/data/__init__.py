@@ -18,7 +18,9 @@ against the config (and every chunk against its size and hash), and `KeelDataMod
     sources/        what a corpus is read from: one module per `data.source`, registered in sources/__init__.py
     tokenizer.py    training, loading and the EOS id of tokenizers
     shards.py       data.dir: its files, local or on an object store, and their checks
-    preparation.py  `keel data`: spooling, tokenizer, shards, manifest
+    preparation.py  `keel data`: the build (lock, staging, tokenizer, manifest) and its move into place
+    spooling.py     its one pass over the source: the split, the spooled documents, their spans
+    shard_writing.py  its worker processes encoding the spans into shards
     loading.py      training: open_dataset, token_loader, KeelDataModule
 
 Nothing is imported here: `keel.config` imports `keel.data.sources` for the names of the sources, and the other

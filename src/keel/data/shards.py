@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import fsspec
 
-from keel.errors import ConfigError
+from keel.errors import STORAGE_FAILURES, ConfigError
 
 if TYPE_CHECKING:
     from keel.config import DataConfig
@@ -18,9 +21,24 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 VAL_DOCS = "val_docs.jsonl"
 STAGING = ".keel-build"  # where `keel data` builds, to move the files into place once the build is whole
+PUBLISHING = ".keel-publishing"  # present while a build is moved into place: what is there then is keel's
 SPLITS = ("train", "val")
 MANIFEST_KEYS = ("settings", "documents", "tokens", "vocab_size", "eos_id", "tokenizer_sha256")
 REBUILD = "rebuild with `keel data --force` (same data.* settings)"
+
+
+@contextlib.contextmanager
+def writing(what: str) -> Iterator[None]:
+    """Turns a write under it that storage refuses (a full disk, a quota, a file size limit, a read-only or
+    unwritable folder) into one line naming `what` was written and what to do, instead of a bare OSError (a write's
+    OSError names no file)."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in STORAGE_FAILURES:
+            raise
+        problem, remedy = STORAGE_FAILURES[err.errno]
+        raise ConfigError(f"{problem} writing {what}: {remedy} or choose another data.dir / TMPDIR") from None
 
 
 def sha256(raw: bytes) -> str:
@@ -76,6 +94,34 @@ def _allow_http_s3_endpoint() -> str | None:
     if endpoint.startswith("http://") and isinstance(options, dict):
         options["allow_http"] = "true"
     return endpoint or None
+
+
+def _is_manifest(fs: fsspec.AbstractFileSystem, data_dir: str) -> bool:
+    try:
+        manifest = json.loads(fs.cat_file(data_path(data_dir, MANIFEST)))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and all(key in manifest for key in MANIFEST_KEYS)
+
+
+def _is_split(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether a directory holds only what litdata's writer puts there: chunk files and index files."""
+    names = [os.path.basename(name.rstrip("/")) for name in fs.ls(path, detail=False)] if fs.isdir(path) else None
+    return names is not None and all(re.fullmatch(r"chunk-\d+-\d+\.bin|(\d+\.)?index\.json", n) for n in names)
+
+
+def refuse_foreign_files(fs: fsspec.AbstractFileSystem, data_dir: str) -> None:
+    """A build replaces manifest.json, tokenizer.json, val_docs.jsonl, train/ and val/ in data.dir: refuse unless
+    each that is there was written by an earlier build (a keel manifest, or a move into place that was stopped),
+    and the splits hold only shards. Nothing else is ever removed: data.dir may be the user's corpus folder."""
+    earlier = _is_manifest(fs, data_dir) or fs.exists(data_path(data_dir, PUBLISHING))
+    foreign = [name for name in (MANIFEST, TOKENIZER, VAL_DOCS) if fs.exists(data_path(data_dir, name))
+               and not earlier]
+    foreign += [f"{split}/" for split in SPLITS if fs.exists(data_path(data_dir, split))
+                and not _is_split(fs, data_path(data_dir, split))]
+    if foreign:
+        raise ConfigError(f"data.dir={data_dir} holds {', '.join(foreign)}, which no keel build wrote (a build would "
+                          "replace them); nothing was changed: choose a new or empty data.dir")
 
 
 def tokens_per_chunk(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[int]:

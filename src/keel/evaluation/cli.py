@@ -21,7 +21,7 @@ from lm_eval.utils import setup_logging
 
 import keel.evaluation.lm  # noqa: F401  (registers the `keel` model)
 from keel.errors import ConfigError
-from keel.evaluation.local_tasks import hub_or_local, resolve_tasks
+from keel.evaluation.local_tasks import hub_or_local, resolve_tasks, unknown_tasks
 from keel.evaluation.suite import TASKS_DIR
 
 RUN_DEFAULTS = {("--model", "-M"): "keel", ("--batch_size", "-b"): "16"}
@@ -56,6 +56,8 @@ def main(argv: list[str]) -> int:
         data_dir = (getattr(args, "metadata", None) or {}).get("data_dir")
         if getattr(args, "tasks", None):
             args.tasks = resolve_tasks(args.tasks, data_dir)
+            if unknown := unknown_tasks(args.tasks, getattr(args, "include_path", None)):
+                raise ValueError(f"Tasks not found: {', '.join(unknown)}")  # said as lm-eval's own, below
         with hub_or_local("--metadata data_dir", data_dir):
             parser.execute(args)
     except FileNotFoundError as err:  # a task's data files (the bundled tasks' loaders name the setting to change)

@@ -209,6 +209,9 @@ def main(argv: list[str]) -> int:
     for key in ("steps", "eval_every", "checkpoint_every"):
         if getattr(args, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+    if args.steps < args.eval_every:  # no held-out evaluation would ever score the ramp
+        raise ConfigError(f"--steps {args.steps}: must be at least --eval-every {args.eval_every}, or no held-out "
+                          "loss is measured")
     if stagnation := [item for item in args.overrides if item.startswith("callbacks.stability.stagnation")]:
         raise ConfigError(f"{stagnation[0]}: keel maxlr judges divergence only (the paper's criterion: a model "
                           "that stops improving has not failed); drop the override")

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from keel.artifacts import CONFIG, read_stability
+from keel.callbacks.configs import divergence_bar
 from keel.config import Config
 from keel.errors import ConfigError
 from keel.experiments.common import comma_list, load_run_config, markdown_table, pyplot, run_row, unigram_loss, \
@@ -56,6 +57,10 @@ VARIANTS = {
     "best + 0.5": {"margin": MARGIN, "spike_margin": 0.5, "relative_only": False},
     "relative only": {"margin": MARGIN, "spike_margin": None, "relative_only": True},
 }
+
+
+class NotYetRun(ConfigError):
+    """A grid none of whose runs has finished: a report lists it as not (yet) run."""
 
 
 @dataclass
@@ -76,7 +81,7 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
     run's non-finite stop, if any. relative_only: the bar is best + spike_margin throughout (the criterion that
     misses the collapse of a model that learned little; reported for comparison)."""
     points = [(step, lr, loss) for step, lr, loss in heldout if lr is not None]
-    best, learned = math.inf, False
+    best = math.inf
     good: tuple | None = None  # the last evaluation within the bar
     onset: tuple | None = None  # the first evaluation of the current excursion above it
     failure = None
@@ -84,8 +89,7 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
         finite = math.isfinite(loss)
         if finite:
             best = min(best, loss)
-            learned = learned or best <= unigram - margin
-        bar = best + spike_margin if (relative_only or not learned) else min(best + spike_margin, unigram)
+        bar = divergence_bar(best, spike_margin, None if relative_only else unigram, margin)
         if finite and loss <= bar:
             good, onset = (step, lr, loss), None
             continue
@@ -229,7 +233,7 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
             unigrams[key] = unigram_loss(cfg)
         rows.append(probe_row(run_dir, run["axes"]["row"], cfg, unigrams[key], margin))
     if not rows:
-        raise ConfigError(f"keel maxlr collect: no finished run in {out} yet ({len(pending)} listed)")
+        raise NotYetRun(f"keel maxlr collect: no finished run in {out} yet ({len(pending)} listed)")
     write_table(rows, out / "maxlr.csv")
     summary = summarize(rows)
     labels = list(dict.fromkeys(r["row"] for r in rows))

@@ -24,7 +24,7 @@ from pathlib import Path
 from keel.errors import ConfigError
 from keel.artifacts import TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import load_run_config, markdown_table, pyplot
-from keel.experiments.maxlr_report import collect, compare, max_lr_value
+from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
 from keel.schemes import scheme_of
 
@@ -246,7 +246,7 @@ def collect_grids(out: Path) -> tuple[dict[str, list[dict]], list[str]]:
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
-            except ConfigError as err:  # no finished run yet
+            except NotYetRun as err:
                 missing.append(f"{grid} ({err})")
         else:
             missing.append(grid)
@@ -336,6 +336,10 @@ def main(argv: list[str]) -> int:
                         "(make paper ARGS=model.init=normal PAPER_OUT=DIR): adds the init-sensitivity table")
     args = parser.parse_args(argv)
     out = Path(args.dir)
+    for tree in (out, args.shared_init):
+        if tree is not None and not tree.is_dir():
+            raise ConfigError(f"paper-report: {tree} is not a directory; give the DIR `make paper` wrote (PAPER_OUT, "
+                              "by default runs/paper)")
     text = report(out, args.shared_init)
     (out / "report.md").write_text(text)
     print(text)

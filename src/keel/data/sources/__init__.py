@@ -1,19 +1,15 @@
 """The registry of data sources: `data.source` names -> Source. Adding a source = a module defining a Source
-subclass, plus its import and entry in SOURCES below; DataConfig takes the allowed names from here."""
+subclass, plus its import and entry in SOURCES below; keel.config.DataConfig takes the allowed names from here."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from keel.data.sources.base import SkippedFiles, Source
+from keel.data.sources.base import DataSettings, SkippedFiles, Source
 from keel.data.sources.hf import HuggingFace
 from keel.data.sources.stdlib import Stdlib
 from keel.data.sources.text_files import TextFiles
 from keel.errors import require
-
-if TYPE_CHECKING:
-    from keel.config import DataConfig
 
 SOURCES: dict[str, Source] = {source.name: source for source in (
     Stdlib(),
@@ -28,7 +24,7 @@ def get_source(name: str) -> Source:
     return SOURCES[name]
 
 
-def read_documents(data: DataConfig, skipped: SkippedFiles | None = None) -> Iterator[tuple[str, str]]:
+def read_documents(data: DataSettings, skipped: SkippedFiles | None = None) -> Iterator[tuple[str, str]]:
     """(id, text) of each non-blank document of data.source, stopping after data.max_chars characters (0 = all);
     plain-text files are decoded in data.encoding, and binary or undecodable ones left out and counted in `skipped`."""
     skipped = skipped if skipped is not None else SkippedFiles(data.encoding)

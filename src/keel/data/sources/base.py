@@ -6,17 +6,29 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from keel.errors import ConfigError
-
-if TYPE_CHECKING:  # keel.config imports the source registry: no import of it here at run time
-    from keel.config import DataConfig
 
 # A plain-text file with a NUL, or with more than this share of its characters undecodable in data.encoding, is
 # binary or in another encoding: skipped (counted, the first few paths reported) rather than trained on as U+FFFD soup.
 MAX_UNDECODABLE = 0.01
 SHOWN_SKIPPED = 5  # paths of skipped files printed and recorded in the manifest
+
+
+class DataSettings(Protocol):
+    """The data.* values the sources read: keel.config.DataConfig's, named by their shape, not imported (keel.config
+    imports the source registry)."""
+
+    source: str
+    paths: list[str]
+    text_field: str
+    encoding: str
+    hf_dataset: str
+    hf_name: str | None
+    hf_split: str
+    max_chars: int
+    doc_chars: int
 
 
 @dataclass
@@ -63,11 +75,11 @@ class Source(ABC):
     more_documents: ClassVar[str] = ""
 
     @abstractmethod
-    def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+    def documents(self, data: DataSettings, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         """(id, text) of each document, in a fixed order; the id alone decides its split, so it must be stable.
         Plain-text files are read through `skipped.read_text`, which decodes them in data.encoding and leaves out
         binary or undecodable ones."""
 
     @abstractmethod
-    def describe(self, data: DataConfig) -> str:
+    def describe(self, data: DataSettings) -> str:
         """What is read, in words: printed by `keel data` and recorded in the manifest."""

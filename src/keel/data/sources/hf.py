@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-from keel.data.sources.base import SkippedFiles, Source, text_of
+from keel.data.sources.base import DataSettings, SkippedFiles, Source, text_of
 from keel.errors import ConfigError
-
-if TYPE_CHECKING:
-    from keel.config import DataConfig
 
 
 class HuggingFace(Source):
     name = "hf"
     settings = ("hf_dataset", "hf_name", "hf_split", "text_field")
 
-    def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+    def documents(self, data: DataSettings, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         try:
             import datasets
         except ImportError:
@@ -33,6 +29,6 @@ class HuggingFace(Source):
             text = text_of(record, data.text_field, f"record {index}")
             yield f"{data.hf_dataset}/{data.hf_name}/{data.hf_split}:{index}", text
 
-    def describe(self, data: DataConfig) -> str:
+    def describe(self, data: DataSettings) -> str:
         return (f"Hugging Face dataset {data.hf_dataset} (name {data.hf_name}, split {data.hf_split}, "
                 f"field {data.text_field!r})")

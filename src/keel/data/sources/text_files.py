@@ -10,13 +10,9 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from keel.data.sources.base import SkippedFiles, Source, text_of
+from keel.data.sources.base import DataSettings, SkippedFiles, Source, text_of
 from keel.errors import ConfigError
-
-if TYPE_CHECKING:
-    from keel.config import DataConfig
 
 PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
 # Source files stay whole documents whatever data.doc_chars says: a module is code's natural unit (its imports and
@@ -122,7 +118,7 @@ class TextFiles(Source):
     settings = ("paths", "text_field", "doc_chars", "encoding")
     more_documents = ", a smaller data.doc_chars"
 
-    def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+    def documents(self, data: DataSettings, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         for path in matched_files(data.paths):
             suffix = Path(path).suffix.lower()
             if suffix == ".jsonl":
@@ -137,7 +133,7 @@ class TextFiles(Source):
                     f"data.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}"
                 )
 
-    def describe(self, data: DataConfig) -> str:
+    def describe(self, data: DataSettings) -> str:
         whole = "/".join(sorted(WHOLE_FILE_SUFFIXES))
         plain = (f"other plain-text files cut into documents of about {data.doc_chars:,} characters" if data.doc_chars
                  else "other plain-text files whole")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import json
 import os
 import shutil

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from keel.checkpoint import checked_config, model_state_dict, read_checkpoint, refuse_output
-from keel.config import to_dict
+from keel.config import from_dict, to_dict
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.export_format import to_hf_names

@@ -119,6 +119,7 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
         check_val_every_n_epoch=None,
         limit_val_batches=t.val_batches,
         num_sanity_val_steps=0,
+        inference_mode=False,  # no_grad instead: FSDP2 + NCCL crash under inference_mode on torch builds before the fix
         log_every_n_steps=t.log_every_n_steps,
         logger=build_loggers(cfg),
         callbacks=callbacks,

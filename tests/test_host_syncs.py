@@ -1,6 +1,7 @@
 """The host waits for the device only at logging steps (trainer.log_every_n_steps): a short CPU run counts, per
 optimizer step, every call that would make a GPU run's host wait (a tensor read to the host, a synchronize, a
-collective), with a non-finite step among the others, whose update must still be dropped at that very step."""
+collective), with a non-finite step among the others, whose update must still be dropped at that very step; the
+steps judged late are judged before a checkpoint is saved."""
 
 from __future__ import annotations
 
@@ -120,3 +121,33 @@ def test_a_failure_between_logging_steps_is_found_at_the_next_one(tiny_data, tmp
     report = json.loads((run / "stability.json").read_text())
     assert (report["kind"], report["step"], report["detected_step"], report["nonfinite_steps"]) == ("nonfinite", 5, 5, 1)
     assert all(trainer.optimizers[0].state[p]["step"] == 7 for p in trainer.lightning_module.parameters())
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_a_checkpoint_between_logging_steps_holds_every_step_judged(tiny_data, tmp_path):
+    """A crash before step 6 (logging every 4) saves a checkpoint with steps 4 and 5 still unjudged: the saved
+    monitor has judged them, so the resumed run ends with the state of one that never stopped."""
+    def config(run, *extra):
+        return load_config(overrides=[
+            *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false", "trainer.max_steps=10",
+            f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.val_every_n_steps=10", "trainer.val_batches=1",
+            "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false", *extra])
+
+    def monitor(trainer):
+        return next(cb for cb in trainer.callbacks if type(cb).__name__ == "StabilityMonitor")
+
+    straight = monitor(train(config(tmp_path / "straight"))).state_dict()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(config(tmp_path / "crashed"), extra_callbacks=[CrashAt(6)])
+    saved = torch.load(tmp_path / "crashed" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 6
+    resumed = monitor(train(config(tmp_path / "crashed", "resume=auto"))).state_dict()
+    assert straight["ema"] is not None and resumed == straight

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, QUIET_TRAINER, TINY_MODEL
 from keel.config import load_config
-from keel.data.loading import check_splits_fit, open_dataset, token_loader
+from keel.data.loading import batches_per_rank, check_splits_fit, open_dataset, token_loader
 from keel.errors import ConfigError
 
 # Tokens per litdata chunk of each split. stdlib: the default build (docs/data.md, "The default corpus": 3,373,501 /
@@ -71,15 +71,23 @@ def test_a_training_split_smaller_than_one_step_is_refused():
 
 
 def test_the_count_is_the_loaders_own(tiny_data):
-    """check_splits_fit's batches per rank are those litdata's loader gives (one process here)."""
-    cfg = load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *tiny_data])
-    info = open_dataset(cfg)
-    val_batches = len(token_loader(cfg, "val", shuffle=False))
-    cfg.trainer.val_batches = val_batches
-    check_splits_fit(cfg, info.chunk_tokens)
-    cfg.trainer.val_batches = val_batches + 1
-    with pytest.raises(ConfigError, match=f"{val_batches} batch"):
+    """check_splits_fit's batches per rank are those litdata deals each rank (told it is the last of 2, 4 or 64
+    processes, where a remainder would go, as it would be under torch.distributed), with and without workers."""
+    from litdata.utilities.env import _DistributedEnv
+
+    for world, workers in ((1, 0), (2, 0), (4, 2), (64, 0)):
+        cfg = load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"trainer.devices={world}",
+                                     f"data.loader_workers={workers}"])
+        info = open_dataset(cfg)
+        dataset = token_loader(cfg, "val", shuffle=False).dataset
+        dataset.distributed_env = _DistributedEnv(world, world - 1, 1)
+        batches = dataset.get_len(workers, cfg.trainer.micro_batch_size) // cfg.trainer.micro_batch_size
+        assert batches_per_rank(cfg, info.chunk_tokens["val"])[1] == batches
+        cfg.trainer.val_batches = batches
         check_splits_fit(cfg, info.chunk_tokens)
+        cfg.trainer.val_batches = batches + 1
+        with pytest.raises(ConfigError, match=f": {batches} batch"):
+            check_splits_fit(cfg, info.chunk_tokens)
 
 
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])

@@ -119,7 +119,8 @@ def test_a_failure_between_logging_steps_is_found_at_the_next_one(tiny_data, tmp
     trainer = train(cfg, extra_callbacks=[NaNLossAt(5)])
     assert trainer.global_step == 8
     report = json.loads((run / "stability.json").read_text())
-    assert (report["kind"], report["step"], report["detected_step"], report["nonfinite_steps"]) == ("nonfinite", 5, 5, 1)
+    assert (report["kind"], report["step"], report["detected_step"]) == ("nonfinite", 5, 5)
+    assert report["nonfinite_steps"] == 1
     assert all(trainer.optimizers[0].state[p]["step"] == 7 for p in trainer.lightning_module.parameters())
 
 

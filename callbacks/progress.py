@@ -6,12 +6,14 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from keel.callbacks.reporting import finished_step
+from keel.callbacks.reporting import due, finished_step
 
 
 class StepProgressBar(TQDMProgressBar):
     """`step n/max_steps` across epochs; a resumed run starts at its step, and its ETA counts only the steps
     it has run itself."""
+
+    _loss: str | None = None  # train/loss at the last logging step
 
     @property
     def train_description(self) -> str:
@@ -27,9 +29,14 @@ class StepProgressBar(TQDMProgressBar):
         pass  # one bar for the whole run, not one per epoch
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if finished_step(trainer) is None:  # still accumulating gradients
+        step = finished_step(trainer)
+        if step is None:  # still accumulating gradients
             return
+        if due(step, trainer.log_every_n_steps):  # the loss is read at logging steps only: a read waits for the device
+            # the last micro-batch's loss (train/loss), which Lightning hands over divided by the accumulation
+            self._loss = f"{float(outputs['loss']) * trainer.accumulate_grad_batches:.3f}"
         bar = self.train_progress_bar
         if self._should_update(trainer.global_step, bar.total):
             bar.n = trainer.global_step
-            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+            loss = {"train/loss": self._loss} if self._loss is not None else {}
+            bar.set_postfix({**self.get_metrics(trainer, pl_module), **loss})  # refreshes the bar

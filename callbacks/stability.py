@@ -1,7 +1,8 @@
 """Training-failure detection: the three ways the paper's runs die, caught as they happen.
 
-    nonfinite    the step's loss or global gradient norm is NaN/inf. Its update is always dropped (the grads
-                 are set to None, so AdamW leaves weights and moments alone; the LR schedule still advances).
+    nonfinite    the step's loss or global gradient norm is NaN/inf. Its update is always dropped, on the device
+                 at that very step: the fused AdamW gets the step's non-finite flag as its `found_inf` (GradScaler's
+                 protocol) and leaves weights, moments and step count alone; the LR schedule still advances.
                  on_nonfinite=skip tolerates up to max_nonfinite consecutive such steps; stop fails at the first.
     spike        the smoothed loss stays above its running minimum by spike_margin nats (or above spike_ceiling,
                  once the minimum has been spike_ceiling_margin below it) for spike_patience steps (an
@@ -35,6 +36,14 @@ max-LR experiment):
 Every decision uses values that are the same on every rank (the loss averaged over ranks, the full gradient
 norm: the global norm of KeelLitModule.grad_norms(), computed once per step and shared with the grad-norm logging
 and clipping), so all ranks skip and stop together.
+
+The host never waits for the device at other steps than logging ones (trainer.log_every_n_steps): each step's loss
+and gradient norm stay on the device, and the verdicts are reached at the next logging step (or validation under
+`val`, or checkpoint, or the end of training), step by step as if each had been read at once - one all-reduce and
+one read for all the steps since the last. A failure stops the run there, at most log_every_n_steps - 1 steps after
+its detection step, which is recorded as such. Only the skip of a non-finite update cannot wait, and needs no
+read: it is decided on the device, from the global gradient norm (the same on every rank; a non-finite loss on any
+rank makes it non-finite). Under fp16 loss scaling (no gradient norm is checked) the scaler skips such steps.
 """
 
 from __future__ import annotations
@@ -97,6 +106,8 @@ class StabilityMonitor(Callback):
         self._nonfinite_run = 0
         # per step
         self._loss: torch.Tensor | None = None  # sum of the micro-batches' (1/accumulate)-scaled losses
+        # steps not yet judged: (step, lr, this rank's loss, global gradient norm or None), on the device
+        self._pending: list[tuple[int, float, torch.Tensor, torch.Tensor | None]] = []
         # (step, lr) back to the earliest onset a failure can still have; under val, pruned at each evaluation
         self._lrs: deque[tuple[int, float]] = deque(
             maxlen=max(self.config.spike_patience, self.config.stagnation_window, self.config.max_nonfinite) + 2
@@ -131,6 +142,7 @@ class StabilityMonitor(Callback):
         loss = trainer.callback_metrics.get("val/loss")
         if self.config.signal != "val" or trainer.sanity_checking or loss is None:
             return
+        self._judge_pending(trainer)  # the training steps before it come first
         step, loss = trainer.global_step - 1, float(loss)  # validation follows optimizer step global_step - 1
         self.heldout.append((step, self._lr_at(step), loss))
         if math.isfinite(loss):
@@ -149,31 +161,60 @@ class StabilityMonitor(Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         if self._loss is None:  # no backward this step (a training_step that returned None)
+            optimizer.__dict__.pop("found_inf", None)
             return
         start = time.perf_counter()
-        step, lr = trainer.global_step, optimizer.param_groups[0]["lr"]
-        self._lrs.append((step, lr))
-        self.max_lr_seen = max(self.max_lr_seen, lr)
-        checks = [trainer.strategy.reduce(self._loss, reduce_op="mean").float()]
-        self._loss = None
+        loss, self._loss = self._loss.float(), None
+        norm = None
         if self._scaler is None:
-            checks.append(torch.linalg.vector_norm(pl_module.grad_norms()).to(checks[0].device))
-        loss, *grad_norm = torch.stack(checks).tolist()  # the only host sync of this callback
-        if math.isfinite(loss) and all(math.isfinite(g) for g in grad_norm):
-            self._nonfinite_run = 0
-            self._ema = loss if self._ema is None else SMOOTHING * self._ema + (1 - SMOOTHING) * loss
-            if self.config.signal == "train":
-                self._judge(trainer, step, self._ema)
-        else:
-            optimizer.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
-            self._on_nonfinite(trainer, step, loss, grad_norm)
+            norm = torch.linalg.vector_norm(pl_module.grad_norms()).to(loss.device)
+            nonfinite = ~torch.isfinite(norm)
+            if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
+                optimizer.found_inf = nonfinite.float()
+            elif nonfinite:  # an optimizer that cannot skip on the device: read here (one read per step)
+                optimizer.zero_grad(set_to_none=True)
+        step = trainer.global_step
+        self._pending.append((step, optimizer.param_groups[0]["lr"], loss, norm))
         self._elapsed_s += time.perf_counter() - start
-        self._timed_steps += 1
         if due(step, trainer.log_every_n_steps):
-            self._log_state(trainer, step)
+            self._judge_pending(trainer)
+
+    def _judge_pending(self, trainer: L.Trainer) -> None:
+        """The verdicts on the steps since the last call, in order: one all-reduce (the loss averaged over ranks)
+        and one read for all of them. Every rank calls it at the same steps."""
+        if not self._pending:
+            return
+        start = time.perf_counter()
+        steps, lrs, losses, norms = zip(*self._pending)
+        self._pending = []
+        rows = [trainer.strategy.reduce(torch.stack(losses), reduce_op="mean")]
+        if norms[0] is not None:
+            rows.append(torch.stack(norms).to(rows[0].device))
+        for step, lr, (loss, *grad_norm) in zip(steps, lrs, torch.stack(rows, dim=1).tolist()):
+            self._lrs.append((step, lr))
+            self.max_lr_seen = max(self.max_lr_seen, lr)
+            if math.isfinite(loss) and all(math.isfinite(g) for g in grad_norm):
+                self._nonfinite_run = 0
+                self._ema = loss if self._ema is None else SMOOTHING * self._ema + (1 - SMOOTHING) * loss
+                if self.config.signal == "train":
+                    self._judge(trainer, step, self._ema)
+            else:
+                self._on_nonfinite(trainer, step, loss, grad_norm)
+        self._elapsed_s += time.perf_counter() - start
+        self._timed_steps += len(steps)
+        if due(steps[-1], trainer.log_every_n_steps):  # a logging step is always the last: it judges the rest
+            self._log_state(trainer, steps[-1])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._judge_pending(trainer)
         self._write(trainer)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # Lightning took state_dict() just before: judge the steps still pending, which the checkpoint has trained,
+        # and save that state instead. Every rank saves (save_checkpoint is collective), so all join the all-reduce.
+        if self._pending and "callbacks" in checkpoint:  # (not in a weights-only one)
+            self._judge_pending(trainer)
+            checkpoint["callbacks"][self.state_key] = self.state_dict()
 
     def state_dict(self) -> dict:
         return {
@@ -258,7 +299,7 @@ class StabilityMonitor(Callback):
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
         if stop or self.config.stop_on_failure:
             trainer.should_stop = True
-            rank_zero_warn(f"stability: stopping the run after step {step}: {describe(self.failure)}")
+            rank_zero_warn(f"stability: stopping the run: {describe(self.failure)}")
         elif first:  # the user asked to go on: say it once, not at every later failure
             rank_zero_warn(f"stability: {describe(self.failure)}; training goes on (callbacks.stability."
                            "stop_on_failure=false)")

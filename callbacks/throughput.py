@@ -1,6 +1,7 @@
 """Training speed: tokens/s, achieved FLOP/s, MFU and the share of time spent waiting for data.
 
-Logged every trainer.log_every_n_steps, over the last `window` optimizer steps (validation time excluded):
+Logged every trainer.log_every_n_steps, over the last `window` optimizer steps rounded up to whole logging
+intervals (validation time excluded):
 
     perf/tokens_per_s             all ranks together
     perf/tokens_per_s_per_device
@@ -11,6 +12,10 @@ Logged every trainer.log_every_n_steps, over the last `window` optimizer steps (
                                   loading plus anything else between steps (e.g. writing a checkpoint)
     perf/step_ms                  mean wall time of an optimizer step, waiting included
     time/throughput_ms            this callback's own time per step
+
+Times are host wall times. Kernels run asynchronously, so the device is synchronized at each logging step, where
+an interval's time is then the device's; only there: a synchronize per step would make the host wait for every
+step before it could queue the next.
 
 The windowed arithmetic is Lightning's `Throughput`. Lightning's own `ThroughputMonitor` callback is not used: it
 needs a `flops_per_batch` attribute on the LightningModule (ours come from the config), does not measure data
@@ -60,11 +65,14 @@ class ThroughputMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak = peak_flops(trainer, self.config.peak_flops)
         self._cuda = trainer.strategy.root_device.type == "cuda"
+        intervals = -(-self.config.window // trainer.log_every_n_steps)  # logging intervals covering the window
         self._throughput = Throughput(available_flops=self.peak, world_size=trainer.world_size,
-                                      window_size=self.config.window)
-        self._waits: deque[float] = deque(maxlen=self.config.window)
-        self._totals: deque[float] = deque(maxlen=self.config.window)
-        self._train_s, self._steps = 0.0, 0
+                                      window_size=intervals + 1)
+        # per logging interval: time waiting between steps, total time, optimizer steps
+        self._waits: deque[float] = deque(maxlen=intervals)
+        self._totals: deque[float] = deque(maxlen=intervals)
+        self._counts: deque[int] = deque(maxlen=intervals)
+        self._train_s, self._steps, self._interval_steps = 0.0, 0, 0
         self._last_end: float | None = None  # end of the previous micro-batch; None before the first
         self._wait = self._busy = self._val_s = self._own_s = 0.0
 
@@ -84,26 +92,30 @@ class ThroughputMonitor(Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()  # kernels are asynchronous: the step ends when the device is done
+        step = finished_step(trainer)
+        log = step is not None and due(step, trainer.log_every_n_steps)
+        if log and self._cuda:
+            torch.cuda.synchronize()  # the interval ends when the device is done with it
         now = time.perf_counter()
         self._busy += now - self._batch_start
-        step = finished_step(trainer)
         if step is not None:
             self._steps += 1
+            self._interval_steps += 1
+        if log:
             self._train_s += self._wait + self._busy
             self._throughput.update(
                 time=self._train_s,
                 batches=self._steps,
                 samples=self._steps,
                 lengths=self._steps * self.device_tokens_per_step,
-                flops=self.device_tokens_per_step * self.flops_per_token,
+                flops=self._interval_steps * self.device_tokens_per_step * self.flops_per_token,
             )
             self._waits.append(self._wait)
             self._totals.append(self._wait + self._busy)
+            self._counts.append(self._interval_steps)
             self._wait = self._busy = 0.0
-            if due(step, trainer.log_every_n_steps):
-                self._log(trainer, step)
+            self._interval_steps = 0
+            self._log(trainer, step)
         self._own_s += time.perf_counter() - now
         self._last_end = time.perf_counter()
 
@@ -112,7 +124,7 @@ class ThroughputMonitor(Callback):
         metrics = {
             "perf/flops_per_token": self.flops_per_token,
             "perf/data_wait_frac": sum(self._waits) / sum(self._totals),
-            "perf/step_ms": 1e3 * sum(self._totals) / len(self._totals),
+            "perf/step_ms": 1e3 * sum(self._totals) / sum(self._counts),
             "time/throughput_ms": 1e3 * self._own_s / trainer.log_every_n_steps,
         }
         self._own_s = 0.0

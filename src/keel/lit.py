@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from torchmetrics import SumMetric
 
+from keel.callbacks.reporting import due, finished_step
 from keel.config import Config, OptimConfig, from_dict, to_dict
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
@@ -66,9 +67,9 @@ class KeelLitModule(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = next_token_loss(self.model, batch)
-        self.log("train/loss", loss, prog_bar=True)
-        global_tokens_per_step = self.cfg.device_tokens_per_step * self.trainer.world_size
-        self.log("train/tokens", float((self.global_step + 1) * global_tokens_per_step))
+        # not prog_bar: Lightning reads a progress-bar value to the host after every batch (StepProgressBar shows
+        # it at logging steps); logged values are read only when written, every trainer.log_every_n_steps
+        self.log("train/loss", loss)
         return loss
 
     def on_after_backward(self) -> None:
@@ -97,6 +98,11 @@ class KeelLitModule(L.LightningModule):
         # held-out loss even when max_steps is not a multiple of val_every_n_steps (else it ends unvalidated)
         if self.trainer.global_step >= self.trainer.max_steps:
             self.trainer.should_stop = True
+        step = finished_step(self.trainer)
+        # only when Lightning writes step metrics (a logging step, or the last): a logged float is a new device tensor
+        if step is not None and (due(step, self.trainer.log_every_n_steps) or self.trainer.should_stop):
+            global_tokens_per_step = self.cfg.device_tokens_per_step * self.trainer.world_size
+            self.log("train/tokens", float((step + 1) * global_tokens_per_step))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         tokens = batch[:, 1:].numel()

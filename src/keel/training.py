@@ -27,7 +27,7 @@ from keel.checkpoint import (
     resolve_resume,
 )
 from keel.config import Config, from_dict, to_dict
-from keel.data.loading import KeelDataModule, check_resumable_data, open_dataset
+from keel.data.loading import KeelDataModule, check_resumable_data, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule, check_same_model
@@ -119,6 +119,7 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
         check_val_every_n_epoch=None,
         limit_val_batches=t.val_batches,
         num_sanity_val_steps=0,
+        inference_mode=False,  # no_grad instead: FSDP2 + NCCL crash under inference_mode on torch builds before the fix
         log_every_n_steps=t.log_every_n_steps,
         logger=build_loggers(cfg),
         callbacks=callbacks,
@@ -181,6 +182,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
 
 def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Trainer:
     dataset = open_dataset(cfg)
+    check_splits_fit(cfg, dataset.chunk_tokens)
     if owner:  # no save runs now: temporary files in checkpoints/ were left by killed ones
         remove_orphans(checkpoint_dir(cfg))
     ckpt_path = resolve_resume(cfg)

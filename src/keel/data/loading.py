@@ -30,6 +30,7 @@ class DatasetInfo:
     eos_id: int
     manifest: dict
     manifest_sha256: str  # identifies the build: a checkpoint's loader position refers to these shards only
+    chunk_tokens: dict[str, list[int]]  # per split, the tokens of each litdata chunk (its index)
 
 
 def open_dataset(cfg: Config) -> DatasetInfo:
@@ -55,8 +56,7 @@ def open_dataset(cfg: Config) -> DatasetInfo:
         raise ConfigError(
             f"{data.dir}/{TOKENIZER} is missing or is not the one the shards were encoded with: {REBUILD}"
         )
-    for split in SPLITS:
-        tokens_per_chunk(fs, data.dir, split)  # raises when the split's index is missing
+    chunk_tokens = {split: tokens_per_chunk(fs, data.dir, split) for split in SPLITS}  # raises without an index
     verify_shards(fs, data, manifest)
 
     built_with = manifest["settings"].get("tokenizer")
@@ -84,7 +84,40 @@ def open_dataset(cfg: Config) -> DatasetInfo:
         eos_id=manifest["eos_id"],
         manifest=manifest,
         manifest_sha256=sha256(manifest_bytes),
+        chunk_tokens=chunk_tokens,
     )
+
+
+def batches_per_rank(cfg: Config, chunk_tokens: list[int]) -> tuple[int, int]:
+    """(sequences, micro-batches per rank) of a split, as litdata deals it out with drop_last: sequences of
+    model.seq_len + 1 tokens that never cross a chunk boundary, whole micro-batches only, the same number of them on
+    every rank (the rest is unused)."""
+    sequences = sum(tokens // (cfg.model.seq_len + 1) for tokens in chunk_tokens)
+    return sequences, sequences // cfg.trainer.micro_batch_size // cfg.trainer.world_size
+
+
+def check_splits_fit(cfg: Config, chunk_tokens: dict[str, list[int]]) -> None:
+    """Before any process starts or any model is built: every rank must get trainer.val_batches validation
+    batches and one optimizer step (trainer.grad_accum) of training batches. Otherwise litdata gives a rank no
+    batch at all (every rank then fails when training starts) or fewer (validation would silently run on fewer
+    than trainer.val_batches)."""
+    t = cfg.trainer
+    larger = {"val": "a larger validation split (data.val_fraction",
+              "train": "more training text (data.paths, data.max_chars"}
+    for split, key in (("val", "val_batches"), ("train", "grad_accum")):
+        needed = getattr(t, key)
+        sequences, batches = batches_per_rank(cfg, chunk_tokens[split])
+        if batches >= needed:
+            continue
+        lower = f"lower trainer.{key} to {batches} or less, " if batches else ""
+        raise ConfigError(
+            f"trainer.{key}={needed}: {cfg.data.dir}/{split} holds {sequences:,} sequence(s) of model.seq_len + 1 = "
+            f"{cfg.model.seq_len + 1:,} tokens, {sequences // t.world_size:,} per rank over {t.world_size} process(es) "
+            f"(trainer.devices={t.devices} x trainer.num_nodes={t.num_nodes}): {batches} batch(es) of "
+            f"trainer.micro_batch_size={t.micro_batch_size} per rank, fewer than the {needed} trainer.{key} asks for; "
+            f"{lower}use fewer processes or a smaller trainer.micro_batch_size, {larger[split]}, then `keel data "
+            "--force`), or a larger data set (e.g. data=fineweb_edu)"
+        )
 
 
 def _stack_long(sequences: list[np.ndarray]) -> torch.Tensor:

@@ -7,7 +7,8 @@ The paper's maximum tolerable learning rate (Table 1, Section 5.1): "the highest
 sustain during the warm-up stage without diverging", judged on the model, not on a batch. The learning rate ramps
 over the whole run (`--ramp exp`, the default: geometrically from --start-lr to --peak-lr, the same number of steps
 per decade - 161 with the defaults; `--ramp linear`: from 0) while a fixed held-out set (trainer.val_batches
-validation batches) is scored every --eval-every steps. A probe stops at a non-finite step, or once it diverged:
+validation batches) is scored every --eval-every steps. A probe stops at a non-finite step (by the next logging
+step, trainer.log_every_n_steps; its update is dropped at once), or once it diverged:
 its held-out loss stayed more than callbacks.stability.spike_margin above its best - or above the unigram loss of
 the same batches (a model knowing only token frequencies), once --margin nats below it - for
 callbacks.stability.spike_patience steps. It never stops for stagnation: a model that stops improving has not

@@ -1,0 +1,154 @@
+"""The host waits for the device only at logging steps (trainer.log_every_n_steps): a short CPU run counts, per
+optimizer step, every call that would make a GPU run's host wait (a tensor read to the host, a synchronize, a
+collective), with a non-finite step among the others, whose update must still be dropped at that very step; the
+steps judged late are judged before a checkpoint is saved."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import lightning.pytorch.strategies as strategies
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+from keel.config import load_config
+from keel.training import train
+from test_callbacks import NaNLossAt, events
+
+LOG_EVERY = 4
+READS = ("item", "tolist", "__bool__", "__float__", "__int__")  # a tensor's value to the host: waits for the device
+
+
+class SyncCounter(Callback):
+    """Where each host wait happens: ("step", n) from optimizer step n's first batch to the next step's, "val"
+    from a validation's start to the next batch (Lightning's ModelCheckpoint reads val/loss after it)."""
+
+    def __init__(self) -> None:
+        self.where: object = "start"
+        self.calls: Counter = Counter()
+        self.validation_modes: list[tuple[bool, bool]] = []
+
+    def count(self, what: str) -> None:
+        self.calls[(self.where, what)] += 1
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.where = ("step", trainer.global_step)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self.where = "val"
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.validation_modes.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+    def steps(self) -> dict[int, list[str]]:
+        waits: dict[int, list[str]] = {}
+        for (where, what), n in self.calls.items():
+            if isinstance(where, tuple):
+                waits.setdefault(where[1], []).extend([what] * n)
+        return waits
+
+
+@pytest.fixture
+def counter(monkeypatch) -> SyncCounter:
+    counter = SyncCounter()
+
+    def counting(owner, name):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            counter.count(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in READS:
+        counting(torch.Tensor, name)
+    counting(torch.cuda, "synchronize")
+    for name in ("reduce", "reduce_boolean_decision", "barrier", "broadcast"):
+        counting(strategies.SingleDeviceStrategy, name)
+    return counter
+
+
+def test_the_host_waits_only_at_logging_steps(tiny_data, tmp_path, counter):
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[
+        *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false",
+        f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.max_steps=12", "trainer.grad_accum=2",
+        "trainer.val_every_n_steps=6", "trainer.val_batches=1", "trainer.checkpoint_every_n_steps=12",
+        "trainer.progress_bar=true", f"callbacks.grad_norms.every_n_steps={LOG_EVERY}",
+        "callbacks.grad_norms.heatmap_every_n_steps=0", f"callbacks.layer_importance.every_n_steps={LOG_EVERY}",
+        "callbacks.throughput.window=4",
+    ])
+    trainer = train(cfg, extra_callbacks=[NaNLossAt(5), counter])
+    waits = counter.steps()
+    assert sorted(waits) == [3, 7, 11], waits  # the logging steps only: none at the other 9, the NaN step's included
+    assert all(waits[step] for step in (3, 7, 11))  # (the counting sees the reads where they are)
+
+    # the non-finite step 5 was skipped on the device (AdamW's step count: 11 updates of 12) and judged at step 7
+    optimizer = trainer.optimizers[0]
+    assert all(optimizer.state[p]["step"] == 11 for p in trainer.lightning_module.parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
+    acc = events(run)
+    assert [(e.step, e.value) for e in acc.Scalars("stability/nonfinite_steps")] == [(3, 0), (5, 1), (7, 1), (11, 1)]
+    texts = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("stability/events/text_summary")]
+    assert any(text.startswith("step 5: non-finite step") for text in texts)
+    assert json.loads((run / "stability.json").read_text())["nonfinite_steps"] == 1
+    # train/tokens and the throughput figures at logging steps; the bar shows train/loss as logged there
+    assert [e.step for e in acc.Scalars("train/tokens")] == [3, 7, 11]
+    assert [e.step for e in acc.Scalars("perf/step_ms")] == [3, 7, 11]
+    assert [e.step for e in acc.Scalars("perf/tokens_per_s_per_device")] == [7, 11]  # once the window has filled
+    last_loss = acc.Scalars("train/loss")[-1]
+    assert last_loss.step == 11 and trainer.progress_bar_callback._loss == f"{last_loss.value:.3f}"
+    # validation (and the in-loop evaluation in its end hook) under no_grad, not inference_mode
+    assert counter.validation_modes == [(False, False), (False, False)]
+
+
+def test_a_failure_between_logging_steps_is_found_at_the_next_one(tiny_data, tmp_path):
+    """on_nonfinite=stop with a NaN at step 5, logging every 4: the failure is step 5's (onset and detection), the
+    run stops after step 7, where it is judged, and step 5's update was dropped."""
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[
+        *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false",
+        f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.max_steps=20", "trainer.val_batches=1",
+        "callbacks.stability.on_nonfinite=stop", "callbacks.grad_norms.enabled=false",
+        "callbacks.layer_importance.enabled=false",
+    ])
+    trainer = train(cfg, extra_callbacks=[NaNLossAt(5)])
+    assert trainer.global_step == 8
+    report = json.loads((run / "stability.json").read_text())
+    assert (report["kind"], report["step"], report["detected_step"]) == ("nonfinite", 5, 5)
+    assert report["nonfinite_steps"] == 1
+    assert all(trainer.optimizers[0].state[p]["step"] == 7 for p in trainer.lightning_module.parameters())
+
+
+class CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated crash")
+
+
+def test_a_checkpoint_between_logging_steps_holds_every_step_judged(tiny_data, tmp_path):
+    """A crash before step 6 (logging every 4) saves a checkpoint with steps 4 and 5 still unjudged: the saved
+    monitor has judged them, so the resumed run ends with the state of one that never stopped."""
+    def config(run, *extra):
+        return load_config(overrides=[
+            *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false", "trainer.max_steps=10",
+            f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.val_every_n_steps=10", "trainer.val_batches=1",
+            "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false", *extra])
+
+    def monitor(trainer):
+        return next(cb for cb in trainer.callbacks if type(cb).__name__ == "StabilityMonitor")
+
+    straight = monitor(train(config(tmp_path / "straight"))).state_dict()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(config(tmp_path / "crashed"), extra_callbacks=[CrashAt(6)])
+    saved = torch.load(tmp_path / "crashed" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 6
+    resumed = monitor(train(config(tmp_path / "crashed", "resume=auto"))).state_dict()
+    assert straight["ema"] is not None and resumed == straight

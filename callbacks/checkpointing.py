@@ -2,7 +2,8 @@
 Ctrl-C into a clean stop that writes one.
 
     <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end of training, and
-                                             when training raises (one process); always overwritten in place
+                                             when training raises (one process); always replaced whole, as hard
+                                             links to the step-numbered checkpoint of the same save (no second write)
     <run.dir>/checkpoints/step000400.ckpt    the same saves, step-numbered: the newest trainer.keep_last_k kept
     <run.dir>/checkpoints/nonfinite.ckpt     a save whose weights are not finite, instead of the two above (which
                                              keep the last finite state); overwritten in place
@@ -24,6 +25,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
+from keel.checkpoint import LAST, link_checkpoint
 from keel.errors import STORAGE_FAILURES, StorageError
 from keel.rundir import say
 
@@ -83,6 +85,8 @@ class RunCheckpoint(ModelCheckpoint):
         self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
         self._last_finite_step: int | None = None  # in last.ckpt, saved by this run with finite weights
+        self._written: tuple[int, str] | None = None  # (step, path) of this run's last finite write
+        self._hard_links = True  # until the filesystem refuses one: last.ckpt is then written in full
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -145,33 +149,65 @@ class RunCheckpoint(ModelCheckpoint):
 
     def load_state_dict(self, state_dict: dict) -> None:
         # A copied or renamed run dir: the same files, elsewhere. Lightning would reset (and version last.ckpt).
-        super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": str(Path(self.dirpath) / (
-            self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)), "best_k_models": {}})
+        last = str(Path(self.dirpath) / LAST)
+        super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": last, "best_k_models": {}})
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        """Every save (step-numbered, last.ckpt) comes here: non-finite weights go to nonfinite.ckpt instead."""
-        if weights_finite(trainer):
-            try:
-                super()._save_checkpoint(trainer, filepath)
-            except Exception as err:
-                if (reason := storage_failure(err)) is None:
-                    raise
-                raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or "
-                                   "make it writable) and re-run the same command to continue from there") from None
-            if Path(filepath).name == self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION:  # what _kept() names
+        """Every write comes here, once per checkpoint event (the step-numbered one, or last.ckpt when keep_last_k=0):
+        the one finiteness check of the event, and non-finite weights go to nonfinite.ckpt instead."""
+        if not weights_finite(trainer):
+            nonfinite = Path(self.dirpath) / NONFINITE
+            super()._save_checkpoint(trainer, str(nonfinite))
+            if trainer.is_global_zero:
+                say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as "
+                    f"a step-numbered checkpoint nor over last.ckpt; {self._kept()}")
+            return
+        self._write(trainer, filepath)
+        self._written = (trainer.global_step, filepath)
+        if Path(filepath).name == LAST:  # what _kept() names
+            self._last_finite_step = trainer.global_step
+
+    def _write(self, trainer: L.Trainer, filepath: str) -> None:
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        except Exception as err:
+            if (reason := storage_failure(err)) is None:
+                raise
+            raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or make "
+                               "it writable) and re-run the same command to continue from there") from None
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        """last.ckpt: hard links to the step-numbered checkpoint this event wrote (link_checkpoint: no second write,
+        the same atomic replace), or written in full where there is none (keep_last_k=0) or the filesystem has no
+        hard links. After non-finite weights (nonfinite.ckpt) it keeps the last finite state."""
+        last = str(Path(self.dirpath) / LAST)
+        self.last_model_path = last
+        if not self.keep_last_k:
+            self._save_checkpoint(trainer, last)
+            return
+        if self._written is None or self._written[0] != trainer.global_step:  # not finite: in nonfinite.ckpt
+            return
+        if self._hard_links:
+            refused = None
+            if trainer.is_global_zero:
+                try:
+                    link_checkpoint(Path(self._written[1]), Path(last))
+                except OSError as err:
+                    refused = err.strerror or str(err)
+            refused = trainer.strategy.broadcast(refused)  # the others wait for the link, or write last.ckpt too
+            if refused is None:
                 self._last_finite_step = trainer.global_step
-            return
-        if self._last_global_step_saved == trainer.global_step:  # the step-numbered and last.ckpt saves: once
-            return
-        nonfinite = Path(self.dirpath) / NONFINITE
-        super()._save_checkpoint(trainer, str(nonfinite))
-        if trainer.is_global_zero:
-            say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as a "
-                f"step-numbered checkpoint nor over last.ckpt; {self._kept()}")
+                return
+            self._hard_links = False
+            if trainer.is_global_zero:
+                say(f"checkpoint: cannot hard-link {last} to {self._written[1]} ({refused}): last.ckpt is written in "
+                    "full at each checkpoint from now on (a second write per checkpoint)")
+        self._write(trainer, last)
+        self._last_finite_step = trainer.global_step
 
     def _kept(self) -> str:
         """What the last good checkpoint is (saves never replace it before they are complete)."""
-        last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        last = Path(self.dirpath) / LAST
         if self._last_finite_step is not None:
             return f"{last} keeps step {self._last_finite_step}, the last finite checkpoint"
         return (f"{last} (from before this run) is intact" if last.exists()

@@ -1,8 +1,9 @@
 """Checkpoints of a run: `RunCheckpoint` decides when and where they are written, `GracefulInterrupt` turns
-Ctrl-C into a clean stop that writes one.
+Ctrl-C, SIGTERM and SIGUSR1 into a clean stop that writes one (and requeues a SLURM job after SIGUSR1).
 
     <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end of training, and
-                                             when training raises (one process); always overwritten in place
+                                             when training raises (one process); always replaced whole, as hard
+                                             links to the step-numbered checkpoint of the same save (no second write)
     <run.dir>/checkpoints/step000400.ckpt    the same saves, step-numbered: the newest trainer.keep_last_k kept
     <run.dir>/checkpoints/nonfinite.ckpt     a save whose weights are not finite, instead of the two above (which
                                              keep the last finite state); overwritten in place
@@ -15,15 +16,19 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import threading
 import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
+from keel.checkpoint import LAST, link_checkpoint
 from keel.errors import STORAGE_FAILURES, StorageError
 from keel.rundir import say
 
@@ -83,6 +88,8 @@ class RunCheckpoint(ModelCheckpoint):
         self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
         self._last_finite_step: int | None = None  # in last.ckpt, saved by this run with finite weights
+        self._written: tuple[int, str] | None = None  # (step, path) of this run's last finite write
+        self._hard_links = True  # until the filesystem refuses one: last.ckpt is then written in full
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -145,33 +152,70 @@ class RunCheckpoint(ModelCheckpoint):
 
     def load_state_dict(self, state_dict: dict) -> None:
         # A copied or renamed run dir: the same files, elsewhere. Lightning would reset (and version last.ckpt).
-        super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": str(Path(self.dirpath) / (
-            self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)), "best_k_models": {}})
+        last = str(Path(self.dirpath) / LAST)
+        super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": last, "best_k_models": {}})
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        """Every save (step-numbered, last.ckpt) comes here: non-finite weights go to nonfinite.ckpt instead."""
-        if weights_finite(trainer):
-            try:
-                super()._save_checkpoint(trainer, filepath)
-            except Exception as err:
-                if (reason := storage_failure(err)) is None:
-                    raise
-                raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or "
-                                   "make it writable) and re-run the same command to continue from there") from None
-            if Path(filepath).name == self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION:  # what _kept() names
+        """Every write comes here, once per checkpoint event (the step-numbered one, or last.ckpt when keep_last_k=0):
+        the one finiteness check of the event, and non-finite weights go to nonfinite.ckpt instead."""
+        if not weights_finite(trainer):
+            nonfinite = Path(self.dirpath) / NONFINITE
+            super()._save_checkpoint(trainer, str(nonfinite))
+            if trainer.is_global_zero:
+                say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as "
+                    f"a step-numbered checkpoint nor over last.ckpt; {self._kept()}")
+            return
+        self._write(trainer, filepath)
+        self._written = (trainer.global_step, filepath)
+        if Path(filepath).name == LAST:  # what _kept() names
+            self._last_finite_step = trainer.global_step
+
+    def _write(self, trainer: L.Trainer, filepath: str) -> None:
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        except Exception as err:
+            if (reason := storage_failure(err)) is None:
+                raise
+            raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or make "
+                               "it writable) and re-run the same command to continue from there") from None
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+        """last.ckpt: hard links to the step-numbered checkpoint this event wrote (link_checkpoint: no second write,
+        the same atomic replace), or written in full where there is none (keep_last_k=0) or the filesystem has no
+        hard links. After non-finite weights (nonfinite.ckpt) it keeps the last finite state."""
+        last = str(Path(self.dirpath) / LAST)
+        self.last_model_path = last
+        if not self.keep_last_k:
+            self._save_checkpoint(trainer, last)
+            return
+        if self._written is None or self._written[0] != trainer.global_step:  # not finite: in nonfinite.ckpt
+            return
+        if self._hard_links:
+            refused = None
+            if trainer.is_global_zero:
+                try:
+                    link_checkpoint(Path(self._written[1]), Path(last))
+                except OSError as err:
+                    refused = err.strerror or str(err)
+            refused = trainer.strategy.broadcast(refused)  # the others wait for the link, or write last.ckpt too
+            if refused is None:
                 self._last_finite_step = trainer.global_step
-            return
-        if self._last_global_step_saved == trainer.global_step:  # the step-numbered and last.ckpt saves: once
-            return
-        nonfinite = Path(self.dirpath) / NONFINITE
-        super()._save_checkpoint(trainer, str(nonfinite))
-        if trainer.is_global_zero:
-            say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as a "
-                f"step-numbered checkpoint nor over last.ckpt; {self._kept()}")
+                return
+            self._hard_links = False
+            if trainer.is_global_zero:
+                say(f"checkpoint: cannot hard-link {last} to {self._written[1]} ({refused}): last.ckpt is written in "
+                    "full at each checkpoint from now on (a second write per checkpoint)")
+        self._write(trainer, last)
+        self._last_finite_step = trainer.global_step
+
+    @property
+    def saved_step(self) -> int | None:
+        """The step last.ckpt holds, if this run wrote it (with finite weights)."""
+        return self._last_finite_step
 
     def _kept(self) -> str:
         """What the last good checkpoint is (saves never replace it before they are complete)."""
-        last = Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        last = Path(self.dirpath) / LAST
         if self._last_finite_step is not None:
             return f"{last} keeps step {self._last_finite_step}, the last finite checkpoint"
         return (f"{last} (from before this run) is intact" if last.exists()
@@ -197,42 +241,94 @@ class RunCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("RunCheckpoint._prune")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # ranks agree on the latest listed that any got
+SAID = {signal.SIGINT: "interrupted", signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1 (SLURM's time-limit warning)"}
+
+
+def requeue_slurm_job() -> None:
+    """After SIGUSR1 in a SLURM job, once its checkpoint is written: put the job back in the queue (SLURM ends this
+    run; the next starts the same command, which continues from the checkpoint), said in one line."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):  # an array task is requeued by its own id
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        say(f"SLURM job {job}: no scontrol on PATH to requeue it; run `scontrol requeue {job}` where there is one "
+            "(or submit the same sbatch script again)")
+        return
+    try:
+        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+        failure = None if done.returncode == 0 else (done.stderr or done.stdout).strip() or f"exit {done.returncode}"
+    except (OSError, subprocess.SubprocessError) as err:
+        failure = str(err)
+    if failure is None:
+        say(f"requeued SLURM job {job} (scontrol requeue {job}): it continues from this checkpoint when it restarts")
+    else:
+        say(f"scontrol requeue {job} failed ({failure}): submit the job with sbatch --requeue, or submit the same "
+            "sbatch script again")
+
+
 class GracefulInterrupt(Callback):
-    """Ctrl-C (SIGINT) during training: the run stops after the optimizer step in progress and ends as a run
-    ends (RunCheckpoint saves it; `keel pretrain` exits 130). A second Ctrl-C exits at once, without saving.
-    Under several processes every one gets the signal from the terminal, and they agree at each step (one
-    all-reduce of a flag) so that all stop after the same one."""
+    """Ctrl-C (SIGINT), SIGTERM (a preemption, `kill`, scancel) or SIGUSR1 (`sbatch --signal=USR1@120`: the time
+    limit is near) during training: the run stops after the optimizer step in progress and ends as a run ends
+    (RunCheckpoint saves it; `keel pretrain` exits 128 + the signal's number). Under several processes they agree
+    at each step (one all-reduce) so that all stop after the same one, whichever got the signal. After SIGUSR1 in a
+    SLURM job rank 0 requeues it. A second Ctrl-C exits at once, without saving; a repeated SIGTERM or SIGUSR1 (a
+    task can get one from SLURM and one forwarded by srun) changes nothing."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.received: int | None = None  # the first signal this process got
+        self.signal: signal.Signals | None = None  # the one the processes agreed to stop on
         self.stopped_at: int | None = None
         self._step: int | None = None  # the global step at the last check
-        self._previous = None
+        self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
-            say("second interrupt: exiting now, without a checkpoint")
-            os._exit(130)
-        self.requested = True
-        say("interrupt: stopping after this step with a checkpoint (press Ctrl-C again to exit at once)")
+        if self.received is not None:
+            if signum == signal.SIGINT:
+                say("second interrupt: exiting now, without a checkpoint")
+                os._exit(130)
+            return
+        self.received = signum
+        again = " (press Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
+        say(f"{SAID[signum]}: stopping after this step with a checkpoint{again}")
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before Lightning installs its SIGTERM handler, which it removes at its teardown, before this one's
+        self._previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._step = trainer.global_step
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in STOP_SIGNALS:  # over Lightning's SIGTERM one: it ends training with an exception
+                signal.signal(signum, self._handle)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self._step:  # mid-accumulation: the optimizer step is not done
             return
         self._step = trainer.global_step
-        requested = self.requested
+        code = STOP_SIGNALS.index(self.received) + 1 if self.received is not None else 0
         if trainer.world_size > 1:
-            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
-        if requested:
+            agreed = trainer.strategy.reduce(torch.tensor(code, device=trainer.strategy.root_device), reduce_op="max")
+            code = int(agreed.item())
+        if code:
             trainer.should_stop = True
             self.stopped_at = trainer.global_step
+            self.signal = STOP_SIGNALS[code - 1]
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.stopped_at is None:
+            return
+        if self.signal == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue_slurm_job()
+        # no rank returns before the requeue: under srun --kill-on-bad-exit the first to exit ends the others
+        trainer.strategy.barrier("GracefulInterrupt.on_fit_end")
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                if handler is not None:  # None: not installed from Python, nothing to restore
+                    signal.signal(signum, handler)
+        self._previous = {}

@@ -221,6 +221,33 @@ def commit_dir(staging: Path, path: Path) -> None:
     remove_path(previous)
 
 
+def link_checkpoint(source: Path, path: Path) -> None:
+    """Make `path` the checkpoint `source` holds without writing it again: hard links to its file (or to each file of
+    a sharded directory), swapped in whole like a save (os.replace, commit_dir), so `path` is replaced atomically and
+    deleting `source` later (keep_last_k pruning) leaves it whole. Raises OSError where the filesystem has no hard
+    links."""
+    if source.is_dir():
+        staging = staging_path(path)
+        remove_path(staging)  # left by a link that crashed
+        staging.mkdir()
+        try:
+            for file in source.iterdir():  # flat: the shards, .metadata, meta.pt
+                os.link(file, staging / file.name)
+        except OSError:
+            remove_path(staging)
+            raise
+        commit_dir(staging, path)
+        return
+    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")  # AtomicCheckpointIO's name: removed if orphaned
+    staging.unlink(missing_ok=True)
+    try:
+        os.link(source, staging)
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+    _fsync(path.parent)
+
+
 def checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.run.dir) / "checkpoints"
 

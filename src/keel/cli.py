@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except StorageError as err:
         print(f"keel {name}: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first (keel.training.Interrupted)
+    except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first, on other signals too (Interrupted)
         print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
-        return 130
+        return getattr(stop, "exit_code", 130)
 
 
 if __name__ == "__main__":

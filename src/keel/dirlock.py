@@ -35,11 +35,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _stale(holder: dict) -> str | None:
+    """Why a lock whose flock is still held (or cannot be had) no longer guards anything, if it does not: its holder's
+    process is gone from this host, or it is on another host and is this SLURM job's previous run (SLURM runs one
+    instance of a job at a time; a requeued job may start on another node while a lock the dead node held lingers on
+    the shared filesystem)."""
+    if not holder:
+        return None
+    if holder.get("host") == socket.gethostname():
+        return None if _pid_alive(int(holder.get("pid", 0))) else "its process is no longer running"
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and holder.get("slurm_job") == job:
+        return f"it is SLURM job {job}'s previous run (requeued here)"
+    return None
+
+
 class DirLock:
     """fcntl.flock on <directory>/.keel.lock, which the kernel releases when the process ends however it ends (a
-    kill -9 leaves a lock nobody holds: stale, taken over). The file names the holder (pid, host, start time) for the
-    error a second process gets. Where the filesystem has no flock, the file's pid is checked instead (on this host:
-    alive or not; on another host: trusted). Subclasses say which directory it is, for the messages."""
+    kill -9 leaves a lock nobody holds: stale, taken over). The file names the holder (pid, host, start time, SLURM
+    job) for the error a second process gets. A lock still held is taken over when its holder is stale (_stale: a
+    dead process on this host, or this SLURM job's previous run on another). Where the filesystem has no flock
+    (ENOLCK, EOPNOTSUPP: some NFS and parallel filesystems), that is said, and the file alone decides: a live holder
+    on this host, or one on another host that is not this job's previous run, refuses the start. Subclasses say
+    which directory it is, for the messages."""
 
     key: ClassVar[str]  # the config key that names the directory, e.g. "run.dir"
     clash: ClassVar[str]  # what two writers would do to each other, e.g. "Two runs in one directory would ..."
@@ -49,6 +67,7 @@ class DirLock:
         self.directory = Path(directory)
         self.path = self.directory / LOCK
         self._fd: int | None = None
+        self._flocked = False
 
     def acquire(self) -> None:
         try:
@@ -57,33 +76,42 @@ class DirLock:
         except OSError as err:
             raise ConfigError(f"{self.key}={self.directory}: cannot write there ({err.strerror or err}): "
                               f"choose a directory you can write ({self.key}=PATH)") from None
+        no_flock = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._flocked = True
         except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(self._in_use(_holder(self.path))) from None
+            pass
         except OSError as err:
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 os.close(fd)
                 raise
-            self._check_pid(fd)
+            no_flock = os.strerror(err.errno)
+            self._say(f"the filesystem does not support flock ({no_flock}): the lock file's pid, host and SLURM job "
+                      "decide instead")
         previous = _holder(self.path)
+        reason = "ended without releasing its lock"  # the kernel released it: nobody holds it
+        mine = previous.get("pid") == os.getpid() and previous.get("host") == socket.gethostname()
+        if not self._flocked and previous and not mine:
+            if (stale := _stale(previous)) is None:
+                os.close(fd)
+                delete = f"; if it is not running any more, delete {self.path}" if no_flock else ""
+                raise ConfigError(self._in_use(previous) + delete)
+            reason = stale if no_flock else f"still holds its lock, but {stale}"
+        elif not self._flocked and no_flock is None:  # held by a process that has not written its name yet
+            os.close(fd)
+            raise ConfigError(self._in_use(previous))
         if previous:  # released locks are emptied: this one's holder ended without releasing it
-            print(f"keel {self.command}: {self.key}={self.directory}: a previous process (pid {previous.get('pid')} "
-                  f"on {previous.get('host')}) ended without releasing its lock; taken over", file=sys.stderr,
-                  flush=True)
+            self._say(f"a previous process (pid {previous.get('pid')} on {previous.get('host')}) {reason}; taken over")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode(), 0)
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                  "slurm_job": os.environ.get("SLURM_JOB_ID")}).encode(), 0)
         os.fsync(fd)
         self._fd = fd
 
-    def _check_pid(self, fd: int) -> None:
-        holder = _holder(self.path)
-        same_host = holder.get("host") == socket.gethostname()
-        if holder and (not same_host or (holder.get("pid") != os.getpid() and _pid_alive(int(holder["pid"])))):
-            os.close(fd)
-            raise ConfigError(self._in_use(holder))
+    def _say(self, message: str) -> None:
+        print(f"keel {self.command}: {self.key}={self.directory}: {message}", file=sys.stderr, flush=True)
 
     def _in_use(self, holder: dict) -> str:
         who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
@@ -94,7 +122,9 @@ class DirLock:
         if self._fd is None:
             return
         os.ftruncate(self._fd, 0)  # an empty file: released cleanly
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._flocked:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._flocked = False
         os.close(self._fd)
         self._fd = None
 

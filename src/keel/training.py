@@ -11,14 +11,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import Logger
 
 from keel.artifacts import LOGGER_RUNS
-from keel.callbacks.checkpointing import GracefulInterrupt, RunCheckpoint
+from keel.callbacks.checkpointing import SAID, GracefulInterrupt, RunCheckpoint
 from keel.callbacks.progress import StepProgressBar
 from keel.callbacks.stability import StabilityMonitor, describe
 from keel.checkpoint import (
+    LAST,
     AtomicCheckpointIO,
     check_resumable,
     checkpoint_dir,
@@ -104,6 +106,13 @@ def log_config(cfg: Config, loggers: list[Logger]) -> None:
         (Path(cfg.run.dir) / LOGGER_RUNS).write_text(json.dumps(runs))
 
 
+def slurm_environment() -> list[SLURMEnvironment]:
+    """Under srun, the environment Lightning would pick, without its auto-requeue: its SIGUSR1 handler saves an
+    hpc_ckpt that resume=auto never reads, from inside the handler, mid-step; GracefulInterrupt stops, saves and
+    requeues instead."""
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
 def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
     t = cfg.trainer
     return L.Trainer(
@@ -123,7 +132,7 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
         log_every_n_steps=t.log_every_n_steps,
         logger=build_loggers(cfg),
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(), *slurm_environment()],
         enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
         default_root_dir=cfg.run.dir,
@@ -131,7 +140,12 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped early on Ctrl-C, after writing a checkpoint (`keel` exits 130 with this message)."""
+    """Training stopped early on a signal (Ctrl-C, SIGTERM, SIGUSR1), after writing a checkpoint: `keel` exits
+    128 + the signal's number with this message."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def launched_as_rank_zero() -> bool:
@@ -207,8 +221,11 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
         close_loggers(trainer)
     interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
     if interrupt.stopped_at is not None:
-        raise Interrupted(f"interrupted: stopped after step {interrupt.stopped_at} with a checkpoint in "
-                          f"{checkpoint_dir(cfg)}; re-run the same command to continue (resume=auto)")
+        step = trainer.checkpoint_callback.saved_step  # an earlier one if this step's weights were not finite
+        saved = (f"saved step {step} to {checkpoint_dir(cfg) / LAST}" if step is not None
+                 else f"stopped after step {interrupt.stopped_at} without a finite checkpoint (see above)")
+        raise Interrupted(interrupt.signal, f"{SAID[interrupt.signal]}: {saved}; re-run the same command to continue "
+                          "(resume=auto)")
     return trainer
 
 

@@ -144,7 +144,7 @@ class LongRecord:
                 raise self._malformed("a JSON string")
 
     def _scalar(self) -> str:
-        """Reads the number, true, false or null that starts here; it."""
+        """The number, true, false or null that starts here, read past it."""
         while True:
             match = SCALAR.match(self._text, self._at)
             if len(self._text) - (match.end() if match else self._at) >= SCALAR_LOOKAHEAD or not self._more():

@@ -135,7 +135,9 @@ class DataConfig:
     hf_name: str | None = "sample-10BT"
     hf_split: str = "train"
     max_chars: int = 0  # stop reading the source after this many characters; 0 = all
-    doc_chars: int = 4000  # text_files: cut longer plain-text files (not .py) into documents of ~this size; 0 = never
+    # text_files: cut longer plain-text files (not .py), and .jsonl records on lines of 4 MiB or more, into documents
+    # of ~this size; 0 = never
+    doc_chars: int = 4000
     tokenizer: str | None = None  # tokenizer.json path or hub name; null = train a byte-level BPE
     vocab_size: int = 4096  # for the trained BPE
     val_fraction: float = 0.02  # held-out documents

@@ -1,17 +1,21 @@
 """data.source=text_files: files matched by the data.paths globs; .jsonl and .parquet records are documents,
-plain-text files are cut into documents of about data.doc_chars characters (source files stay whole)."""
+plain-text files are cut into documents of about data.doc_chars characters (source files stay whole), and so is a
+.jsonl record too long to read whole. Files are read a chunk at a time: no document is ever held whole but a
+.py file, a .parquet row, a .jsonl record under LONG_LINE_BYTES, or anything with data.doc_chars=0."""
 
 from __future__ import annotations
 
 import codecs
 import glob
+import itertools
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from keel.data.sources.base import DataSettings, SkippedFiles, Source, text_of
+from keel.data.sources.json_stream import LongRecord
 from keel.errors import ConfigError
 
 PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
@@ -21,6 +25,9 @@ PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
 WHOLE_FILE_SUFFIXES = frozenset({".py"})
 PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank lines (spaces, \r allowed in them)
 WHITESPACE_START = re.compile(r"(?<=\S)\s")  # where a run of whitespace begins
+# A .jsonl line whose first this many bytes hold no line end is read as a stream (LongRecord) and its record cut
+# like a plain-text file: json.loads would hold it several times over (bytes, text, copies downstream).
+LONG_LINE_BYTES = 4 << 20
 
 
 def matched_files(patterns: list[str]) -> list[str]:
@@ -40,18 +47,26 @@ def matched_files(patterns: list[str]) -> list[str]:
     return list(files)
 
 
-def _jsonl_documents(path: str, text_field: str, encoding: str) -> Iterator[tuple[str, str]]:
-    utf8 = codecs.lookup(encoding).name == "utf-8"
+def _jsonl_documents(path: str, data: DataSettings) -> Iterator[tuple[str, str]]:
+    utf8 = codecs.lookup(data.encoding).name == "utf-8"
     with open(path, "rb") as lines:
-        for number, line in enumerate(lines, 1):
+        for number in itertools.count(1):
+            if not (line := lines.readline(LONG_LINE_BYTES)):
+                return
+            where = f"{path} line {number}"
+            if len(line) == LONG_LINE_BYTES and not line.endswith(b"\n"):
+                pieces = LongRecord(line, lines, data.encoding, where).text_pieces(data.text_field)
+                del line  # the record holds it only until it has been read
+                yield from numbered(f"{path}:{number}", cut_chunks(pieces, data.doc_chars))
+                continue
             if not line.strip():
                 continue
             try:  # json reads UTF-8 bytes itself, a byte-order mark too; a decoding error is a ValueError
-                record = json.loads(line if utf8 else line.decode(encoding))
+                record = json.loads(line if utf8 else line.decode(data.encoding))
             except ValueError as err:
-                raise ConfigError(f"data.paths: {path} line {number} is not {encoding} JSON ({err}); "
+                raise ConfigError(f"data.paths: {where} is not {data.encoding} JSON ({err}); "
                                   "another encoding is read with data.encoding=CODEC") from None
-            yield f"{path}:{number}", text_of(record, text_field, f"{path} line {number}")
+            yield f"{path}:{number}", text_of(record, data.text_field, where)
 
 
 def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -75,15 +90,39 @@ def cut_text(text: str, doc_chars: int) -> list[str]:
     nearest line end when one lies within doc_chars of it; in a line longer than that, at the start of the run of
     whitespace nearest to it within a quarter of doc_chars, else at the point itself. So no piece is longer than
     2 x doc_chars, whatever the lines. The cuts depend on the text and doc_chars alone, and each only on the text up
-    to a little past it: appending to a text changes none but its last pieces."""
-    pieces, start = [], 0
-    while doc_chars and len(text) - start > doc_chars:
-        cut = _next_cut(text, start, doc_chars)
-        if cut >= len(text):
-            break  # the last line end closes the text: the rest is one piece
-        pieces.append(text[start:cut])
+    to 2 x doc_chars past the previous one: appending to a text changes none but its last pieces, and cut_chunks
+    finds the same pieces in a text given a chunk at a time."""
+    return list(cut_chunks([text], doc_chars))
+
+
+def cut_chunks(chunks: Iterable[str], doc_chars: int) -> Iterator[str]:
+    """cut_text of the text the chunks join into, each piece yielded once the text up to 2 x doc_chars past its
+    start has come: memory holds that much and a chunk, not the text (but all of it with doc_chars=0)."""
+    if not doc_chars:
+        yield "".join(chunks)
+        return
+    text, start = "", 0
+    for chunk in chunks:
+        text, start = text[start:] + chunk, 0
+        while len(text) - start > 2 * doc_chars:  # _next_cut reads no further than start + 2 x doc_chars
+            cut = _next_cut(text, start, doc_chars)
+            yield text[start:cut]
+            start = cut
+    while len(text) - start > doc_chars and (cut := _next_cut(text, start, doc_chars)) < len(text):
+        yield text[start:cut]  # (a cut at the end, after the last line end, leaves the rest one piece)
         start = cut
-    return [*pieces, text[start:]]
+    yield text[start:]
+
+
+def numbered(doc_id: str, pieces: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(id, piece) of a text's pieces: `doc_id` for an uncut text, so that its split does not depend on
+    data.doc_chars; `doc_id#k` for the k-th piece, from 0, of a cut one."""
+    first, second = next(pieces), next(pieces, None)
+    if second is None:
+        yield doc_id, first
+    else:
+        for number, piece in enumerate(itertools.chain((first, second), pieces)):
+            yield f"{doc_id}#{number}", piece
 
 
 def _next_cut(text: str, start: int, doc_chars: int) -> int:
@@ -104,13 +143,9 @@ def _next_cut(text: str, start: int, doc_chars: int) -> int:
 
 
 def _plain_text_documents(path: str, doc_chars: int, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
-    if (text := skipped.read_text(Path(path))) is None:
+    if (chunks := skipped.read_chunks(Path(path))) is None:
         return
-    pieces = cut_text(text, 0 if Path(path).suffix.lower() in WHOLE_FILE_SUFFIXES else doc_chars)
-    if len(pieces) == 1:  # an uncut file keeps its path as id: its split does not depend on data.doc_chars
-        yield path, text
-    else:
-        yield from ((f"{path}#{number}", piece) for number, piece in enumerate(pieces))
+    yield from numbered(path, cut_chunks(chunks, 0 if Path(path).suffix.lower() in WHOLE_FILE_SUFFIXES else doc_chars))
 
 
 class TextFiles(Source):
@@ -122,7 +157,7 @@ class TextFiles(Source):
         for path in matched_files(data.paths):
             suffix = Path(path).suffix.lower()
             if suffix == ".jsonl":
-                yield from _jsonl_documents(path, data.text_field, data.encoding)
+                yield from _jsonl_documents(path, data)
             elif suffix == ".parquet":
                 yield from _parquet_documents(path, data.text_field)
             elif suffix in PLAIN_TEXT_SUFFIXES:

@@ -109,3 +109,11 @@ def test_keel_pretrain_on_a_gpu_checks_before_anything_is_made(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "needs about 76.3 GiB per GPU" in err and "trainer.check_memory=false" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("model", ["paper_d128", "paper_d256", "paper_d512"])
+def test_the_deep_paper_configs_need_activation_checkpointing_and_their_documented_command_fits(model):
+    overrides = [f"model={model}", "trainer=fsdp", "trainer.devices=8", "trainer.accelerator=gpu"]
+    with pytest.raises(ConfigError, match="change, in this order: trainer.activation_checkpointing=true"):
+        check_gpu_fits(load_config(overrides=overrides), GB80)
+    check_gpu_fits(load_config(overrides=[*overrides, "trainer.activation_checkpointing=true"]), GB80)  # conf/model

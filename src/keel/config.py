@@ -51,7 +51,8 @@ class TrainerConfig:
     keep_last_k: int = 2  # step-numbered checkpoints kept besides last.ckpt (the newest k); 0 = last.ckpt only
     compile: bool = True  # torch.compile each block
     activation_checkpointing: bool = False  # recompute each block in backward
-    check_memory: bool = True  # CPU: refuse a run whose estimated memory exceeds what this machine has (keel.memory)
+    # refuse a run whose estimated memory exceeds what this machine (CPU, keel.memory) or each GPU (keel.gpu_memory) has
+    check_memory: bool = True
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
     progress_bar: bool = True  # counts optimizer steps (its ETA holds with grad_accum > 1)
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, csv, wandb, mlflow

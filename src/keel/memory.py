@@ -82,7 +82,7 @@ def available_bytes() -> int:
 
 def check_training_fits(cfg) -> None:
     """Refuse a CPU run (cfg: keel.config.Config) whose processes on this machine would not fit in its memory;
-    trainer.check_memory=false starts it anyway. GPU memory is not estimated (CUDA reports its own OOM)."""
+    trainer.check_memory=false starts it anyway. GPU runs: keel.gpu_memory."""
     t = cfg.trainer
     shards = t.world_size if t.resolved_strategy == "fsdp" else 1
     need = t.devices * training_bytes(cfg.model, t.micro_batch_size, shards, t.activation_checkpointing)

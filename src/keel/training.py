@@ -32,6 +32,7 @@ from keel.config import Config, from_dict, to_dict
 from keel.data.loading import KeelDataModule, check_resumable_data, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
+from keel.gpu_memory import check_gpu_fits, gpu_memory_bytes
 from keel.lit import KeelLitModule, check_same_model
 from keel.loggers import LOGGERS, kind_of
 from keel.memory import check_training_fits
@@ -188,8 +189,13 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
     rank 0 has joined them)."""
     set_threads(cfg)
     owner = launched_as_rank_zero()
-    if owner and resolve_accelerator(cfg.trainer) == "cpu":
+    accelerator = resolve_accelerator(cfg.trainer)
+    if owner and accelerator == "cpu":
         check_cpu_processes(cfg)
+    # every GPU rank checks its own GPU (one that refused alone would leave the others waiting for it); without
+    # CUDA, keel.parallel.check_trainer refuses trainer.accelerator=gpu instead
+    if accelerator == "gpu" and cfg.trainer.check_memory and torch.cuda.is_available():
+        check_gpu_fits(cfg, gpu_memory_bytes())
     with RunDirLock(cfg.run.dir) if owner else nullcontext():
         return _train(cfg, extra_callbacks, owner)
 

@@ -1,0 +1,91 @@
+"""Start-up under several processes (gloo, CPU): the shards' sha256 hashed once per node, shared among its ranks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from keel.config import load_config
+from keel.errors import ConfigError
+
+from conftest import QUIET_TRAINER, TINY_MODEL
+
+WORLD = 2
+
+
+def _shards_copy(tiny_data, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy of the tiny shards (to damage) and the data.* overrides that select it."""
+    source = Path(next(o for o in tiny_data if o.startswith("data.dir=")).split("=", 1)[1])
+    copy = tmp_path / "shards"
+    shutil.copytree(source, copy)
+    return copy, [*tiny_data, f"data.dir={copy}"]
+
+
+def _verify_worker(rank: int, port: int, data: list[str], out: str) -> None:
+    from keel.data import shards
+    from keel.data.loading import open_dataset, verify_checksums_shared
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    hashed = []
+    original = shards._file_sha256
+
+    def counting(fs, path):
+        hashed.append("/".join(Path(path).parts[-2:]))
+        return original(fs, path)
+
+    shards._file_sha256 = counting
+    cfg = load_config(overrides=[*TINY_MODEL, *data, "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={WORLD}"])
+    dataset = open_dataset(cfg)  # sizes only: the processes hash once joined
+    result = {"at_open": list(hashed), "error": None}
+    try:
+        verify_checksums_shared(cfg, dataset.manifest, rank, torch.device("cpu"))
+    except ConfigError as err:
+        result["error"] = str(err)
+    result["hashed"] = hashed
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _verify(data: list[str], out: Path) -> list[dict]:
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(_verify_worker, args=(find_free_network_port(), data, str(out)), nprocs=WORLD)
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+def test_ranks_of_a_node_hash_disjoint_shares_and_all_refuse_a_corrupt_chunk(tiny_data, tmp_path):
+    shards, data = _shards_copy(tiny_data, tmp_path)
+    ranks = _verify(data, tmp_path)
+    assert [r["at_open"] for r in ranks] == [[], []]  # open_dataset hashed nothing under 2 processes
+    assert [r["hashed"] for r in ranks] == [["train/chunk-0-0.bin"], ["val/chunk-0-0.bin"]]  # one chunk each
+    assert [r["error"] for r in ranks] == [None, None]
+
+    chunk = shards / "val" / "chunk-0-0.bin"  # hashed by rank 1 alone
+    original = chunk.read_bytes()
+    chunk.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    ranks = _verify(data, tmp_path)
+    for r in ranks:  # rank 0 refuses it too, by name
+        assert f"{shards}/val/chunk-0-0.bin is corrupt (its sha256 is not the one in manifest.json)" in r["error"]
+
+
+@pytest.mark.slow
+def test_pretrain_on_two_processes_refuses_a_corrupt_chunk(tiny_data, tmp_path):
+    shards, data = _shards_copy(tiny_data, tmp_path)
+    chunk = shards / "train" / "chunk-0-0.bin"
+    original = chunk.read_bytes()
+    chunk.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    cmd = [sys.executable, "-m", "keel.cli", "pretrain", "trainer=ddp", "trainer.accelerator=cpu",
+           f"trainer.devices={WORLD}", *TINY_MODEL, *QUIET_TRAINER, *data, "eval.enabled=false",
+           "trainer.max_steps=1", "trainer.val_batches=1", f"run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"{shards}/train/chunk-0-0.bin is corrupt" in done.stderr

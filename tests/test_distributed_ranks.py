@@ -89,3 +89,77 @@ def test_pretrain_on_two_processes_refuses_a_corrupt_chunk(tiny_data, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"{shards}/train/chunk-0-0.bin is corrupt" in done.stderr
+
+
+# ------------------------------------------------------------------------- in-loop evaluation shared among ranks
+
+EVAL_TASKS = ["keel_next_line", "keel_last_token"]
+EVAL_LIMIT = 16
+
+
+def _eval_model(data_dir: str):
+    from keel.model import KeelLM
+
+    torch.manual_seed(0)
+    cfg = load_config(overrides=[*TINY_MODEL, f"data.dir={data_dir}"])
+    return KeelLM(cfg.model).eval(), (Path(data_dir) / "tokenizer.json").read_text()
+
+
+def _scores(distributed: bool, data_dir: str) -> tuple[dict, int]:
+    """The tasks' metrics and how many requests this process scored."""
+    from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
+
+    model, tokenizer_json = _eval_model(data_dir)
+    lm = KeelEvalLM(model=model, tokenizer_json=tokenizer_json, batch_size=8, distributed=distributed)
+    scored = []
+    score = lm._score
+    lm._score = lambda pieces, disable_tqdm: scored.append(len(pieces)) or score(pieces, disable_tqdm)
+    tasks = load_tasks(EVAL_TASKS, corpus_dir=data_dir)
+    return run_tasks(lm, tasks, limit=EVAL_LIMIT), sum(scored)
+
+
+def _eval_worker(rank: int, port: int, data_dir: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.save(_scores(True, data_dir), Path(out) / f"eval{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_evaluation_under_ddp_splits_the_requests_and_gives_one_process_metrics(tiny_data, tmp_path):
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    data_dir = next(o for o in tiny_data if o.startswith("data.dir=")).split("=", 1)[1]
+    alone, requests = _scores(False, data_dir)
+    mp.spawn(_eval_worker, args=(find_free_network_port(), data_dir, str(tmp_path)), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"eval{rank}.pt") for rank in range(WORLD)]
+    assert requests > 0
+    for metrics, scored in ranks:
+        assert metrics.keys() == alone.keys() == set(EVAL_TASKS)
+        for task in EVAL_TASKS:  # every rank gets the metrics over all the documents
+            assert metrics[task] == pytest.approx(alone[task], rel=1e-6), task
+        assert abs(scored - requests / WORLD) <= 0.1 * requests  # about half the requests each
+    assert sum(scored for _, scored in ranks) >= requests  # padded to as many on every rank, never fewer
+
+
+@pytest.mark.slow
+def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_path):
+    """`keel pretrain trainer=ddp` on 2 processes with the downstream callback: its last evaluation (after the last
+    step) has the scores one process gives the final checkpoint."""
+    import json
+
+    from keel.checkpoint import LAST
+    from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
+
+    from test_distributed import pretrain
+
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, "ddp", overrides=["eval.enabled=true", "eval.every_n_steps=4", f"eval.limit={EVAL_LIMIT}",
+                                               "eval.batch_size=8"])
+    history = json.loads((run / "eval_history.json").read_text())["evaluations"]
+    assert [e["step"] for e in history] == [3, 7]
+    data_dir = next(o for o in tiny_data if o.startswith("data.dir=")).split("=", 1)[1]
+    lm = KeelEvalLM(checkpoint=str(run / "checkpoints" / LAST), device="cpu", batch_size=8)
+    alone = run_tasks(lm, load_tasks(EVAL_TASKS, corpus_dir=data_dir), limit=EVAL_LIMIT)
+    for task in EVAL_TASKS:
+        assert history[-1]["scores"][task] == pytest.approx(alone[task], rel=1e-5), task

@@ -1,4 +1,5 @@
-"""Start-up under several processes (gloo, CPU): the shards' sha256 hashed once per node, shared among its ranks."""
+"""Work shared among processes (gloo, CPU): the shards' sha256 hashed once per node, the in-loop downstream
+evaluation split among DDP ranks, and litdata's chunks dealt out over two nodes."""
 
 from __future__ import annotations
 
@@ -163,3 +164,58 @@ def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_
     alone = run_tasks(lm, load_tasks(EVAL_TASKS, corpus_dir=data_dir), limit=EVAL_LIMIT)
     for task in EVAL_TASKS:
         assert history[-1]["scores"][task] == pytest.approx(alone[task], rel=1e-5), task
+
+
+# ----------------------------------------------------------------- two nodes of two processes: litdata's node split
+
+NODES_LAUNCHER = '''
+import os, sys
+from pathlib import Path
+import torch
+from lightning.pytorch.callbacks import Callback
+from keel import cli, training
+
+class Record(Callback):  # this rank's sequences, and the node count litdata dealt them out by
+    def __init__(self):
+        self.seen = []
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(batch.clone())
+        nodes = trainer.train_dataloader.dataset.distributed_env.num_nodes
+        torch.save({"nodes": nodes, "seen": torch.cat(self.seen)},
+                   Path(os.environ["KEEL_TEST_RECORD"]) / f"rank{trainer.global_rank}.pt")
+
+configured = training.build_callbacks
+training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Record()]
+sys.exit(cli.main(sys.argv[1:]))
+'''
+STEPS = 4
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes_read_disjoint_sequences(tiny_data, tmp_path):
+    """Two torchrun "nodes" on 127.0.0.1 with 2 processes each: litdata deals the chunks out over 2 nodes (its
+    num_nodes > 1 branch, which on CPU it takes only when told the node count) and the 4 ranks train on
+    disjoint sequences."""
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    launcher, record = tmp_path / "launch.py", tmp_path / "seen"
+    launcher.write_text(NODES_LAUNCHER)
+    record.mkdir()
+    port, nodes = find_free_network_port(), []
+    for node_rank in range(2):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+                    f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        cmd = [*torchrun, str(launcher), "pretrain", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+               "trainer.num_nodes=2", *TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false",
+               "trainer.micro_batch_size=1",  # 4 validation sequences in all: the tiny val split may hold ~15
+               f"trainer.max_steps={STEPS}", f"trainer.val_every_n_steps={STEPS}", "trainer.val_batches=1",
+               f"trainer.checkpoint_every_n_steps={STEPS}", f"run.dir={tmp_path / 'run'}"]
+        nodes.append(subprocess.Popen(cmd, env={**os.environ, "KEEL_TEST_RECORD": str(record)},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    errors = [node.communicate(timeout=900)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(error[-3000:] for error in errors)
+    ranks = [torch.load(record / f"rank{rank}.pt") for rank in range(2 * WORLD)]
+    assert [r["nodes"] for r in ranks] == [2] * 4
+    sequences = [{tuple(row.tolist()) for row in r["seen"]} for r in ranks]
+    assert [len(s) for s in sequences] == [STEPS] * 4  # one sequence a step, none twice
+    assert len(set().union(*sequences)) == 4 * STEPS  # no sequence on two ranks

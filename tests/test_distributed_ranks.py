@@ -31,6 +31,7 @@ def _shards_copy(tiny_data, tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 def _verify_worker(rank: int, port: int, data: list[str], out: str) -> None:
+    """Verify the shards as the data module does, then again after rank 0 damaged the val chunk (rank 1's share)."""
     from keel.data import shards
     from keel.data.loading import open_dataset, verify_checksums_shared
 
@@ -46,36 +47,36 @@ def _verify_worker(rank: int, port: int, data: list[str], out: str) -> None:
     shards._file_sha256 = counting
     cfg = load_config(overrides=[*TINY_MODEL, *data, "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={WORLD}"])
     dataset = open_dataset(cfg)  # sizes only: the processes hash once joined
-    result = {"at_open": list(hashed), "error": None}
-    try:
-        verify_checksums_shared(cfg, dataset.manifest, rank, torch.device("cpu"))
-    except ConfigError as err:
-        result["error"] = str(err)
-    result["hashed"] = hashed
+    result = {"at_open": list(hashed)}
+    for attempt in ("intact", "damaged"):
+        if attempt == "damaged":
+            dist.barrier()
+            if rank == 0:
+                chunk = Path(cfg.data.dir) / "val" / "chunk-0-0.bin"
+                original_bytes = chunk.read_bytes()
+                chunk.write_bytes(original_bytes[:-1] + bytes([original_bytes[-1] ^ 1]))
+            dist.barrier()
+        try:
+            verify_checksums_shared(cfg, dataset.manifest, rank, torch.device("cpu"))
+            result[attempt] = None
+        except ConfigError as err:
+            result[attempt] = str(err)
+        result.setdefault("hashed", list(hashed))  # by the intact verification
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def _verify(data: list[str], out: Path) -> list[dict]:
+def test_ranks_of_a_node_hash_disjoint_shares_and_all_refuse_a_corrupt_chunk(tiny_data, tmp_path):
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    mp.spawn(_verify_worker, args=(find_free_network_port(), data, str(out)), nprocs=WORLD)
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
-
-
-def test_ranks_of_a_node_hash_disjoint_shares_and_all_refuse_a_corrupt_chunk(tiny_data, tmp_path):
     shards, data = _shards_copy(tiny_data, tmp_path)
-    ranks = _verify(data, tmp_path)
+    mp.spawn(_verify_worker, args=(find_free_network_port(), data, str(tmp_path)), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     assert [r["at_open"] for r in ranks] == [[], []]  # open_dataset hashed nothing under 2 processes
     assert [r["hashed"] for r in ranks] == [["train/chunk-0-0.bin"], ["val/chunk-0-0.bin"]]  # one chunk each
-    assert [r["error"] for r in ranks] == [None, None]
-
-    chunk = shards / "val" / "chunk-0-0.bin"  # hashed by rank 1 alone
-    original = chunk.read_bytes()
-    chunk.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    ranks = _verify(data, tmp_path)
-    for r in ranks:  # rank 0 refuses it too, by name
-        assert f"{shards}/val/chunk-0-0.bin is corrupt (its sha256 is not the one in manifest.json)" in r["error"]
+    assert [r["intact"] for r in ranks] == [None, None]
+    for r in ranks:  # the val chunk, hashed by rank 1 alone: rank 0 refuses it too, by name
+        assert f"{shards}/val/chunk-0-0.bin is corrupt (its sha256 is not the one in manifest.json)" in r["damaged"]
 
 
 @pytest.mark.slow

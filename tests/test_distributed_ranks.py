@@ -45,7 +45,8 @@ def _verify_worker(rank: int, port: int, data: list[str], out: str) -> None:
         return original(fs, path)
 
     shards._file_sha256 = counting
-    cfg = load_config(overrides=[*TINY_MODEL, *data, "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={WORLD}"])
+    cfg = load_config(overrides=[*TINY_MODEL, *data, "trainer=ddp", "trainer.accelerator=cpu",
+                                 f"trainer.devices={WORLD}"])
     dataset = open_dataset(cfg)  # sizes only: the processes hash once joined
     result = {"at_open": list(hashed)}
     for attempt in ("intact", "damaged"):

@@ -8,8 +8,9 @@ since the previous evaluation (also printed as a line). At the end of training, 
 loss against score over the run; every evaluation is in `<run.dir>/eval_history.json`.
 
 Training is untouched: the model is evaluated without gradients in eval mode (then put back as it was), the
-Python/NumPy/torch RNG states are restored afterwards, and the train dataloader is never used. Every rank
-evaluates the same requests (FSDP forwards are collective); only rank 0 logs and writes.
+Python/NumPy/torch RNG states are restored afterwards, and the train dataloader is never used. Under DDP each
+rank scores its share of the documents and the metrics are those of all of them, on every rank; under FSDP every
+rank evaluates the same requests (its forwards are collective: as many on every rank). Only rank 0 logs and writes.
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ class DownstreamEval(Callback):
         model = pl_module.model
         if self.lm is None:
             self.lm = KeelEvalLM(
-                model=model, tokenizer_json=pl_module.tokenizer_json, batch_size=self.cfg.eval.batch_size
+                model=model, tokenizer_json=pl_module.tokenizer_json, batch_size=self.cfg.eval.batch_size,
+                # lm-eval fails on a rank that gets no document: share only when every rank gets one
+                distributed=self.cfg.trainer.resolved_strategy == "ddp"
+                and (self.cfg.eval.limit or self.cfg.trainer.world_size) >= self.cfg.trainer.world_size,
             )
         was_training = model.training
         model.eval()

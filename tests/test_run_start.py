@@ -136,3 +136,28 @@ def test_dataclass_defaults_are_the_default_yamls():
     from keel.config import Config, to_dict
 
     assert to_dict(load_config()) == asdict(Config())
+
+
+def test_compile_on_gpu_without_a_c_compiler_is_refused(monkeypatch, tmp_path):
+    """Triton builds its GPU kernels' launchers with a C compiler ($CC, gcc or clang): without one a GPU run with
+    trainer.compile=true is refused at start-up (decided from the config and the environment: no GPU needed)."""
+    from keel.errors import ConfigError
+    from keel.parallel import check_trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no gcc, no clang
+    monkeypatch.delenv("CC", raising=False)
+    gpu = load_config(overrides=["trainer=gpu", "trainer.compile=true"]).trainer
+    with pytest.raises(ConfigError, match=r"^trainer.compile=true: torch.compile on GPU builds Triton kernels.*\(no "
+                       r"\$CC, and neither gcc nor clang on PATH\); install one .* or set trainer.compile=false$"):
+        check_trainer(gpu)
+    monkeypatch.setenv("CC", "keel-test-no-such-cc")
+    with pytest.raises(ConfigError, match=r"\(\$CC=keel-test-no-such-cc is not a program\)"):
+        check_trainer(gpu)
+    check_trainer(load_config(overrides=["trainer=gpu", "trainer.compile=false"]).trainer)  # no compile: no check
+    compiler = tmp_path / "gcc"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    monkeypatch.delenv("CC")
+    check_trainer(gpu)  # gcc on PATH

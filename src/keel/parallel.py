@@ -106,6 +106,10 @@ def check_trainer(trainer) -> None:
         raise ConfigError(f"trainer.compile=true: torch.compile on CPU builds C++ kernels, and no C++ compiler was found "
                           f"({missing}); install one (e.g. apt install g++, xcode-select --install) or set "
                           "trainer.compile=false")
+    if trainer.compile and resolve_accelerator(trainer) == "gpu" and (missing := missing_c_compiler()):
+        raise ConfigError(f"trainer.compile=true: torch.compile on GPU builds Triton kernels, whose launchers Triton "
+                          f"compiles with a C compiler, and none was found ({missing}); install one (e.g. apt install "
+                          "gcc) or point $CC at one, or set trainer.compile=false")
     if trainer.num_nodes > 1 and not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect() or "NODE_RANK" in os.environ):
         raise ConfigError(f"trainer.num_nodes={trainer.num_nodes}: start one launcher per node with torchrun or srun "
                           "(docs/distributed.md); run alone, every node would wait for the others forever")
@@ -124,6 +128,15 @@ def missing_cpp_compiler() -> str | None:
         cxx = inductor_config.cpp.cxx
         return "searched " + ", ".join(str(c) for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c)
     return None
+
+
+def missing_c_compiler() -> str | None:
+    """Why Triton would find no C compiler for its kernels' launchers (it would fail at the first compiled step),
+    or None: looked for as triton.runtime.build does, $CC, else gcc or clang on PATH (not asked of Triton itself,
+    which caches its answer for the process)."""
+    if cc := os.environ.get("CC"):
+        return None if shutil.which(cc) else f"$CC={cc} is not a program"
+    return None if shutil.which("gcc") or shutil.which("clang") else "no $CC, and neither gcc nor clang on PATH"
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -56,6 +56,13 @@ def set_threads(cfg: Config) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+def tell_litdata_the_nodes(cfg: Config) -> None:
+    """litdata deals chunks out node by node; it counts nodes from NNODES, else as the world size // this node's
+    GPUs, which is 1 on CPU nodes and wrong wherever a run uses fewer GPUs than a node has. The ranks started
+    after this inherit it."""
+    os.environ["NNODES"] = str(cfg.trainer.num_nodes)
+
+
 def check_cpu_processes(cfg: Config) -> None:
     """Before anything is allocated: refuse a CPU run that will not fit in this machine's memory (unless
     trainer.check_memory=false), and say when its processes outnumber the cores."""
@@ -188,6 +195,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
     the run directory's lock throughout, taken before anything is written (the others write nothing before
     rank 0 has joined them)."""
     set_threads(cfg)
+    tell_litdata_the_nodes(cfg)
     owner = launched_as_rank_zero()
     accelerator = resolve_accelerator(cfg.trainer)
     if owner and accelerator == "cpu":

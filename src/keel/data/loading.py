@@ -16,7 +16,8 @@ from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from keel.config import Config, DataConfig
 from keel.data.shards import (
-    MANIFEST, MANIFEST_KEYS, REBUILD, SPLITS, TOKENIZER, data_path, sha256, storage, tokens_per_chunk, verify_shards,
+    MANIFEST, MANIFEST_KEYS, REBUILD, SPLITS, TOKENIZER, checksummed_chunks, corrupt_chunk, data_path, first_corrupt,
+    sha256, storage, tokens_per_chunk, verify_shards,
 )
 from keel.errors import ConfigError
 
@@ -57,7 +58,8 @@ def open_dataset(cfg: Config) -> DatasetInfo:
             f"{data.dir}/{TOKENIZER} is missing or is not the one the shards were encoded with: {REBUILD}"
         )
     chunk_tokens = {split: tokens_per_chunk(fs, data.dir, split) for split in SPLITS}  # raises without an index
-    verify_shards(fs, data, manifest)
+    # several processes hash their shares once joined (verify_checksums_shared), not every rank the whole corpus
+    verify_shards(fs, data, manifest, checksums=cfg.trainer.world_size == 1)
 
     built_with = manifest["settings"].get("tokenizer")
     if data.tokenizer is not None:
@@ -86,6 +88,21 @@ def open_dataset(cfg: Config) -> DatasetInfo:
         manifest_sha256=sha256(manifest_bytes),
         chunk_tokens=chunk_tokens,
     )
+
+
+def verify_checksums_shared(cfg: Config, manifest: dict, local_rank: int, device: torch.device) -> None:
+    """Under several processes, once they are joined: the ranks of each node hash a disjoint share of the chunks
+    (every chunk once per node, which may have its own copy of data.dir), then agree on the first corrupt one with
+    one all-reduce, so that every rank refuses it by name."""
+    fs = storage(cfg.data.dir)
+    chunks = checksummed_chunks(fs, cfg.data, manifest)
+    if not chunks:  # the same on every rank: the same config and manifest
+        return
+    bad = first_corrupt(fs, cfg.data, chunks, local_rank, cfg.trainer.devices)
+    first = torch.tensor(len(chunks) if bad is None else bad, device=device)
+    torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    if first.item() < len(chunks):
+        raise corrupt_chunk(cfg.data, chunks[first.item()])
 
 
 def batches_per_rank(cfg: Config, chunk_tokens: list[int]) -> tuple[int, int]:
@@ -224,6 +241,11 @@ class KeelDataModule(L.LightningDataModule):
         self.cfg = cfg
         # fail before the Trainer starts when the shards don't fit; `info`: already opened (and verified)
         self.info = info if info is not None else open_dataset(cfg)
+
+    def setup(self, stage: str) -> None:
+        if self.cfg.trainer.world_size > 1:
+            verify_checksums_shared(self.cfg, self.info.manifest, self.trainer.local_rank,
+                                    self.trainer.strategy.root_device)
 
     def train_dataloader(self) -> StreamingDataLoader:
         return token_loader(self.cfg, "train", shuffle=True)

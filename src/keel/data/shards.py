@@ -149,11 +149,10 @@ def chunk_digests(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> d
             for chunk in _chunks(fs, data_dir, split)}
 
 
-def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict) -> None:
-    """Every chunk the indexes list is there at its full size; local chunks also match the manifest's sha256
-    (data.verify_checksums; hashing ran at 0.18 GB/s on the loaded 2-core dev machine). A shard truncated or
-    damaged after the build is refused here, at start-up, not when litdata's reader reaches it mid-run."""
-    checksums = manifest.get("chunk_sha256") if data.verify_checksums and "://" not in data.dir else None
+def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict, checksums: bool = True) -> None:
+    """Every chunk the indexes list is there at its full size; unless checksums=False, local chunks also match the
+    manifest's sha256 (data.verify_checksums; hashing ran at 0.18 GB/s on the loaded 2-core dev machine). A shard
+    truncated or damaged after the build is refused here, at start-up, not when litdata's reader reaches it mid-run."""
     for split in SPLITS:
         for chunk in _chunks(fs, data.dir, split):
             path = data_path(data.dir, split, chunk["filename"])
@@ -162,9 +161,35 @@ def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dic
                 found = "missing" if size is None else f"{size:,} of its {chunk['chunk_bytes']:,} bytes"
                 raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is truncated or missing ({found}): "
                                   f"{REBUILD}")
-            if checksums and _file_sha256(fs, path) != checksums.get(split, {}).get(chunk["filename"]):
-                raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is corrupt (its sha256 is not the one in "
-                                  f"{MANIFEST}): {REBUILD}")
+    chunks = checksummed_chunks(fs, data, manifest) if checksums else []
+    if (bad := first_corrupt(fs, data, chunks)) is not None:
+        raise corrupt_chunk(data, chunks[bad])
+
+
+def checksummed_chunks(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict) -> list[tuple[str, str, str]]:
+    """(split, file name, the manifest's sha256) of every chunk to hash: none unless data.verify_checksums and
+    data.dir is local (an object store's chunks would all be downloaded first)."""
+    checksums = manifest.get("chunk_sha256") if data.verify_checksums and "://" not in data.dir else None
+    if not checksums:
+        return []
+    return [(split, chunk["filename"], checksums.get(split, {}).get(chunk["filename"]))
+            for split in SPLITS for chunk in _chunks(fs, data.dir, split)]
+
+
+def first_corrupt(fs: fsspec.AbstractFileSystem, data: DataConfig, chunks: list[tuple[str, str, str]], share: int = 0,
+                  shares: int = 1) -> int | None:
+    """The index of the first chunk of this share (every shares-th, from the share-th on) whose sha256 is not
+    the manifest's, or None."""
+    for i in range(share, len(chunks), shares):
+        split, name, expected = chunks[i]
+        if _file_sha256(fs, data_path(data.dir, split, name)) != expected:
+            return i
+    return None
+
+
+def corrupt_chunk(data: DataConfig, chunk: tuple[str, str, str]) -> ConfigError:
+    split, name, _ = chunk
+    return ConfigError(f"{data.dir}/{split}/{name} is corrupt (its sha256 is not the one in {MANIFEST}): {REBUILD}")
 
 
 def require_sequences(fs: fsspec.AbstractFileSystem, data_dir: str, seq_len: int) -> None:

@@ -5,8 +5,10 @@
 
 Requests are tokenized exactly as lm-eval's HF model does (TemplateLM: context and continuation encoded
 together, trailing context whitespace moved to the continuation, EOS as the prefix of an empty context),
-left-truncated to the model's seq_len. Every process evaluates every request it is given: the adapter
-reports rank 0 of 1, so under DDP/FSDP all ranks run the same forward passes (FSDP's are collective).
+left-truncated to the model's seq_len. With distributed=True (in-loop under DDP) it reports the process group's
+rank and world size, so that lm-eval's evaluate() gives each rank its share of the documents and gathers the
+metrics on rank 0; otherwise (FSDP, whose forwards are collective and must be as many on every rank, or one process)
+it reports rank 0 of 1 and evaluates every request it is given.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -54,9 +57,11 @@ class KeelEvalLM(TemplateLM):
         max_batch_size: int | None = None,
         device: str | None = None,
         max_gen_toks: int = 256,
+        distributed: bool = False,
     ) -> None:
         """Either `checkpoint` (a single-file keel checkpoint, loaded onto `device`) or an in-memory `model`
-        and `tokenizer_json` (evaluated where the model is). batch_size 'auto' = max_batch_size or 64."""
+        and `tokenizer_json` (evaluated where the model is). batch_size 'auto' = max_batch_size or 64.
+        distributed: share the documents among the ranks of the initialized process group."""
         super().__init__()
         if (checkpoint is None) == (model is None):
             raise ConfigError("keel model: give either checkpoint=PATH or an in-memory model, not both")
@@ -70,6 +75,22 @@ class KeelEvalLM(TemplateLM):
         self._device = next(model.parameters()).device
         self._batch_size = int(batch_size) if str(batch_size).isdigit() else (max_batch_size or 64)
         self._max_gen_toks = int(max_gen_toks)
+        if distributed and dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    # ------------------------------------------------------------------ lm-eval's collectives (world_size > 1 only)
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(gathered, tensor)
+        return torch.stack(gathered)
+
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        dist.barrier()
 
     # ------------------------------------------------------------------ TemplateLM interface
     @property

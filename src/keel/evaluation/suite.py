@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lm_eval.utils
+import torch
 from lm_eval.api.model import LM
 from lm_eval.api.task import Task
 from lm_eval.defaults import DEFAULT_OTHER_SEED
@@ -91,13 +92,19 @@ def run_tasks(
     read once). num_fewshot None keeps each task's default (0 if it has none). Metric names are lm-eval's,
     the filter appended for generative tasks ('exact_match/strict-match'). lm-eval's evaluate(), not
     simple_evaluate(), which also probes the environment (seconds of subprocesses) and reseeds the global RNGs;
-    no bootstrap standard errors, which would cost more than the evaluation itself."""
+    no bootstrap standard errors, which would cost more than the evaluation itself. An lm with world_size > 1
+    scores its rank's share of the documents; the metrics, over all of them, are returned on every rank."""
     for task in tasks.values():
         if num_fewshot is not None or task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=num_fewshot or 0)
         task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)  # the same few-shot examples at every evaluation
     results = evaluate(lm=lm, task_dict={"tasks": tasks}, limit=limit, bootstrap_iters=0, log_samples=False)
-    return {task: _metrics(values) for task, values in results["results"].items()}
+    metrics = {task: _metrics(values) for task, values in results["results"].items()} if results else None
+    if lm.world_size > 1:  # lm-eval returns them on rank 0 alone; every rank gets them (the same eval history)
+        shared = [metrics]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        metrics = shared[0]
+    return metrics
 
 
 def _metrics(values: dict[str, Any]) -> dict[str, float]:

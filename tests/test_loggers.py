@@ -141,8 +141,9 @@ def test_a_logger_is_one_record(tiny_data, tmp_path, monkeypatch):
     sends it scalars and text (the stability monitor's events), and it is closed at the end."""
     monkeypatch.setitem(LOGGERS, "toy", Toy())
     run = tmp_path / "run"
-    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[toy,tensorboard]", "callbacks.stability.spike_margin=1e-9",
-                      "callbacks.stability.stop_on_failure=false"))
+    # an LR of 10 makes the loss rise within the 4 steps whatever the data drawn: the stability events are sure
+    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[toy,tensorboard]", "optim.lr=10",
+                      "callbacks.stability.spike_margin=1e-9", "callbacks.stability.stop_on_failure=false"))
     with open(run / "toy" / "version_0" / "metrics.csv") as f:
         assert [row["step"] for row in csv.DictReader(f) if row["train/loss"]] == ["0", "1", "2", "3"]
     assert ToyLogger.texts and all(tag == "stability/events" for tag, _, _ in ToyLogger.texts)

@@ -19,6 +19,7 @@ import os
 from keel.errors import ConfigError
 from keel.model import parameter_counts
 from keel.ops.chunked_ce import DEFAULT_CHUNK
+from keel.parallel import resolve_precision
 from keel.schemes import ModelConfig, SublayerSpec, sublayer_specs
 
 # Per parameter: weights, gradients, AdamW's two moments. Lightning's bf16-mixed (and 16-mixed) is torch.autocast
@@ -33,7 +34,7 @@ RUNTIME_BYTES = 2 * 2**30  # CUDA context (~0.5 GiB), cuBLAS workspaces, NCCL bu
 
 
 def gpu_precision(trainer) -> str:
-    return "bf16-mixed" if trainer.precision == "auto" else trainer.precision  # auto on a GPU (keel.parallel)
+    return resolve_precision(trainer, accelerator="gpu")  # on a GPU whatever this machine has (tests run on CPU)
 
 
 def matmul_bytes(trainer) -> int:

@@ -83,10 +83,11 @@ def resolve_accelerator(trainer) -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_precision(trainer) -> str:
+def resolve_precision(trainer, accelerator: str | None = None) -> str:
+    """trainer.precision, with auto resolved for `accelerator` (default: the one the trainer resolves to)."""
     if trainer.precision != "auto":
         return trainer.precision
-    return "bf16-mixed" if resolve_accelerator(trainer) == "gpu" else "32-true"
+    return "bf16-mixed" if (accelerator or resolve_accelerator(trainer)) == "gpu" else "32-true"
 
 
 def check_trainer(trainer) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from contextlib import nullcontext
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,9 +102,25 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     for checkpointing in ("false", "true"):  # activation checkpointing recomputes on the gathered block
         cfg = _tiny_cfg("trainer.precision=32-true", f"trainer.activation_checkpointing={checkpointing}")
         torch.manual_seed(0)
-        model = KeelLM(cfg.model)
+        with torch.device("meta") if rank > 0 else nullcontext():  # rank 0's weights reach rank 1 (training does so)
+            model = KeelLM(cfg.model)
         parallelize(model, cfg.trainer, mesh)
         results[checkpointing] = _train(model, batches, global_mean)
+    for tied in ("false", "true"):  # the meta-device build: bit for bit the weights and RoPE tables of an eager one
+        cfg = _tiny_cfg("trainer.precision=32-true", f"model.tie_embeddings={tied}")
+        torch.manual_seed(0)
+        eager = KeelLM(cfg.model)
+        torch.manual_seed(0)
+        with torch.device("meta") if rank > 0 else nullcontext():
+            model = KeelLM(cfg.model)
+        parallelize(model, cfg.trainer, mesh)
+        full = {name: t.full_tensor() if isinstance(t, DTensor) else t
+                for name, t in model.state_dict(keep_vars=False).items()}
+        results[f"meta_build_tied_{tied}"] = {
+            "same_weights": full.keys() == eager.state_dict().keys()
+            and all(torch.equal(full[name], t) for name, t in eager.state_dict().items()),
+            "same_rope": torch.equal(model.rope_cos, eager.rope_cos) and torch.equal(model.rope_sin, eager.rope_sin),
+            "tied": model.head.weight is model.embed.weight}
     # the chunked loss head (3 chunks per rank: 4 x 32 tokens) on the sharded head weight, against the plain head
     cfg = _tiny_cfg("trainer.precision=32-true", "model.loss_chunk=48")
     torch.manual_seed(0)
@@ -148,6 +165,9 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     # each rank holds about half of every parameter (dim 0 split; odd sizes round up on rank 0)
     assert sum(r["local"] for r in ranks) == ranks[0]["total"]
     assert all(abs(r["local"] / r["total"] - 1 / WORLD) < 0.02 for r in ranks)
+    for tied in (False, True):  # rank 1 built on the meta device holds exactly the eager build's model
+        assert [r[f"meta_build_tied_{str(tied).lower()}"] for r in ranks] == [
+            {"same_weights": True, "same_rope": True, "tied": tied}] * WORLD
     assert ranks[0]["bf16_seen"] == [(torch.float32, torch.bfloat16)]  # fp32 stream in, bf16 weights gathered
     assert ranks[0]["bf16_grad_dtypes"] == {torch.float32}  # reduced and kept in fp32
 
@@ -398,6 +418,19 @@ def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_ex
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 6
     pretrain(tiny_data, run, "ddp")  # resume=auto
     assert scalars(run, "train/loss") == scalars(straight_runs["ddp"], "train/loss")
+
+
+def test_init_from_under_fsdp_reaches_every_shard(tiny_data, tiny_run, tmp_path):
+    """Only rank 0 builds the model for real and loads init_from; rank 1, built on the meta device, gets its
+    shards from rank 0. After one step at a negligible LR the sharded checkpoint - rank 1's shards included -
+    holds the source's weights."""
+    source = tiny_run / "checkpoints" / LAST
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, "fsdp", overrides=[f"init_from={source}", "trainer.max_steps=1", "optim.lr=1e-12",
+                                                "optim.warmup_steps=1", "trainer.val_every_n_steps=1"])
+    expected, _, _ = load_model(source)
+    continued, _, _ = load_model(run / "checkpoints" / LAST)
+    torch.testing.assert_close(continued.state_dict(), expected.state_dict(), rtol=0, atol=1e-9)
 
 
 # ------------------------------------------------------------- two nodes: two torchrun launchers on loopback

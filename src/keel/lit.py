@@ -7,6 +7,7 @@ Parallelism, activation checkpointing and compile are applied to the model from 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import lightning as L
 import torch
@@ -48,11 +49,14 @@ def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Ad
 
 
 class KeelLitModule(L.LightningModule):
-    def __init__(self, cfg: Config, tokenizer_json: str | None = None) -> None:
+    def __init__(self, cfg: Config, tokenizer_json: str | None = None, empty_init: bool = False) -> None:
+        """empty_init: build the model on the meta device (no memory, no values): for a process whose weights
+        come from another's when the model is parallelized (configure_model)."""
         super().__init__()
         self.cfg = cfg
         self.tokenizer_json = tokenizer_json  # stored in every checkpoint: evaluation needs nothing else
-        self.model = KeelLM(cfg.model)
+        with torch.device("meta") if empty_init else nullcontext():
+            self.model = KeelLM(cfg.model)
         # validation loss summed over tokens, and the tokens, over batches and processes; a NaN loss stays NaN
         # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
         self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")

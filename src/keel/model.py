@@ -202,6 +202,14 @@ class KeelLM(nn.Module):
             self.head.weight = self.embed.weight
 
     @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The RoPE tables again (they are not in state_dict): for a model built on the meta device, once its
+        storage exists (`Module.to_empty`) and its weights are loaded."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
     def reset_parameters(self) -> None:
         """model.init (docs/schemes.md#initialization): a common draw, then the kind's and the scheme's changes."""
         cfg, kind = self.cfg, self.cfg.init_kind

@@ -10,8 +10,10 @@ import types
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -61,10 +63,28 @@ def parallelize(model: KeelLM, trainer, device_mesh=None) -> None:
 def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
     """FSDP2: every parameter is split over the mesh's ranks (dim 0). Each block is one unit, all-gathered
     just before its forward (and again for backward) and freed after; the root unit holds the rest
-    (embedding, final norm, head). Every rank must start from the same full weights: the same seed does it."""
+    (embedding, final norm, head).
+
+    Every rank starts from rank 0's weights, broadcast one tensor at a time into the others' shards: only rank 0
+    needs to build the model for real (the others may build it on the meta device, `KeelLitModule(empty_init=
+    True)`), so a node's host holds one full fp32 copy at most, not one per GPU (paper_d512: 26 GB, not 208)."""
+    full = model.state_dict() if dist.get_rank() == 0 else {}  # before sharding replaces the parameters
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    built_empty = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if built_empty:
+        model.to_empty(device=mesh_device(mesh))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if built_empty:
+        model.reset_buffers()
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device a mesh's ranks compute on (where fully_shard puts their shards): this process's current GPU."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def mixed_precision_policy(trainer) -> MixedPrecisionPolicy:

@@ -181,7 +181,8 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
                           f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")
     state = model_state_dict(checkpoint)
     check_state_fits(cfg.model, state, f"init_from: {cfg.init_from}")  # an edited export: refused, not RuntimeError
-    module.model.load_state_dict(state)
+    if not module.model.embed.weight.is_meta:  # else rank 0's loaded weights reach it when the model is sharded
+        module.model.load_state_dict(state)
     return f"model weights of {cfg.init_from} (step {checkpoint.get('global_step')}); new optimizer, schedule, data"
 
 
@@ -221,7 +222,9 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
         check_resumable(cfg.trainer, ckpt_path, checkpoint)
         check_resumable_data(cfg, dataset, ckpt_path, checkpoint)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
-    module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json)
+    # under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard): they build nothing on the host
+    module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
+                           empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
     start = start_from(cfg, module, ckpt_path)
     trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])
     if owner:

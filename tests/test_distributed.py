@@ -172,6 +172,55 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     assert ranks[0]["bf16_grad_dtypes"] == {torch.float32}  # reduced and kept in fp32
 
 
+HSDP_NODES, HSDP_DEVICES = 2, 2
+
+
+def _hsdp_worker(rank: int, port: int, out: str) -> None:
+    """trainer.hsdp: 2 "nodes" x 2 processes, each parameter sharded within a node and replicated across."""
+    world = HSDP_NODES * HSDP_DEVICES
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    lightnings = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    per_rank = GLOBAL_BATCH // world
+    batches = _batches()[:, rank * per_rank : (rank + 1) * per_rank]
+
+    def global_mean(loss: torch.Tensor) -> float:
+        dist.all_reduce(loss)
+        return loss.item() / world
+
+    cfg = _tiny_cfg("trainer.precision=32-true", "trainer.strategy=fsdp", "trainer.hsdp=true",
+                    f"trainer.num_nodes={HSDP_NODES}", f"trainer.devices={HSDP_DEVICES}")
+    torch.manual_seed(0)
+    with torch.device("meta") if rank > 0 else nullcontext():
+        model = KeelLM(cfg.model)
+    parallelize(model, cfg.trainer, lightnings)
+    weight = model.blocks[0].attn.branch.qkv.weight
+    results = _train(model, batches, global_mean)
+    results["placements"] = [(type(p).__name__, getattr(p, "dim", None)) for p in weight.placements]
+    results["local_rows"] = (weight.to_local().shape[0], weight.shape[0])
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_hsdp_matches_one_process_on_the_same_global_batches(tmp_path):
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(_hsdp_worker, args=(find_free_network_port(), str(tmp_path)), nprocs=HSDP_NODES * HSDP_DEVICES)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(HSDP_NODES * HSDP_DEVICES)]
+    torch.manual_seed(0)
+    reference = _train(KeelLM(_tiny_cfg().model), _batches(), lambda loss: loss.item())
+    hsdp = ranks[0]
+    assert hsdp["placements"] == [("Replicate", None), ("Shard", 0)]  # replicated over nodes, sharded within one
+    rows, total = hsdp["local_rows"]
+    assert rows == total // HSDP_DEVICES  # half of each parameter per process: a node's 2 processes share it
+    assert hsdp["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert hsdp["clip_norm"] == pytest.approx(reference["clip_norm"], rel=1e-5)  # no double count of replicas
+    for step in range(STEPS):
+        assert hsdp["grad_norms"][step] == pytest.approx(reference["grad_norms"][step], rel=1e-5)
+    assert all(r["loss"] == hsdp["loss"] and r["clip_norm"] == hsdp["clip_norm"] for r in ranks)
+
+
 # ------------------------------------------------------------------------------ sharded checkpoint files
 
 
@@ -271,6 +320,9 @@ def test_sharded_commit_survives_a_crash_between_renames(tmp_path, monkeypatch):
         (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"],
          "fp16 loss scaling does not work on FSDP shards; use trainer.precision=bf16-mixed"),
         (["trainer.num_nodes=2"], "start one launcher per node with torchrun or srun"),
+        (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.hsdp=true"],
+         "trainer.hsdp: shards within each node and replicates across nodes: it needs trainer.strategy=fsdp "
+         "(trainer=fsdp) and trainer.num_nodes > 1 (got strategy fsdp, 1 node(s))"),
         (["trainer.strategy=zero3"], "trainer.strategy: unknown strategy 'zero3'; allowed: auto, single, ddp, fsdp"),
     ],
 )
@@ -437,26 +489,32 @@ def test_init_from_under_fsdp_reaches_every_shard(tiny_data, tiny_run, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp"])
 def test_two_nodes_train_like_one(tiny_data, straight_runs, tmp_path, strategy):
     """One process per "node", each node started by its own torchrun (static rendezvous on 127.0.0.1), as on a
-    cluster: the same losses and sequences as one node running 2 processes."""
+    cluster: the same losses and sequences as one node running 2 processes. hsdp: trainer=fsdp trainer.hsdp=true,
+    each node's one process holding whole parameters, replicated across the nodes (sharded checkpoints written)."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     run, port = tmp_path / "run", find_free_network_port()
     nodes = []
+    trainer = "fsdp" if strategy == "hsdp" else strategy
+    overrides = ["trainer.devices=1", "trainer.num_nodes=2", *(["trainer.hsdp=true"] if strategy == "hsdp" else [])]
     for node_rank in range(2):
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                     f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        cmd = _command(tiny_data, run, strategy, ["trainer.devices=1", "trainer.num_nodes=2"], launcher=torchrun)
+        cmd = _command(tiny_data, run, trainer, overrides, launcher=torchrun)
         nodes.append(subprocess.Popen(cmd, env=_env(run, "run"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True))
     errors = [node.communicate(timeout=900)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(error[-3000:] for error in errors)
-    straight = straight_runs[strategy]
+    straight = straight_runs[trainer]
     assert sorted(seen(run)) == sorted(seen(straight))  # every rank, every step, the same sequences
-    for tag in ("train/loss", "grad/global", "val/loss"):
-        assert scalars(run, tag) == scalars(straight, tag), tag
+    for tag in ("train/loss", "grad/global", "val/loss"):  # HSDP: all-reduced gradients, not reduce-scattered
+        assert scalars(run, tag) == (scalars(straight, tag) if strategy != "hsdp"
+                                     else pytest.approx(scalars(straight, tag), rel=1e-5)), tag
+    if strategy == "hsdp":
+        assert (run / "checkpoints" / LAST / ".metadata").is_file()
 
 
 # ------------------------------------------------------------------ elastic resume: another number of processes

@@ -75,6 +75,11 @@ def test_paper_d64_with_activation_checkpointing_under_fsdp_fits():
     check_gpu_fits(cfg, GB80)
     terms = gpu_training_terms(cfg.model, cfg.trainer)
     assert terms["AdamW state"] == pytest.approx(8 * 908e6 / 8, rel=0.01)  # sharded over the 8 GPUs
+    # HSDP on 2 nodes: sharded over a node's 8 GPUs, not the 16 of the run
+    hsdp = paper_d64("trainer=fsdp", "trainer.activation_checkpointing=true", "trainer.num_nodes=2", "trainer.hsdp=true")
+    assert gpu_training_terms(hsdp.model, hsdp.trainer)["AdamW state"] == terms["AdamW state"]
+    fsdp16 = paper_d64("trainer=fsdp", "trainer.activation_checkpointing=true", "trainer.num_nodes=2")
+    assert gpu_training_terms(fsdp16.model, fsdp16.trainer)["AdamW state"] == pytest.approx(terms["AdamW state"] / 2, rel=1e-3)
 
 
 def test_the_refusal_orders_the_remedies_by_what_they_save():

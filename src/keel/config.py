@@ -40,6 +40,7 @@ class TrainerConfig:
     devices: int = 1  # processes per node
     num_nodes: int = 1
     strategy: str = "auto"  # auto (one device, or DDP over several) | single | ddp | fsdp
+    hsdp: bool = False  # under fsdp on several nodes: shard within each node, replicate across nodes (HSDP)
     precision: str = "32-true"  # auto: bf16-mixed on GPU, 32-true on CPU
     max_steps: int = 400
     micro_batch_size: int = 8  # sequences per device per step
@@ -68,6 +69,13 @@ class TrainerConfig:
         return self.world_size * self.micro_batch_size * self.grad_accum
 
     @property
+    def shard_size(self) -> int:
+        """Processes each parameter is split over: every one under FSDP, a node's under HSDP, else 1."""
+        if self.resolved_strategy != "fsdp":
+            return 1
+        return self.devices if self.hsdp else self.world_size
+
+    @property
     def resolved_strategy(self) -> str:
         """What runs: single, ddp or fsdp (auto = one device, or DDP over several)."""
         return self.strategy if self.strategy != "auto" else ("ddp" if self.world_size > 1 else "single")
@@ -77,6 +85,10 @@ class TrainerConfig:
         require(
             self.strategy in STRATEGIES, "trainer.strategy", f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}"
         )
+        require(not self.hsdp or (self.strategy == "fsdp" and self.num_nodes > 1), "trainer.hsdp",
+                "shards within each node and replicates across nodes: it needs trainer.strategy=fsdp (trainer=fsdp) "
+                f"and trainer.num_nodes > 1 (got strategy {self.strategy}, {self.num_nodes} node(s)); on one node "
+                "FSDP alone shards over every process")
         require(self.precision in PRECISIONS, "trainer.precision", f"allowed: {', '.join(PRECISIONS)}")
         for key in ("devices", "num_nodes", "max_steps", "micro_batch_size", "grad_accum", "val_every_n_steps",
                     "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):

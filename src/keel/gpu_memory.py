@@ -91,7 +91,7 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
     counts = parameter_counts(model)
     params = sum(counts.values())
     fsdp = trainer.resolved_strategy == "fsdp"
-    shards = trainer.world_size if fsdp else 1
+    shards = trainer.shard_size
     tokens = trainer.micro_batch_size * model.seq_len
     terms = {"weights": weights * params // shards, "gradients": grads * params // shards,
              "AdamW state": adamw * params // shards}

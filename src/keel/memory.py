@@ -84,7 +84,7 @@ def check_training_fits(cfg) -> None:
     """Refuse a CPU run (cfg: keel.config.Config) whose processes on this machine would not fit in its memory;
     trainer.check_memory=false starts it anyway. GPU runs: keel.gpu_memory."""
     t = cfg.trainer
-    shards = t.world_size if t.resolved_strategy == "fsdp" else 1
+    shards = t.shard_size
     need = t.devices * training_bytes(cfg.model, t.micro_batch_size, shards, t.activation_checkpointing)
     check_fits(need, f"model.depth={cfg.model.depth}, model.width={cfg.model.width}, trainer.micro_batch_size="
                f"{t.micro_batch_size} x model.seq_len={cfg.model.seq_len} in {t.devices} process(es)",

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -56,12 +57,24 @@ def parallelize(model: KeelLM, trainer, device_mesh=None) -> None:
     if trainer.compile:
         compile_blocks(model)
     if device_mesh is not None:
-        shard(model, device_mesh["data_parallel"], mixed_precision_policy(trainer))
+        shard(model, sharding_mesh(device_mesh, trainer), mixed_precision_policy(trainer))
     model._keel_parallelized = True
 
 
+def sharding_mesh(device_mesh, trainer):
+    """The mesh fully_shard shards over: every process (FSDP), or under trainer.hsdp a 2-D mesh of nodes x a
+    node's processes, whose first dimension fully_shard replicates over and whose second it shards over (HSDP:
+    parameters all-gathered and gradients reduce-scattered within a node only, gradients all-reduced across
+    nodes once per step)."""
+    if not trainer.hsdp:
+        return device_mesh["data_parallel"]
+    return init_device_mesh(device_mesh.device_type, (trainer.num_nodes, trainer.devices),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
-    """FSDP2: every parameter is split over the mesh's ranks (dim 0). Each block is one unit, all-gathered
+    """FSDP2: every parameter is split over the mesh's ranks (dim 0; on a 2-D mesh over its second dimension,
+    replicated over its first: HSDP). Each block is one unit, all-gathered
     just before its forward (and again for backward) and freed after; the root unit holds the rest
     (embedding, final norm, head).
 

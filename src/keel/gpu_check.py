@@ -10,6 +10,10 @@ Keel's GPU path works on this machine and how fast it is (docs/bench.md, "GPU ac
                more steps, starting where it stopped
     depth      the deepest Keel model of width 1024 (paper_d64's block) whose training step fits with activation
                checkpointing, found by doubling the depth from 64, with its peak memory
+    paper      model=paper_d64 (seq 2,048) trained on one GPU for PAPER_STEPS steps, bf16 autocast, compiled blocks,
+               activation checkpointing off and on: step time, tokens/s, MFU, peak memory against keel.gpu_memory's
+               estimate of the same run, the SDPA kernel used, compiled graphs and graph breaks, and the time to
+               write its checkpoint (weights and AdamW state)
     precision  the fp32 residual stream under bf16 autocast (each sublayer's update kept, as tests/test_model.py
                checks on CPU), the RMSNorm CUDA dispatch (F.rms_norm) against the fp64 reference, the chunked loss
                head against the plain head under autocast, and FSDP2's MixedPrecisionPolicy(cast_forward_inputs=
@@ -57,10 +61,14 @@ class Sizes:
     depth_start: int
     depth_max: int
     head: tuple[int, int, int]  # tokens, width, vocab of the loss-head check
+    paper_model: list[str]  # model overrides of the paper section
+    paper_batch: int  # its micro-batch
+    paper_steps: int  # its training steps (the first PAPER_WARMUP untimed: compile, allocator)
     data: list[str] = field(default_factory=list)  # default data overrides
 
 
 BENCH_RUN = ["--steps", "10", "--warmup", "3", "--repeats", "3"]
+PAPER_WARMUP = 5
 # the paper's block (conf/model/paper_d64.yaml) at any depth
 PAPER_BLOCK = {key: value for key, value in yaml.safe_load((conf_dir() / "model" / "paper_d64.yaml").read_text()).items()
                if key not in ("scheme", "depth")}
@@ -81,6 +89,8 @@ SIZES = {
         depth_start=64,
         depth_max=4096,
         head=(8192, 1024, 50304),
+        # micro-batch 4 x 2,048: by keel.gpu_memory ~45 GiB without activation checkpointing, so 80 GB GPUs fit too
+        paper_model=["model=paper_d64"], paper_batch=4, paper_steps=30,
         data=["data=stdlib"],
     ),
     "cpu": Sizes(
@@ -96,6 +106,8 @@ SIZES = {
         depth_start=2,
         depth_max=8,  # no out-of-memory to find on a CPU: the doubling stops here
         head=(256, 32, 512),
+        paper_model=["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=32", "model.vocab_size=512"],
+        paper_batch=4, paper_steps=PAPER_WARMUP + 2,
         # 40-odd standard-library files, as tests/conftest.py's corpus: seconds to tokenize
         data=["data=text_files", "data.paths=[" + ",".join(f"{sysconfig.get_paths()['stdlib']}/{c}*.py" for c in "abc") + "]", "data.vocab_size=512",
               "data.val_fraction=0.1", "data.prepare_workers=1"],
@@ -221,6 +233,95 @@ def depth(device: str, sizes: Sizes, out: Path) -> dict:
         d *= 2
     return {"ok": fitted is not None, "deepest": fitted, "tried": tried,
             "capacity_bytes": torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None}
+
+
+def _sdpa_kernels(model: KeelLM, batch: torch.Tensor) -> list[str]:
+    """The scaled-dot-product-attention implementations (aten ops: flash, cudnn, efficient, math) one training
+    step dispatches to, from the profiler."""
+    from torch.profiler import profile
+
+    with profile() as prof, torch.autocast(batch.device.type, dtype=torch.bfloat16):
+        next_token_loss(model, batch).backward()
+    names = {event.key for event in prof.key_averages()}
+    return sorted(name.removeprefix("aten::") for name in names
+                  if name.startswith("aten::_scaled_dot_product") and not name.endswith("backward"))
+
+
+def _paper_run(cfg, dev: torch.device, steps: int, out: Path) -> dict:
+    """One model of cfg trained `steps` steps as `keel pretrain` trains it on one device (bf16 autocast, blocks
+    compiled where trainer.compile, fused AdamW): the figures of the steps after PAPER_WARMUP."""
+    from torch._dynamo.utils import counters
+
+    from keel.checkpoint import AtomicCheckpointIO
+    from keel.flops import device_peak_flops, flops_per_token
+    from keel.gpu_memory import gpu_training_bytes
+    from keel.lit import make_optimizer
+    from keel.parallel import parallelize
+
+    counters.clear()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = KeelLM(cfg.model)
+    parallelize(model, cfg.trainer)
+    optimizer = make_optimizer(model, cfg.optim)
+    batch = torch.randint(cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.model.seq_len + 1), device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    times, losses = [], []
+    for step in range(steps):
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = next_token_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # synchronizes: the step is done
+        if step >= PAPER_WARMUP:
+            times.append(time.perf_counter() - start)
+    step_s = sorted(times)[len(times) // 2]
+    tokens_per_s = batch[:, 1:].numel() / step_s
+    peak_flops = device_peak_flops(dev, torch.bfloat16)
+    measured = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    estimate = gpu_training_bytes(cfg.model, cfg.trainer)
+    kernels = _sdpa_kernels(model, batch)
+    graphs = {"frames compiled": counters["frames"]["ok"], "unique graphs": counters["stats"]["unique_graphs"],
+              "graph breaks": sum(counters["graph_break"].values())}
+    path = out / "paper-checkpoint.ckpt"
+    start = time.perf_counter()
+    AtomicCheckpointIO().save_checkpoint({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    save_s, save_bytes = time.perf_counter() - start, path.stat().st_size
+    path.unlink()
+    learned = all(v == v and abs(v) != float("inf") for v in losses) and losses[-1] < losses[0]
+    return {"ok": learned and graphs["graph breaks"] == 0 and bool(kernels), "loss_first": losses[0],
+            "loss_last": losses[-1], "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
+            "mfu": None if peak_flops is None else flops_per_token(cfg.model) * tokens_per_s / peak_flops,
+            "peak_memory_bytes": measured, "estimated_memory_bytes": estimate,
+            "estimate_over_measured": None if measured is None else estimate / measured, "sdpa": kernels,
+            "compile": graphs, "checkpoint_save_s": save_s, "checkpoint_bytes": save_bytes}
+
+
+def paper(device: str, sizes: Sizes, out: Path) -> dict:
+    """The paper's model on one GPU, activation checkpointing off and on (sizes.paper_* on CPU)."""
+    from keel.config import load_config
+
+    dev, runs = torch.device(device), {}
+    trainer = ["trainer=gpu"] if dev.type == "cuda" else ["trainer=cpu", "trainer.compile=false"]
+    for checkpointing in (False, True):
+        cfg = load_config(overrides=[*sizes.paper_model, *trainer, f"trainer.micro_batch_size={sizes.paper_batch}",
+                                     "trainer.precision=bf16-mixed",
+                                     f"trainer.activation_checkpointing={str(checkpointing).lower()}"])
+        label = f"activation checkpointing {'on' if checkpointing else 'off'}"
+        try:
+            runs[label] = _paper_run(cfg, dev, sizes.paper_steps, out)
+        except torch.OutOfMemoryError as err:
+            runs[label] = {"ok": False, "error": f"out of memory: {err}"}
+        finally:
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return {"ok": all(r["ok"] for r in runs.values()), "paper_runs": runs}
 
 
 def sublayers(model: KeelLM) -> list[torch.nn.Module]:
@@ -357,7 +458,7 @@ def precision(device: str, sizes: Sizes, out: Path) -> dict:
     return {"ok": all(c["ok"] for c in checks.values()), "checks": checks}
 
 
-SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "precision": precision}
+SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "precision": precision}
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -385,6 +486,14 @@ def table(result: dict) -> str:
                 f"resumed {run['loss_resumed'][0]:.3f}, {run['seconds_50_steps']:.0f} s for 50 steps"
                 if "checks" in run else "FAIL " + run["error"].splitlines()[-1]))
             lines += [f"        {'ok' if passed else 'FAIL'}: {check}" for check, passed in run.get("checks", {}).items()]
+        for label, run in section.get("paper_runs", {}).items():
+            lines.append(f"    {label}: " + (
+                f"{run['step_ms']:,.0f} ms/step, {run['tokens_per_s']:,.0f} tok/s, MFU "
+                + ("-" if run["mfu"] is None else f"{run['mfu']:.1%}")
+                + f", peak {_mb(run['peak_memory_bytes'])} (estimate {_mb(run['estimated_memory_bytes'])}), "
+                f"SDPA {','.join(run['sdpa'])}, {json.dumps(run['compile'])}, checkpoint "
+                f"{_mb(run['checkpoint_bytes'])} in {run['checkpoint_save_s']:.1f} s, loss {run['loss_first']:.3f} -> "
+                f"{run['loss_last']:.3f}" if "step_ms" in run else "FAIL " + run["error"].splitlines()[-1]))
         if section.get("deepest"):
             deepest = section["deepest"]
             lines.append(f"    deepest fitting: {deepest['depth']} blocks ({deepest['params']:,} parameters), "

@@ -67,6 +67,56 @@ def test_loss_heads_side_by_side(one_thread, tmp_path, capsys):
     assert "--loss-chunk needs at least one value, each >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("scheme", ["keel", "preln", "deepnorm"])
+def test_each_stacked_member_trains_as_its_own_model_would(one_thread, scheme):
+    """MembersStep: member k is the model of seed k trained alone on member k's batches - same losses, same weights
+    - with its own gradient-norm clipping (the clip acts: below every member's norm)."""
+    import argparse
+
+    from keel.bench import MembersStep
+    from keel.config import OptimConfig
+    from keel.lit import make_optimizer
+    from keel.model import next_token_loss
+
+    cfg = ModelConfig(scheme=scheme, depth=3, width=32, n_heads=2, seq_len=16, vocab_size=128)
+    args = argparse.Namespace(vocab=128, batch=2, seq_len=16, dtype="fp32")
+    members, steps = 3, 5
+    stacked = MembersStep(lambda: KeelLM(cfg), members, args, torch.device("cpu"))
+    stacked_losses = torch.stack([stacked() for _ in range(steps)])  # (steps, members)
+    clip = OptimConfig().grad_clip
+    for k in range(members):
+        torch.manual_seed(k)
+        model = KeelLM(cfg)
+        optimizer = make_optimizer(model, OptimConfig())
+        losses, norms = [], []
+        for _ in range(steps):
+            loss = next_token_loss(model, stacked.batch[k])
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        assert min(norms) > clip
+        assert stacked_losses[:, k].tolist() == pytest.approx(losses, rel=1e-5)
+        for name, param in model.named_parameters():
+            # as a whole: AdamW normalizes each element's update, so an element whose gradient is ~0 (a token no
+            # batch holds) can move by a visible fraction of a step on a rounding difference of its gradient
+            difference = (stacked.params[name][k] - param.detach()).norm() / param.detach().norm()
+            assert difference < 1e-4, name
+
+
+def test_members_rows_against_the_single_model(one_thread, tmp_path, capsys):
+    result, printed = run_bench(tmp_path, capsys, "--schemes", "keel", "--members", "1,3")
+    single, stacked = result["rows"]
+    assert (single["label"], stacked["label"]) == ("step:keel t1", "step:keel t1 m3")
+    assert stacked["reference"] == "step:keel t1" and stacked["ratio"] > 0 and stacked["members"] == 3
+    # tokens/s counts all three members' tokens: a stacked step is 3 batches
+    assert stacked["step_s"] == pytest.approx(3 * 4 * 32 / stacked["tokens_per_s"])
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--members", "1,3", "--compile", "on"])
+    assert "--members above 1 runs eager: give --compile off" in capsys.readouterr().err
+
+
 def test_app_and_loader_rows(one_thread, tiny_data, tmp_path, capsys):
     result, printed = run_bench(
         tmp_path, capsys, "--schemes", "keel", "--app", "--loader-workers", "0", "--peak-flops", "1e9",

@@ -444,6 +444,7 @@ def test_fsdp_trains_like_ddp(straight_runs, tmp_path):
     torch.testing.assert_close(sharded_model.state_dict(), ddp_model.state_dict(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_runs, tmp_path, strategy):
@@ -457,6 +458,7 @@ def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_runs, tmp_
     assert scalars(run, "grad/global") == scalars(straight_runs[strategy], "grad/global")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_exactly(tiny_data, straight_runs,
                                                                                     tmp_path):
@@ -472,6 +474,7 @@ def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_ex
     assert scalars(run, "train/loss") == scalars(straight_runs["ddp"], "train/loss")
 
 
+@pytest.mark.extended
 def test_init_from_under_fsdp_reaches_every_shard(tiny_data, tiny_run, tmp_path):
     """Only rank 0 builds the model for real and loads init_from; rank 1, built on the meta device, gets its
     shards from rank 0. After one step at a negligible LR the sharded checkpoint - rank 1's shards included -
@@ -489,7 +492,8 @@ def test_init_from_under_fsdp_reaches_every_shard(tiny_data, tiny_run, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp",
+                                      pytest.param("hsdp", marks=pytest.mark.extended)])
 def test_two_nodes_train_like_one(tiny_data, straight_runs, tmp_path, strategy):
     """One process per "node", each node started by its own torchrun (static rendezvous on 127.0.0.1), as on a
     cluster: the same losses and sequences as one node running 2 processes. hsdp: trainer=fsdp trainer.hsdp=true,
@@ -526,7 +530,7 @@ ELASTIC = {  # the straight runs' global batch of 8 sequences, split another way
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp"])
 def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_runs, tmp_path, strategy):
     run = tmp_path / "run"
     pretrain(tiny_data, run, strategy, crash_at=6, attempt="before")  # checkpoint at step 4, on 2 processes

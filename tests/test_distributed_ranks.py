@@ -80,6 +80,7 @@ def test_ranks_of_a_node_hash_disjoint_shares_and_all_refuse_a_corrupt_chunk(tin
         assert f"{shards}/val/chunk-0-0.bin is corrupt (its sha256 is not the one in manifest.json)" in r["damaged"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_pretrain_on_two_processes_refuses_a_corrupt_chunk(tiny_data, tmp_path):
     shards, data = _shards_copy(tiny_data, tmp_path)
@@ -193,6 +194,7 @@ sys.exit(cli.main(sys.argv[1:]))
 STEPS = 4
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_two_nodes_of_two_processes_read_disjoint_sequences(tiny_data, tmp_path):
     """Two torchrun "nodes" on 127.0.0.1 with 2 processes each: litdata deals the chunks out over 2 nodes (its

@@ -305,6 +305,7 @@ TRANSFORMERS_4 = """
 """
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_transformers_4_loads_the_tokenizer_and_refuses_the_model_in_one_line(exported, tokenizer_json, tmp_path):
     """transformers 4.57 (the last 4.x) installed beside this environment's torch, from PyPI."""

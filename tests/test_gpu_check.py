@@ -18,6 +18,7 @@ def test_make_target_runs_the_script():
     assert dry.returncode == 0 and "keel gpu-check --device cpu --out out/gpu-check-cpu" in dry.stdout
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     out = tmp_path / "gpu-check"  # its own data too, as `make gpu-check DEVICE=cpu` builds it

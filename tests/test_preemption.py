@@ -136,6 +136,7 @@ def test_requeue_says_what_to_do_without_scontrol_or_when_it_fails(tmp_path, mon
 # ------------------------------------------------------------ two processes: one rank signalled, all of them save
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_sigusr1_on_one_fsdp_rank_saves_a_sharded_checkpoint_requeues_once_and_resumes_exactly(tiny_data, tmp_path):
     argv = ["trainer=fsdp", *RUN, *tiny_data]

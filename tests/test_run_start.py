@@ -92,6 +92,7 @@ sys.exit(cli.main(sys.argv[1:]))
 '''
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_threads_hold_in_every_ddp_process_and_rank_zero_alone_prints(tiny_data, tmp_path):
     launcher = tmp_path / "launch.py"

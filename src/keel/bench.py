@@ -1,12 +1,13 @@
 """`keel bench`: training throughput, peak memory, FLOP/s and MFU of several schemes side by side (docs/bench.md).
 
-    keel bench [--schemes keel,preln] [--compile off,on] [--threads 1,2] [--loss-chunk 0,128]
+    keel bench [--schemes keel,preln] [--compile off,on] [--threads 1,2] [--loss-chunk 0,128] [--members 1,5]
                [--app [--loader-workers 0,1]] [--json FILE]
 
 Each row is a variant, timed in tokens/s:
 
     step    one scheme's bare training step on a fixed random batch: forward, backward, gradient clipping and the
-            AdamW step `keel pretrain` uses (lit.make_optimizer); --peer litgpt adds litgpt's GPT at the same dims
+            AdamW step `keel pretrain` uses (lit.make_optimizer); --peer litgpt adds litgpt's GPT at the same dims;
+            with --members K, K models of the scheme trained as one (MembersStep), against its single model
     app     (--app) a short real `keel pretrain` run of the first scheme (train(cfg): loader, logging, callbacks at
             their default cadence), timed from the end of the warm-up steps to the end of the run
     loader  (--app) the training loader (data.token_loader) alone, yielding batches as fast as it can
@@ -31,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +53,7 @@ from keel.devices import (
 )
 from keel.errors import ConfigError
 from keel.flops import device_peak_flops, flops_per_token
-from keel.lit import make_optimizer
+from keel.lit import adamw, make_optimizer
 from keel.memory import check_steps_fit
 from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import default_chunk
@@ -127,7 +129,57 @@ class TrainStep:
         for _ in range(steps):
             self()
         synchronize(self.device)
-        return steps * self.batch[:, 1:].numel() / (time.perf_counter() - start)
+        return steps * self.batch[..., 1:].numel() / (time.perf_counter() - start)
+
+
+class MembersStep(TrainStep):
+    """TrainStep for `members` models of one shape trained as one: each parameter stacked along a leading member
+    axis (torch.func.stack_module_state), the unchanged KeelLM run on each member's slice by torch.func.vmap over
+    functional_call, so every op does the work of all members at once; each member has its own init (seed k), its
+    own batch and its own global-norm clipping. The optimizer is the same AdamW over the stacked tensors."""
+
+    def __init__(self, build: Callable[[], nn.Module], members: int, args: argparse.Namespace,
+                 device: torch.device) -> None:
+        from torch.func import functional_call, stack_module_state, vmap
+
+        # CPU attention has no vmap batching rule: torch runs it member by member, as the benchmark measures
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+        models = []
+        for seed in range(members):
+            torch.manual_seed(seed)
+            models.append(build().to(device))
+        params, buffers = stack_module_state(models)
+        template = models[0].to("meta")
+
+        def loss(member_params, member_buffers, batch):
+            return functional_call(template, (member_params, member_buffers), (batch[:, :-1],),
+                                   {"targets": batch[:, 1:]})
+
+        self.params, self.buffers, self.loss = params, buffers, vmap(loss)
+        self.optim = OptimConfig()
+        self.optimizer = adamw(list(params.values()), self.optim, matrix_ndim=3)
+        self.batch = torch.randint(args.vocab, (members, args.batch, args.seq_len + 1), device=device)
+        self.device, self.bf16 = device, args.dtype == "bf16"
+
+    def __call__(self) -> torch.Tensor:
+        """One step of every member; their losses (members,)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            losses = self.loss(self.params, self.buffers, self.batch)  # (members,)
+        losses.sum().backward()  # the members share no parameter: each gets its own loss's gradient
+        if self.optim.grad_clip:
+            grads = [p.grad for p in self.params.values()]
+            norms = torch.stack([g.flatten(1).square().sum(1) for g in grads]).sum(0).sqrt()  # (members,)
+            scale = (self.optim.grad_clip / (norms + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.view(-1, *[1] * (g.ndim - 1)))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses.detach()
+
+    def state_bytes(self) -> int:
+        tensors = [*self.params.values()]
+        tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _AppTimer(Callback):
@@ -162,6 +214,7 @@ class Variant:
     loss_chunk: int | None  # --loss-chunk value (model.loss_chunk); None: not given (the device default), or litgpt
     run: Callable[[], float]  # one timed segment -> tokens/s
     peak_memory: int | None = None
+    members: int = 1  # models trained as one (MembersStep)
     tokens_per_s: list[float] = field(default_factory=list)
 
     @property
@@ -172,6 +225,8 @@ class Variant:
             parts.append(f"t{self.threads}")
         if self.loss_chunk is not None:
             parts.append(f"lc{self.loss_chunk}")
+        if self.members > 1:
+            parts.append(f"m{self.members}")
         if self.workers is not None:
             parts.append(f"w{self.workers}")
         return " ".join(parts)
@@ -226,19 +281,24 @@ def build_variants(args: argparse.Namespace, device: torch.device) -> list[Varia
     ]
     if args.peer == "litgpt":
         models.append(("litgpt", None, lambda: litgpt_model(args), compile_litgpt_blocks, logits_loss))
-    for (scheme, chunk, build, compile_fn, loss_fn), compile, threads in itertools.product(
-        models, args.compile, args.threads
+    for (scheme, chunk, build, compile_fn, loss_fn), compile, threads, members in itertools.product(
+        models, args.compile, args.threads, args.members
     ):
+        if members > 1 and (compile or scheme == "litgpt"):
+            continue  # stacked members run Keel's model eager (refused when asked alone: parse_args)
         torch.manual_seed(0)
         torch.set_num_threads(threads)  # before warm-up: torch.compile specializes (recompiles) per thread count
-        model = build()
-        if compile:
-            compile_fn(model)
-        step = TrainStep(model, args, device, loss_fn)
+        if members > 1:
+            step = MembersStep(build, members, args, device)
+        else:
+            model = build()
+            if compile:
+                compile_fn(model)
+            step = TrainStep(model, args, device, loss_fn)
         for _ in range(args.warmup):
             step()
         timed = functools.partial(step.timed, args.steps)
-        variant = Variant("step", scheme, compile, threads, None, chunk, timed, step.peak_memory())
+        variant = Variant("step", scheme, compile, threads, None, chunk, timed, step.peak_memory(), members)
         variants.append(variant)
         print(f"keel bench: warmed up {variant.label}", file=sys.stderr)
     if args.app:
@@ -264,6 +324,8 @@ def reference(variant: Variant, variants: list[Variant]) -> Variant | None:
     first_chunk = steps[0].loss_chunk  # the first --loss-chunk value
     if variant.kind == "app":
         scheme, chunk = variant.scheme, variant.loss_chunk
+    elif variant.members > 1:  # stacked, against the same scheme's single model
+        scheme, chunk = variant.scheme, variant.loss_chunk
     elif variant.scheme == "litgpt":  # its own plain head, against Pre-LN's first loss head
         scheme, chunk = REFERENCE_SCHEME, first_chunk
     elif variant.loss_chunk != first_chunk:  # loss heads side by side
@@ -271,7 +333,7 @@ def reference(variant: Variant, variants: list[Variant]) -> Variant | None:
     else:
         scheme, chunk = REFERENCE_SCHEME, variant.loss_chunk
     key = (scheme, chunk, variant.compile, variant.threads)
-    same = [v for v in steps if (v.scheme, v.loss_chunk, v.compile, v.threads) == key]
+    same = [v for v in steps if (v.scheme, v.loss_chunk, v.compile, v.threads) == key and v.members == 1]
     return next((v for v in same if v is not variant), None)
 
 
@@ -307,10 +369,10 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
         rows.append({
             "label": variant.label, "kind": variant.kind, "scheme": variant.scheme, "compile": variant.compile,
             "threads": variant.threads, "loader_workers": variant.workers,
-            "loss_chunk": loss_chunk(variant, device),
+            "loss_chunk": loss_chunk(variant, device), "members": variant.members,
             "tokens_per_s": tps, "tokens_per_s_repeats": variant.tokens_per_s,
             "spread": (max(variant.tokens_per_s) - min(variant.tokens_per_s)) / tps,
-            "step_s": args.batch * args.seq_len / tps,
+            "step_s": variant.members * args.batch * args.seq_len / tps,
             "flops_per_token": flops if variant.kind != "loader" else None,
             "flops_per_s": tps * flops if variant.kind != "loader" else None,
             "mfu": mfu if variant.kind != "loader" else None,
@@ -406,6 +468,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
     parser.add_argument("--peak-flops", type=float, help="FLOP/s for MFU (default: GPU spec sheet, else measured)")
+    parser.add_argument("--members", type=_list(int), default="1",
+                        help="models trained as one, comma-separated: K > 1 stacks K models of each scheme along a "
+                             "member axis (torch.func.vmap; eager, no peer); tokens/s counts every member's tokens")
     parser.add_argument("--app", action="store_true", help="also time short `keel pretrain` runs and the loader")
     parser.add_argument("--loader-workers", type=_list(int), default="0", help="data.loader_workers values (--app)")
     parser.add_argument("--config", help="--app: YAML merged over conf/config.yaml, as for keel pretrain")
@@ -416,6 +481,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--warmup, --steps and --repeats must be >= 1")
     if not args.schemes or not args.compile or not args.threads or min(args.threads) < 1:
         parser.error("--schemes, --compile and --threads need at least one value; threads >= 1")
+    if not args.members or min(args.members) < 1:
+        parser.error("--members needs at least one value, each >= 1")
+    if max(args.members) > 1 and False not in args.compile:
+        parser.error("--members above 1 runs eager: give --compile off (or off,on)")
     if args.loss_chunk is None:
         args.loss_chunk = [None]  # model.loss_chunk: null
     elif not args.loss_chunk or min(args.loss_chunk) < 0:
@@ -431,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if device.type == "cpu":  # each step variant keeps its model, gradients and AdamW state through the rounds
         models = [model_config(args, *pair) for pair in itertools.product(args.schemes, args.loss_chunk)]
-        check_steps_fit(models * len(args.compile) * len(args.threads), args.batch, f"keel bench --depth {args.depth} "
+        check_steps_fit(models * len(args.compile) * len(args.threads) * sum(args.members), args.batch, f"keel bench --depth {args.depth} "
                         f"--width {args.width} --batch {args.batch} x --seq-len {args.seq_len}", "lower them, or bench "
                         "fewer --schemes, --loss-chunk, --compile or --threads values at once")
     peak, peak_source = peak_flops(args, device, dtype)

@@ -39,10 +39,15 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, weight decay on matrices only (`keel bench` times this same optimizer)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    return adamw([p for p in model.parameters() if p.requires_grad], optim)
+
+
+def adamw(params: list[torch.Tensor], optim: OptimConfig, matrix_ndim: int = 2) -> torch.optim.AdamW:
+    """make_optimizer's AdamW over params; matrix_ndim: the dims of a weight matrix (3 for models stacked along a
+    leading member axis, `keel bench --members`)."""
     groups = [
-        {"name": "matrices", "params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-        {"name": "gains", "params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm gains
+        {"name": "matrices", "params": [p for p in params if p.ndim >= matrix_ndim], "weight_decay": optim.weight_decay},
+        {"name": "gains", "params": [p for p in params if p.ndim < matrix_ndim], "weight_decay": 0.0},  # norm gains
     ]
     # fused: one kernel for every tensor (CPU and CUDA); the foreach default cost ~4x more per step here
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from keel.ops import under_vmap
+
 # Tokens per chunk where model.loss_chunk is null, per device type (docs/bench.md, "Loss head"): on CPU the chunk
 # whose logits stay in cache (measured fastest at vocab 4,096 and 50,304); on CUDA (not measured yet) a chunk big
 # enough to fill the GPU, whose fp32 logits at vocab 50,304 are ~200 MB.
@@ -37,7 +39,7 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """Mean cross-entropy of the logits x @ weight.T against targets, in fp32. x: (N, C) hidden states, weight:
     (V, C) head weight, targets: (N,) token ids. chunk: tokens per chunk; 0 = the plain head (full logits)."""
-    if chunk == 0:
+    if chunk == 0 or under_vmap(x, weight):  # under vmap: the plain head (the Function has no vmap rule)
         return F.cross_entropy(F.linear(x.to(weight.dtype), weight).float(), targets)
     grad_x, grad_w = (torch.is_grad_enabled() and t.requires_grad for t in (x, weight))
     return _LinearCrossEntropy.apply(x, weight, targets, chunk, compute_dtype(weight), grad_x, grad_w)

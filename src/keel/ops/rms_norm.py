@@ -7,7 +7,8 @@
 On CPU in eager mode, autograd differentiates F.rms_norm's pieces (~17 passes over the activation per norm
 forward + backward); RMSNormFunction takes ~9 and allocates less, and normalizes the sum in place. Keel runs twice
 Pre-LN's norms, so this is most of the extra norm's eager cost (docs/bench.md). CUDA has a fused F.rms_norm
-kernel and torch.compile fuses F.rms_norm and the sum into the block's kernels: both take F.rms_norm.
+kernel and torch.compile fuses F.rms_norm and the sum into the block's kernels: both take F.rms_norm, as does a
+model run under torch.func.vmap.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from keel.ops import under_vmap
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -48,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, skip: tor
              alpha: float = 1.0) -> torch.Tensor:
     """RMSNorm(x + alpha * skip) * weight over the last dim, computed in fp32 (inputs are cast)."""
     x, weight = x.float(), None if weight is None else weight.float()
-    if x.is_cpu and not torch.compiler.is_compiling():
+    if x.is_cpu and not torch.compiler.is_compiling() and not under_vmap(x, weight, skip):
         return RMSNormFunction.apply(x, skip, alpha, weight, eps)
     if skip is not None:
         x = torch.add(x, skip, alpha=alpha)

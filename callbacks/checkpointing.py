@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
+from keel.callbacks.reporting import due
 from keel.checkpoint import LAST, link_checkpoint
 from keel.errors import STORAGE_FAILURES, StorageError
 from keel.rundir import say
@@ -274,7 +275,8 @@ class GracefulInterrupt(Callback):
     """Ctrl-C (SIGINT), SIGTERM (a preemption, `kill`, scancel) or SIGUSR1 (`sbatch --signal=USR1@120`: the time
     limit is near) during training: the run stops after the optimizer step in progress and ends as a run ends
     (RunCheckpoint saves it; `keel pretrain` exits 128 + the signal's number). Under several processes they agree
-    at each step (one all-reduce) so that all stop after the same one, whichever got the signal. After SIGUSR1 in a
+    at each logging step (one all-reduce; trainer.log_every_n_steps) so that all stop after the same one,
+    whichever got the signal. After SIGUSR1 in a
     SLURM job rank 0 requeues it. A second Ctrl-C exits at once, without saving; a repeated SIGTERM or SIGUSR1 (a
     task can get one from SLURM and one forwarded by srun) changes nothing."""
 
@@ -311,6 +313,10 @@ class GracefulInterrupt(Callback):
         self._step = trainer.global_step
         code = STOP_SIGNALS.index(self.received) + 1 if self.received is not None else 0
         if trainer.world_size > 1:
+            # a collective and a host read: only at logging steps, where the host waits anyway (keel's rule); a
+            # signal waits for the next one, at most trainer.log_every_n_steps - 1 steps
+            if not due(trainer.global_step - 1, trainer.log_every_n_steps):
+                return
             agreed = trainer.strategy.reduce(torch.tensor(code, device=trainer.strategy.root_device), reduce_op="max")
             code = int(agreed.item())
         if code:

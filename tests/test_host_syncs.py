@@ -152,3 +152,35 @@ def test_a_checkpoint_between_logging_steps_holds_every_step_judged(tiny_data, t
     assert saved["global_step"] == 6
     resumed = monitor(train(config(tmp_path / "crashed", "resume=auto"))).state_dict()
     assert straight["ema"] is not None and resumed == straight
+
+
+def test_processes_agree_on_a_signal_at_logging_steps_only(capsys):
+    """Under several processes the stop signal's agreement (an all-reduce and a host read) runs at logging steps
+    only; a signal between two of them stops every rank after the next one."""
+    import signal
+    from types import SimpleNamespace
+
+    from keel.callbacks.checkpointing import GracefulInterrupt
+
+    def run(signal_at: int | None) -> tuple[list[int], GracefulInterrupt]:
+        agreements = []
+        trainer = SimpleNamespace(world_size=2, log_every_n_steps=LOG_EVERY, global_step=0, should_stop=False)
+        trainer.strategy = SimpleNamespace(root_device=torch.device("cpu"),
+                                           reduce=lambda t, reduce_op: agreements.append(trainer.global_step) or t)
+        interrupt = GracefulInterrupt()
+        interrupt._step = 0
+        for step in range(1, 3 * LOG_EVERY + 1):  # global_step after each optimizer step
+            trainer.global_step = step
+            if step == signal_at:
+                interrupt._handle(signal.SIGTERM, None)
+            interrupt.on_train_batch_end(trainer, None, None, None, step - 1)
+            if trainer.should_stop:
+                break
+        return agreements, interrupt
+
+    agreements, interrupt = run(signal_at=None)
+    assert agreements == [LOG_EVERY, 2 * LOG_EVERY, 3 * LOG_EVERY] and interrupt.stopped_at is None
+    agreements, interrupt = run(signal_at=LOG_EVERY + 1)
+    assert agreements == [LOG_EVERY, 2 * LOG_EVERY]
+    assert interrupt.stopped_at == 2 * LOG_EVERY and interrupt.signal == signal.SIGTERM
+    assert "SIGTERM: stopping after this step" in capsys.readouterr().err

@@ -86,18 +86,24 @@ def _train(model, batches, reduce_loss, loss_fn=_plain_head_loss) -> dict:
     return {"loss": losses, "clip_norm": clip_norms, "grad_norms": grad_norms}
 
 
-def _fsdp_worker(rank: int, port: int, out: str) -> None:
+def _join(rank: int, port: int, world: int):
+    """This worker in a gloo group of `world`: the mesh Lightning's FSDP strategy builds, this rank's share of each
+    global batch, and the full batch's loss from each rank's (the mean of equal shares)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    per_rank = GLOBAL_BATCH // WORLD
-    batches = _batches()[:, rank * per_rank : (rank + 1) * per_rank]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    per_rank = GLOBAL_BATCH // world
 
-    def global_mean(loss: torch.Tensor) -> float:  # the full batch's loss: the mean of equal halves
+    def global_mean(loss: torch.Tensor) -> float:
         dist.all_reduce(loss)
-        return loss.item() / WORLD
+        return loss.item() / world
 
+    return mesh, _batches()[:, rank * per_rank : (rank + 1) * per_rank], global_mean
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    mesh, batches, global_mean = _join(rank, port, WORLD)
     results = {}
     for checkpointing in ("false", "true"):  # activation checkpointing recomputes on the gathered block
         cfg = _tiny_cfg("trainer.precision=32-true", f"trainer.activation_checkpointing={checkpointing}")
@@ -177,18 +183,7 @@ HSDP_NODES, HSDP_DEVICES = 2, 2
 
 def _hsdp_worker(rank: int, port: int, out: str) -> None:
     """trainer.hsdp: 2 "nodes" x 2 processes, each parameter sharded within a node and replicated across."""
-    world = HSDP_NODES * HSDP_DEVICES
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    lightnings = init_device_mesh("cpu", (world, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    per_rank = GLOBAL_BATCH // world
-    batches = _batches()[:, rank * per_rank : (rank + 1) * per_rank]
-
-    def global_mean(loss: torch.Tensor) -> float:
-        dist.all_reduce(loss)
-        return loss.item() / world
-
+    lightnings, batches, global_mean = _join(rank, port, HSDP_NODES * HSDP_DEVICES)
     cfg = _tiny_cfg("trainer.precision=32-true", "trainer.strategy=fsdp", "trainer.hsdp=true",
                     f"trainer.num_nodes={HSDP_NODES}", f"trainer.devices={HSDP_DEVICES}")
     torch.manual_seed(0)

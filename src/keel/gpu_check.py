@@ -14,6 +14,11 @@ Keel's GPU path works on this machine and how fast it is (docs/bench.md, "GPU ac
                activation checkpointing off and on: step time, tokens/s, MFU, peak memory against keel.gpu_memory's
                estimate of the same run, the SDPA kernel used, compiled graphs and graph breaks, and the time to
                write its checkpoint (weights and AdamW state)
+    multi      with two or more GPUs visible (else skipped, said so), `keel pretrain` on all of them, fp32,
+               MULTI_STEPS steps: FSDP against DDP (the same global gradient norm at every step); runs stopped
+               halfway and resumed - DDP's on one GPU, FSDP's sharded one on the same GPUs and on half of them -
+               against the runs straight through; DDP's in-loop evaluation; a run whose weights go non-finite
+               (lr 1e38): every rank stops with exit status 1 and a `nonfinite` failure, none hangs
     precision  the fp32 residual stream under bf16 autocast (each sublayer's update kept, as tests/test_model.py
                checks on CPU), the RMSNorm CUDA dispatch (F.rms_norm) against the fp64 reference, the chunked loss
                head against the plain head under autocast, and FSDP2's MixedPrecisionPolicy(cast_forward_inputs=
@@ -64,6 +69,7 @@ class Sizes:
     paper_model: list[str]  # model overrides of the paper section
     paper_batch: int  # its micro-batch
     paper_steps: int  # its training steps (the first PAPER_WARMUP untimed: compile, allocator)
+    multi: list[str]  # the multi section's model and trainer (devices: every GPU, or 2 CPU processes)
     data: list[str] = field(default_factory=list)  # default data overrides
 
 
@@ -91,6 +97,8 @@ SIZES = {
         head=(8192, 1024, 50304),
         # micro-batch 4 x 2,048: by keel.gpu_memory ~45 GiB without activation checkpointing, so 80 GB GPUs fit too
         paper_model=["model=paper_d64"], paper_batch=4, paper_steps=30,
+        multi=["model.depth=8", "model.width=512", "model.n_heads=8", "model.seq_len=512", "trainer.micro_batch_size=8",
+               "trainer.accelerator=gpu"],
         data=["data=stdlib"],
     ),
     "cpu": Sizes(
@@ -108,9 +116,11 @@ SIZES = {
         head=(256, 32, 512),
         paper_model=["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=32", "model.vocab_size=512"],
         paper_batch=4, paper_steps=PAPER_WARMUP + 2,
+        multi=["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=32", "model.vocab_size=512",
+               "trainer.micro_batch_size=4", "trainer.threads=1", "trainer.accelerator=cpu"],
         # 40-odd standard-library files, as tests/conftest.py's corpus: seconds to tokenize
         data=["data=text_files", "data.paths=[" + ",".join(f"{sysconfig.get_paths()['stdlib']}/{c}*.py" for c in "abc") + "]", "data.vocab_size=512",
-              "data.val_fraction=0.1", "data.prepare_workers=1"],
+              "data.val_fraction=0.3", "data.prepare_workers=1"],  # held-out files for the generated tasks (multi)
     ),
 }
 PRETRAIN_STEPS, RESUME_STEPS = 50, 5
@@ -324,6 +334,80 @@ def paper(device: str, sizes: Sizes, out: Path) -> dict:
     return {"ok": all(r["ok"] for r in runs.values()), "paper_runs": runs}
 
 
+MULTI_STEPS = 10
+# fp32 (so that the strategies can be held to each other), a checkpoint and a validation halfway, no compile
+# the global gradient norm of each step (the same global batch whatever the split: train/loss is rank 0's share)
+MULTI_RECIPE = ["trainer.precision=32-true", "trainer.compile=false", "eval.enabled=false", "optim.warmup_steps=2",
+                "optim.schedule=linear_warmup",  # a run stopped halfway has the same LRs as one straight through
+                "callbacks.grad_norms.every_n_steps=1",
+                "trainer.log_every_n_steps=1", "trainer.progress_bar=false", "trainer.val_batches=2",
+                f"trainer.val_every_n_steps={MULTI_STEPS // 2}", f"trainer.checkpoint_every_n_steps={MULTI_STEPS // 2}"]
+
+
+def _global_grad_norms(run_dir: Path) -> list[float]:
+    norms = dict(read_scalars(run_dir, ["grad/global"]).get("grad/global", []))
+    return [norms[step] for step in sorted(norms)]
+
+
+def _close(a: list[float], b: list[float], rel: float) -> bool:
+    return len(a) == len(b) > 0 and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+def multi(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
+    """Several GPUs (2 CPU processes with --device cpu): the strategies against one device on the same global
+    batches, sharded resume (same and half the devices), evaluation under DDP, a non-finite run on every rank."""
+    from keel.artifacts import read_stability
+
+    n = torch.cuda.device_count() if device == "cuda" else 2
+    if n < 2:
+        return {"ok": True, "skipped": f"{n} GPU visible: this section needs 2 or more"}
+    if error := _failed(_keel("data", *data, timeout=600)):
+        return {"ok": False, "error": f"keel data: {error}"}
+
+    def pretrain(name: str, *overrides: str, steps: int = MULTI_STEPS) -> tuple[Path, subprocess.CompletedProcess]:
+        run_dir = out / f"multi-{name}"
+        done = _keel("pretrain", *sizes.multi, *MULTI_RECIPE, *data, *overrides, f"trainer.max_steps={steps}",
+                     f"run.dir={run_dir}", "resume=auto", timeout=900)
+        return run_dir, done
+
+    ddp, fsdp = ["trainer=ddp", f"trainer.devices={n}"], ["trainer=fsdp", f"trainer.devices={n}"]
+    runs, errors = {}, {}
+    for name, overrides in ((f"ddp x {n}", ddp), (f"fsdp x {n}", fsdp)):
+        run_dir, done = pretrain(name.split()[0], *overrides)
+        runs[name], errors[name] = _global_grad_norms(run_dir), _failed(done)
+    # Stopped at step MULTI_STEPS / 2, then resumed: DDP's checkpoint on one device (the global batch split over
+    # gradient accumulation: the data stream continues where the n devices left it), FSDP's sharded one on the same
+    # devices and, on GPUs, on half of them (on CPU FSDP needs 2 processes: no half of 2)
+    resumes = {"1 device": (ddp, ["trainer=ddp", "trainer.devices=1", f"trainer.grad_accum={n}"], f"ddp x {n}", 1e-4),
+               "fsdp resumed": (fsdp, fsdp, f"fsdp x {n}", 1e-5)}
+    if device == "cuda":
+        half = ["trainer=fsdp", f"trainer.devices={n // 2}", f"trainer.grad_accum={n // (n // 2)}"]
+        resumes[f"fsdp resumed on {n // 2}"] = (fsdp, half, f"fsdp x {n}", 1e-4)
+    resumed = {}
+    for index, (label, (first, then, straight, rel)) in enumerate(resumes.items()):
+        run_dir, done = pretrain(f"resumed-{index}", *first, steps=MULTI_STEPS // 2)
+        errors[f"{label}: first half"] = _failed(done)
+        run_dir, done = pretrain(f"resumed-{index}", *then)
+        errors[f"{label}: second half"] = _failed(done)
+        runs[label] = _global_grad_norms(run_dir)
+        resumed[f"{label} = {straight} (rel {rel:.0e})"] = _close(runs[label], runs[straight], rel)
+    evaluated, done = pretrain("eval", "trainer=ddp", f"trainer.devices={n}", "eval=generated", "eval.enabled=true",
+                               "eval.limit=20", f"eval.every_n_steps={MULTI_STEPS}", steps=MULTI_STEPS)
+    errors["ddp evaluation"] = _failed(done)
+    history = evaluated / "eval_history.json"
+    nonfinite_dir, nonfinite = pretrain("nonfinite", *fsdp, "optim.lr=1e38", "callbacks.stability.on_nonfinite=stop")
+    stability = read_stability(nonfinite_dir) or {}
+    checks = {
+        "every run ran": not any(errors.values()),
+        f"fsdp x {n} = ddp x {n} (rel 1e-04)": _close(runs[f"fsdp x {n}"], runs[f"ddp x {n}"], 1e-4),
+        **resumed,
+        "ddp in-loop evaluation written": history.is_file() and bool(json.loads(history.read_text())["evaluations"]),
+        "non-finite: exit 1, every rank": nonfinite.returncode == 1 and stability.get("kind") == "nonfinite",
+    }
+    return {"ok": all(checks.values()), "checks": checks, "devices": n, "global_grad_norms": runs,
+            "errors": {k: v for k, v in errors.items() if v}}
+
+
 def sublayers(model: KeelLM) -> list[torch.nn.Module]:
     return [sub for block in model.blocks for sub in (block.attn, block.ffn)]
 
@@ -458,7 +542,8 @@ def precision(device: str, sizes: Sizes, out: Path) -> dict:
     return {"ok": all(c["ok"] for c in checks.values()), "checks": checks}
 
 
-SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "precision": precision}
+SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "multi": multi,
+            "precision": precision}
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -499,7 +584,12 @@ def table(result: dict) -> str:
             lines.append(f"    deepest fitting: {deepest['depth']} blocks ({deepest['params']:,} parameters), "
                          f"peak {_mb(deepest['peak_memory_bytes'])}; tried "
                          + ", ".join(f"{t['depth']}{'' if t['fits'] else ' (out of memory)'}" for t in section["tried"]))
+        if "skipped" in section:
+            lines.append(f"    skipped: {section['skipped']}")
         for label, check in section.get("checks", {}).items():
+            if isinstance(check, bool):  # the multi section's checks
+                lines.append(f"    [{'ok' if check else 'FAIL'}] {label}")
+                continue
             figures = {k: v for k, v in check.items() if k != "ok"}
             lines.append(f"    [{'ok' if check['ok'] else 'FAIL'}] {label}: {json.dumps(figures)}")
     return "\n".join(lines)
@@ -525,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     start, sections = time.perf_counter(), {}
     for name in names:
         section_start = time.perf_counter()
-        extra = (data,) if name == "pretrain" else ()
+        extra = (data,) if name in ("pretrain", "multi") else ()
         try:
             sections[name] = SECTIONS[name](args.device, sizes, out, *extra)
         except Exception as err:  # a broken path is this check's finding, not the end of the others

@@ -146,6 +146,7 @@ def test_evaluation_under_ddp_splits_the_requests_and_gives_one_process_metrics(
     assert sum(scored for _, scored in ranks) >= requests  # padded to as many on every rank, never fewer
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_path):
     """`keel pretrain trainer=ddp` on 2 processes with the downstream callback: its last evaluation (after the last

@@ -79,7 +79,7 @@ def fake_scontrol(tmp_path: Path) -> tuple[str, Path]:
 # ------------------------------------------------------------------ one process: SIGTERM, SIGUSR1 from outside
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("signal_name", ["SIGTERM", pytest.param("SIGUSR1", marks=pytest.mark.extended)])
 def test_a_signal_mid_run_saves_the_step_and_the_same_command_resumes_exactly(tiny_data, tmp_path, signal_name):
     straight, run = tmp_path / "straight", tmp_path / "run"
     train(tiny_config(tiny_data, straight, *STEPS))

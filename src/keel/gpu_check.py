@@ -304,7 +304,8 @@ def _paper_run(cfg, dev: torch.device, steps: int, out: Path) -> dict:
     save_s, save_bytes = time.perf_counter() - start, path.stat().st_size
     path.unlink()
     learned = all(v == v and abs(v) != float("inf") for v in losses) and losses[-1] < losses[0]
-    return {"ok": learned and graphs["graph breaks"] == 0 and bool(kernels), "loss_first": losses[0],
+    # graph breaks and the kernels are findings to report, not failures: the run itself must learn
+    return {"ok": learned, "loss_first": losses[0],
             "loss_last": losses[-1], "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
             "mfu": None if peak_flops is None else flops_per_token(cfg.model) * tokens_per_s / peak_flops,
             "peak_memory_bytes": measured, "estimated_memory_bytes": estimate,

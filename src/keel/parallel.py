@@ -74,9 +74,8 @@ def sharding_mesh(device_mesh, trainer):
 
 def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
     """FSDP2: every parameter is split over the mesh's ranks (dim 0; on a 2-D mesh over its second dimension,
-    replicated over its first: HSDP). Each block is one unit, all-gathered
-    just before its forward (and again for backward) and freed after; the root unit holds the rest
-    (embedding, final norm, head).
+    replicated over its first: HSDP). Each block is one unit, all-gathered just before its forward (and again for
+    backward) and freed after; the root unit holds the rest (embedding, final norm, head).
 
     Every rank starts from rank 0's weights, broadcast one tensor at a time into the others' shards: only rank 0
     needs to build the model for real (the others may build it on the meta device, `KeelLitModule(empty_init=

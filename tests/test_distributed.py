@@ -198,6 +198,7 @@ def _hsdp_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.extended
 def test_hsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 

@@ -102,7 +102,8 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
-        tensors = [*self.model.parameters()]
+        """Bytes of what the optimizer updates (every parameter here) and of its state."""
+        tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
         tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -175,11 +176,6 @@ class MembersStep(TrainStep):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return losses.detach()
-
-    def state_bytes(self) -> int:
-        tensors = [*self.params.values()]
-        tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _AppTimer(Callback):

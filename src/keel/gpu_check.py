@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -183,7 +184,7 @@ def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
         first, last = sum(ordered[:10]) / 10, sum(ordered[PRETRAIN_STEPS - 10 : PRETRAIN_STEPS]) / 10
         checks = {
             "every step logged": sorted(losses) == list(range(PRETRAIN_STEPS + RESUME_STEPS)),
-            "loss finite": all(map(lambda v: v == v and abs(v) != float("inf"), ordered)),
+            "loss finite": all(map(math.isfinite, ordered)),
             "loss decreasing": last < first,
             # the resumed steps continue the curve: no jump back to an untrained loss
             "resumed where it stopped": max(ordered[PRETRAIN_STEPS:]) < first,
@@ -303,7 +304,7 @@ def _paper_run(cfg, dev: torch.device, steps: int, out: Path) -> dict:
     AtomicCheckpointIO().save_checkpoint({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
     save_s, save_bytes = time.perf_counter() - start, path.stat().st_size
     path.unlink()
-    learned = all(v == v and abs(v) != float("inf") for v in losses) and losses[-1] < losses[0]
+    learned = all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     # graph breaks and the kernels are findings to report, not failures: the run itself must learn
     return {"ok": learned, "loss_first": losses[0],
             "loss_last": losses[-1], "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,

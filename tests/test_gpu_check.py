@@ -25,7 +25,8 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     assert cli_main(["gpu-check", "--device", "cpu", "--out", str(out)]) == 0
     result = json.loads((out / "gpu_check.json").read_text())
     printed = capsys.readouterr().out
-    assert result["ok"] and list(result["sections"]) == ["bench", "pretrain", "depth", "paper", "multi", "precision"]
+    assert result["ok"] and list(result["sections"]) == ["bench", "pretrain", "depth", "paper", "callbacks", "multi",
+                                                      "precision"]
     assert "PASS" in printed and "[ok] pretrain" in printed and "deepest fitting: 8 blocks" in printed
     bench = next(iter(result["sections"]["bench"]["configs"].values()))
     assert bench["keel"]["tokens_per_s"] > 0 and bench["keel"]["mfu"] > 0 and bench["preln"]["ratio"] is None
@@ -39,6 +40,10 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     for run in paper.values():  # the same model and batches: checkpointing recomputes, it changes no value
         assert run["ok"] and run["loss_last"] < run["loss_first"] and run["tokens_per_s"] > 0
         assert run["sdpa"] == ["_scaled_dot_product_flash_attention_for_cpu"] and run["checkpoint_bytes"] > 0
+    timed = result["sections"]["callbacks"]["callback_runs"]  # every variant trained and was timed
+    assert list(timed) == ["all on", "grad_norms off", "stability off", "throughput off", "layer_importance off",
+                           "progress bar off", "all off"]
+    assert all(run["ok"] and run["step_ms"] > 0 for run in timed.values()) and timed["all on"]["cost_ms"] == 0
     multi = result["sections"]["multi"]  # 2 CPU processes stand for the GPUs
     assert multi["devices"] == 2 and list(multi["checks"]) == [
         "every run ran", "fsdp x 2 = ddp x 2 (rel 1e-04)", "1 device = ddp x 2 (rel 1e-04)",
@@ -55,4 +60,4 @@ def test_unknown_section_and_missing_gpu_are_refused(capsys, monkeypatch):
     assert cli_main(["gpu-check", "--device", "cuda"]) == 2
     assert "no CUDA GPU is visible; run `make gpu-check DEVICE=cpu`" in capsys.readouterr().err
     assert cli_main(["gpu-check", "--device", "cpu", "--sections", "bench,speed"]) == 2
-    assert "--sections: unknown speed; allowed: bench, pretrain, depth, paper, multi, precision" in capsys.readouterr().err
+    assert "--sections: unknown speed; allowed: bench, pretrain, depth, paper, callbacks, multi, precision" in capsys.readouterr().err

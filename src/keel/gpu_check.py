@@ -14,6 +14,8 @@ Keel's GPU path works on this machine and how fast it is (docs/bench.md, "GPU ac
                activation checkpointing off and on: step time, tokens/s, MFU, peak memory against keel.gpu_memory's
                estimate of the same run, the SDPA kernel used, compiled graphs and graph breaks, and the time to
                write its checkpoint (weights and AdamW state)
+    callbacks  `keel pretrain` of the same model and batch, PAPER_STEPS steps: the step time with every configurable
+               callback on (the periodic ones every CALLBACKS_EVERY steps), with each off in turn, and with all off
     multi      with two or more GPUs visible (else skipped, said so), `keel pretrain` on all of them, fp32,
                MULTI_STEPS steps: FSDP against DDP (the same global gradient norm at every step); runs stopped
                halfway and resumed - DDP's on one GPU, FSDP's sharded one on the same GPUs and on half of them -
@@ -46,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
+from lightning.pytorch.callbacks import Callback
 
 from keel.artifacts import read_scalars
 from keel.config import conf_dir
@@ -336,6 +339,79 @@ def paper(device: str, sizes: Sizes, out: Path) -> dict:
     return {"ok": all(r["ok"] for r in runs.values()), "paper_runs": runs}
 
 
+# The callbacks section's periodic callbacks fire every this many steps (grad_norms' default; layer_importance's is 200),
+# so that each one's cost shows in a window of PAPER_STEPS - PAPER_WARMUP steps
+CALLBACKS_EVERY = 10
+
+
+class StepClock(Callback):
+    """Seconds per optimizer step from step `start` to the last, the device synchronized only at the window's two
+    ends: a synchronization per step would hide what the callbacks make the host wait for. Last in the callback
+    list, so each step's time includes every other callback's work."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.began, self.seconds_per_step = start, None, None
+
+    @staticmethod
+    def _now(trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.began is None and trainer.global_step == self.start:
+            self.began = self._now(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == trainer.max_steps:  # before the final checkpoint (on_train_end)
+            self.seconds_per_step = (self._now(trainer) - self.began) / (trainer.global_step - self.start)
+
+
+def callbacks(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
+    """`keel pretrain`'s step time (the paper section's model and batch, in this process) with every configurable
+    callback on, with each one off in turn, and with all off: what each costs per step. The in-loop downstream
+    evaluation runs between steps, after validation, and logs its own time (time/downstream_eval_s): it is off here,
+    with validation."""
+    import shutil
+
+    from keel.callbacks.configs import CALLBACKS
+    from keel.config import load_config
+    from keel.training import train
+
+    if error := _failed(_keel("data", *data, timeout=600)):
+        return {"ok": False, "error": f"keel data: {error}"}
+    trainer = ["trainer=gpu"] if device == "cuda" else ["trainer=cpu", "trainer.compile=false"]
+    steps = sizes.paper_steps
+    common = [*sizes.paper_model, *trainer, f"trainer.micro_batch_size={sizes.paper_batch}", *data,
+              "trainer.precision=bf16-mixed", f"trainer.max_steps={steps}", "eval.enabled=false", "trainer.val_batches=2",
+              f"trainer.val_every_n_steps={steps + 1}", f"trainer.checkpoint_every_n_steps={steps + 1}",
+              f"callbacks.layer_importance.every_n_steps={CALLBACKS_EVERY}",
+              f"callbacks.grad_norms.every_n_steps={CALLBACKS_EVERY}"]
+    names = [c.name for c in CALLBACKS]
+    variants = {"all on": [], **{f"{name} off": [f"callbacks.{name}.enabled=false"] for name in names},
+                "progress bar off": ["trainer.progress_bar=false"],
+                "all off": [*(f"callbacks.{name}.enabled=false" for name in names), "trainer.progress_bar=false"]}
+    runs = {}
+    for index, (label, overrides) in enumerate(variants.items()):
+        run_dir = out / f"callbacks-{index}"
+        clock = StepClock(PAPER_WARMUP)
+        try:
+            train(load_config(overrides=[*common, *overrides, f"run.dir={run_dir}"]), [clock])
+            runs[label] = {"ok": clock.seconds_per_step is not None, "step_ms": 1e3 * (clock.seconds_per_step or 0)}
+        except torch.OutOfMemoryError as err:
+            runs[label] = {"ok": False, "error": f"out of memory: {err}"}
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)  # the paper model's checkpoint: ~10 GB a run
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if runs["all on"]["ok"]:
+        for run in runs.values():
+            if run["ok"]:
+                run["cost_ms"] = runs["all on"]["step_ms"] - run["step_ms"]  # of what this variant turned off
+    return {"ok": all(r["ok"] for r in runs.values()), "callback_runs": runs, "timed_steps": steps - PAPER_WARMUP}
+
+
 MULTI_STEPS = 10
 # fp32 (so that the strategies can be held to each other), a checkpoint and a validation halfway, no compile
 # the global gradient norm of each step (the same global batch whatever the split: train/loss is rank 0's share)
@@ -544,8 +620,8 @@ def precision(device: str, sizes: Sizes, out: Path) -> dict:
     return {"ok": all(c["ok"] for c in checks.values()), "checks": checks}
 
 
-SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "multi": multi,
-            "precision": precision}
+SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "callbacks": callbacks,
+            "multi": multi, "precision": precision}
 
 
 # ------------------------------------------------------------------------------------------------------ report
@@ -581,6 +657,10 @@ def table(result: dict) -> str:
                 f"SDPA {','.join(run['sdpa'])}, {json.dumps(run['compile'])}, checkpoint "
                 f"{_mb(run['checkpoint_bytes'])} in {run['checkpoint_save_s']:.1f} s, loss {run['loss_first']:.3f} -> "
                 f"{run['loss_last']:.3f}" if "step_ms" in run else "FAIL " + run["error"].splitlines()[-1]))
+        for label, run in section.get("callback_runs", {}).items():
+            lines.append(f"    {label}: " + (f"{run['step_ms']:,.1f} ms/step" + (
+                "" if label == "all on" else f" (what it turned off: {run['cost_ms']:+,.1f} ms/step)")
+                if "cost_ms" in run else "FAIL " + run.get("error", "not timed").splitlines()[-1]))
         if section.get("deepest"):
             deepest = section["deepest"]
             lines.append(f"    deepest fitting: {deepest['depth']} blocks ({deepest['params']:,} parameters), "
@@ -617,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     start, sections = time.perf_counter(), {}
     for name in names:
         section_start = time.perf_counter()
-        extra = (data,) if name in ("pretrain", "multi") else ()
+        extra = (data,) if name in ("pretrain", "callbacks", "multi") else ()
         try:
             sections[name] = SECTIONS[name](args.device, sizes, out, *extra)
         except Exception as err:  # a broken path is this check's finding, not the end of the others

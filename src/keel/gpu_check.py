@@ -397,7 +397,8 @@ def callbacks(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
         clock = StepClock(PAPER_WARMUP)
         try:
             train(load_config(overrides=[*common, *overrides, f"run.dir={run_dir}"]), [clock])
-            runs[label] = {"ok": clock.seconds_per_step is not None, "step_ms": 1e3 * (clock.seconds_per_step or 0)}
+            runs[label] = ({"ok": True, "step_ms": 1e3 * clock.seconds_per_step} if clock.seconds_per_step
+                           else {"ok": False, "error": "stopped before its last step: not timed"})
         except torch.OutOfMemoryError as err:
             runs[label] = {"ok": False, "error": f"out of memory: {err}"}
         finally:
@@ -406,9 +407,8 @@ def callbacks(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
             if device == "cuda":
                 torch.cuda.empty_cache()
     if runs["all on"]["ok"]:
-        for run in runs.values():
-            if run["ok"]:
-                run["cost_ms"] = runs["all on"]["step_ms"] - run["step_ms"]  # of what this variant turned off
+        for run in (run for run in runs.values() if run["ok"]):
+            run["cost_ms"] = runs["all on"]["step_ms"] - run["step_ms"]  # of what this variant turned off
     return {"ok": all(r["ok"] for r in runs.values()), "callback_runs": runs, "timed_steps": steps - PAPER_WARMUP}
 
 
@@ -659,8 +659,8 @@ def table(result: dict) -> str:
                 f"{run['loss_last']:.3f}" if "step_ms" in run else "FAIL " + run["error"].splitlines()[-1]))
         for label, run in section.get("callback_runs", {}).items():
             lines.append(f"    {label}: " + (f"{run['step_ms']:,.1f} ms/step" + (
-                "" if label == "all on" else f" (what it turned off: {run['cost_ms']:+,.1f} ms/step)")
-                if "cost_ms" in run else "FAIL " + run.get("error", "not timed").splitlines()[-1]))
+                f" (what it turned off: {run['cost_ms']:+,.1f} ms/step)" if label != "all on" and "cost_ms" in run
+                else "") if run["ok"] else "FAIL " + run["error"].splitlines()[-1]))
         if section.get("deepest"):
             deepest = section["deepest"]
             lines.append(f"    deepest fitting: {deepest['depth']} blocks ({deepest['params']:,} parameters), "

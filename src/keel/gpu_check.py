@@ -38,6 +38,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -142,6 +143,14 @@ def _failed(done: subprocess.CompletedProcess) -> str | None:
     return None if done.returncode == 0 else f"exit {done.returncode}: {done.stderr[-2000:]}"
 
 
+def _free_memory(dev: torch.device) -> None:
+    """Between a section's runs: the last run's tensors collected and, on CUDA, the allocator's cached blocks
+    returned to the device, so that the next run's peak memory is its own."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------------------------------- sections
 
 
@@ -239,9 +248,7 @@ def depth(device: str, sizes: Sizes, out: Path) -> dict:
             tried.append({"depth": d, "fits": False})
             break
         finally:
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            _free_memory(dev)
         fitted = {"depth": d, "fits": True, "peak_memory_bytes": memory, "params": params}
         tried.append(fitted)
         d *= 2
@@ -317,15 +324,20 @@ def _paper_run(cfg, dev: torch.device, steps: int, out: Path) -> dict:
             "compile": graphs, "checkpoint_save_s": save_s, "checkpoint_bytes": save_bytes}
 
 
+def _paper_overrides(device: str, sizes: Sizes) -> list[str]:
+    """The paper and callbacks sections' model, trainer and micro-batch (sizes.paper_* on CPU), bf16 autocast."""
+    trainer = ["trainer=gpu"] if device == "cuda" else ["trainer=cpu", "trainer.compile=false"]
+    return [*sizes.paper_model, *trainer, f"trainer.micro_batch_size={sizes.paper_batch}",
+            "trainer.precision=bf16-mixed"]
+
+
 def paper(device: str, sizes: Sizes, out: Path) -> dict:
     """The paper's model on one GPU, activation checkpointing off and on (sizes.paper_* on CPU)."""
     from keel.config import load_config
 
     dev, runs = torch.device(device), {}
-    trainer = ["trainer=gpu"] if dev.type == "cuda" else ["trainer=cpu", "trainer.compile=false"]
     for checkpointing in (False, True):
-        cfg = load_config(overrides=[*sizes.paper_model, *trainer, f"trainer.micro_batch_size={sizes.paper_batch}",
-                                     "trainer.precision=bf16-mixed",
+        cfg = load_config(overrides=[*_paper_overrides(device, sizes),
                                      f"trainer.activation_checkpointing={str(checkpointing).lower()}"])
         label = f"activation checkpointing {'on' if checkpointing else 'off'}"
         try:
@@ -333,9 +345,7 @@ def paper(device: str, sizes: Sizes, out: Path) -> dict:
         except torch.OutOfMemoryError as err:
             runs[label] = {"ok": False, "error": f"out of memory: {err}"}
         finally:
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            _free_memory(dev)
     return {"ok": all(r["ok"] for r in runs.values()), "paper_runs": runs}
 
 
@@ -372,19 +382,16 @@ def callbacks(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
     callback on, with each one off in turn, and with all off: what each costs per step. The in-loop downstream
     evaluation runs between steps, after validation, and logs its own time (time/downstream_eval_s): it is off here,
     with validation."""
-    import shutil
-
     from keel.callbacks.configs import CALLBACKS
     from keel.config import load_config
     from keel.training import train
 
     if error := _failed(_keel("data", *data, timeout=600)):
         return {"ok": False, "error": f"keel data: {error}"}
-    trainer = ["trainer=gpu"] if device == "cuda" else ["trainer=cpu", "trainer.compile=false"]
     steps = sizes.paper_steps
-    common = [*sizes.paper_model, *trainer, f"trainer.micro_batch_size={sizes.paper_batch}", *data,
-              "trainer.precision=bf16-mixed", f"trainer.max_steps={steps}", "eval.enabled=false", "trainer.val_batches=2",
-              f"trainer.val_every_n_steps={steps + 1}", f"trainer.checkpoint_every_n_steps={steps + 1}",
+    common = [*_paper_overrides(device, sizes), *data, f"trainer.max_steps={steps}", "eval.enabled=false",
+              "trainer.val_batches=2", f"trainer.val_every_n_steps={steps + 1}",
+              f"trainer.checkpoint_every_n_steps={steps + 1}",
               f"callbacks.layer_importance.every_n_steps={CALLBACKS_EVERY}",
               f"callbacks.grad_norms.every_n_steps={CALLBACKS_EVERY}"]
     names = [c.name for c in CALLBACKS]
@@ -403,9 +410,7 @@ def callbacks(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
             runs[label] = {"ok": False, "error": f"out of memory: {err}"}
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)  # the paper model's checkpoint: ~10 GB a run
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            _free_memory(torch.device(device))
     if runs["all on"]["ok"]:
         for run in (run for run in runs.values() if run["ok"]):
             run["cost_ms"] = runs["all on"]["step_ms"] - run["step_ms"]  # of what this variant turned off

@@ -190,9 +190,16 @@ def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     assert cli_main(["maxlr", "--schemes", "preln", "model.init=normal", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (model["init"], model["width"]) == ("normal", 64)  # the shared init for all: still the miniature
-    for bad in (["--variant", "noinner"], ["--only", "nope"], ["--start-lr", "5"]):
-        with pytest.raises(ConfigError):
+    for bad, named in ((["--variant", "noinner"], "--variant"), (["--only", "nope"], "--only"),
+                       (["--start-lr", "5"], "--start-lr"), (["--peak-lr", "0"], "--peak-lr"),
+                       (["--ramp", "linear", "--peak-lr", "0"], "--peak-lr"),
+                       (["--ramp", "linear", "--start-lr", "1e-4"], "a linear ramp starts at 0")):
+        with pytest.raises(ConfigError, match=named):
             maxlr_main(["--out", str(out), *bad])
+    # a linear ramp has no start LR to compare with: any positive peak is a valid ramp (0 -> peak)
+    assert cli_main(["maxlr", "--schemes", "keel", "--ramp", "linear", "--peak-lr", "0.0005", "--print-config"]) == 0
+    optim = yaml.safe_load(capsys.readouterr().out)["optim"]
+    assert (optim["schedule"], optim["lr"], optim["warmup_steps"]) == ("linear_warmup", 0.0005, 560)
 
 
 def test_sign_test_is_the_exact_binomial():

@@ -78,6 +78,7 @@ CRITERION = [
     "callbacks.throughput.enabled=false",
 ]
 LOSS_LR = "loss_lr.csv"
+EXP_START_LR = 1e-3
 
 
 class LossByLR(Callback):
@@ -190,7 +191,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--variant", dest="variants", action="append", default=[],
                         help="NAME=KEY=VALUE[,KEY=VALUE...]: one more row (repeatable)")
     parser.add_argument("--peak-lr", type=float, default=3.0, help="where the ramp ends")
-    parser.add_argument("--start-lr", type=float, default=1e-3, help="where the exponential ramp starts")
+    parser.add_argument("--start-lr", type=float, help=f"where the exponential ramp starts (default {EXP_START_LR:g}; "
+                        "a linear ramp starts at 0)")
     parser.add_argument("--ramp", choices=("exp", "linear"), default="exp")
     parser.add_argument("--steps", type=int, default=560, help="steps of the ramp (= the whole run)")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
@@ -205,8 +207,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
     parser.add_argument("overrides", nargs="*", help="group=choice or key.path=value, applied over the miniature")
     args = parser.parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
-    if not 0 < args.start_lr < args.peak_lr:
-        raise ConfigError(f"--start-lr {args.start_lr}: must be > 0 and below --peak-lr {args.peak_lr}")
+    if not args.peak_lr > 0:
+        raise ConfigError(f"--peak-lr {args.peak_lr}: must be > 0")
+    if args.ramp == "linear" and args.start_lr is not None:
+        raise ConfigError(f"--start-lr {args.start_lr}: a linear ramp starts at 0; drop --start-lr (it sets where "
+                          "--ramp exp starts)")
+    if args.ramp == "exp":
+        args.start_lr = EXP_START_LR if args.start_lr is None else args.start_lr
+        if not 0 < args.start_lr < args.peak_lr:
+            raise ConfigError(f"--start-lr {args.start_lr}: must be > 0 and below --peak-lr {args.peak_lr}")
     for key in ("steps", "eval_every", "checkpoint_every"):
         if getattr(args, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")

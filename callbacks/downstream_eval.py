@@ -5,7 +5,9 @@ Right after every eval.every_n_steps-th validation, each task in eval.tasks runs
 documents; TensorBoard gets `eval/<task>/<metric>`, `time/downstream_eval_s` and, from the second evaluation
 on, `eval/disagree/<task>` = 1 when validation loss and the task's primary metric moved in opposite directions
 since the previous evaluation (also printed as a line). At the end of training, `eval/spearman/<task>` ranks
-loss against score over the run; every evaluation is in `<run.dir>/eval_history.json`.
+loss against score over the run (printed where it is defined); every evaluation is in
+`<run.dir>/eval_history.json`. Each evaluation prints one line, its step, time and each task's primary metric, in
+place of lm-eval's progress bars (off in here), through the step bar on rank 0 (LightningModule.print).
 
 Training is untouched: the model is evaluated without gradients in eval mode (then put back as it was), the
 Python/NumPy/torch RNG states are restored afterwards, and the train dataloader is never used. Under DDP each
@@ -26,7 +28,6 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from scipy.stats import spearmanr
 
 from keel.artifacts import EVAL_HISTORY
@@ -94,8 +95,10 @@ class DownstreamEval(Callback):
                  "wall_s": time.perf_counter() - start, "scores": scores}
         metrics = {f"eval/{task}/{name}": value for task, values in scores.items() for name, value in values.items()}
         metrics["time/downstream_eval_s"] = entry["wall_s"]
+        primary = ", ".join(f"{task} {metric} {scores[task][metric]:.4g}" for task, (metric, _) in self.primary.items())
+        pl_module.print(f"downstream eval: step {step}: {primary} ({entry['wall_s']:.1f} s)")
         if self.history:
-            metrics.update(self._disagreements(self.history[-1], entry))
+            metrics.update(self._disagreements(pl_module, self.history[-1], entry))
         self.history.append(entry)
         log_scalars(trainer, metrics, step)
         self._write_history(trainer)
@@ -103,8 +106,9 @@ class DownstreamEval(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rhos = self.spearman()
         for task, rho in rhos.items():
-            rank_zero_info(f"downstream eval: Spearman(-val loss, {task} {self.primary[task][0]}) over "
-                           f"{len(self.history)} evaluations = {rho if rho is None else round(rho, 3)}")
+            if rho is not None:  # None: too few evaluations, or a loss or score that never moved
+                pl_module.print(f"downstream eval: Spearman(-val loss, {task} {self.primary[task][0]}) over "
+                                f"{len(self.history)} evaluations = {rho:.3f}")
         log_scalars(trainer, {f"eval/spearman/{task}": rho for task, rho in rhos.items() if rho is not None},
                     trainer.global_step - 1)
         self._write_history(trainer)
@@ -122,11 +126,12 @@ class DownstreamEval(Callback):
         model.eval()
         try:
             with preserved_rng():
-                return run_tasks(self.lm, self.tasks, self.cfg.eval.limit, self.cfg.eval.num_fewshot)
+                return run_tasks(self.lm, self.tasks, self.cfg.eval.limit, self.cfg.eval.num_fewshot,
+                                 progress_bars=False)
         finally:
             model.train(was_training)
 
-    def _disagreements(self, before: dict, after: dict) -> dict[str, float]:
+    def _disagreements(self, pl_module: L.LightningModule, before: dict, after: dict) -> dict[str, float]:
         loss_moved = _moved(before["val_loss"], after["val_loss"], higher_is_better=False)
         flags = {}
         for task, (metric, higher) in self.primary.items():
@@ -134,7 +139,7 @@ class DownstreamEval(Callback):
             disagree = loss_moved * _moved(old, new, higher) < 0
             flags[f"eval/disagree/{task}"] = float(disagree)
             if disagree:
-                rank_zero_info(
+                pl_module.print(
                     f"downstream eval: step {after['step']}: "
                     f"val loss {before['val_loss']:.4f} -> {after['val_loss']:.4f} "
                     f"({'better' if loss_moved > 0 else 'worse'}) but {task} {metric} {old:.4f} -> {new:.4f} "

@@ -52,6 +52,7 @@ from keel.devices import (
     synchronize,
 )
 from keel.errors import ConfigError
+from keel.experiments.common import OneLineErrorParser, comma_list
 from keel.flops import device_peak_flops, flops_per_token
 from keel.lit import adamw, make_optimizer
 from keel.memory import check_steps_fit
@@ -423,10 +424,6 @@ def table(result: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------- CLI
 
 
-def _list(kind: Callable[[str], object]) -> Callable[[str], list]:
-    return lambda text: [kind(item) for item in text.split(",") if item]
-
-
 def _on_off(text: str) -> bool:
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
@@ -439,11 +436,17 @@ def _scheme(text: str) -> str:
     return text
 
 
+def _at_least(parser: argparse.ArgumentParser, option: str, values: list[int], least: int, meaning: str = "") -> None:
+    if not values or min(values) < least:
+        given = ",".join(map(str, values)) or "no value"
+        parser.error(f"{option} needs at least one value, each >= {least}{meaning}; got {given}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
-    parser = argparse.ArgumentParser(prog="keel bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--schemes", type=_list(_scheme), default="keel,preln",
+    parser = OneLineErrorParser(prog="keel bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--schemes", type=comma_list(_scheme), default="keel,preln",
                         help="comma-separated; step ratios are to preln")
     parser.add_argument("--peer", choices=("litgpt",), help="add litgpt's GPT at the same dims (litgpt importable)")
     parser.add_argument("--depth", type=int, default=16, help="blocks")
@@ -455,36 +458,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here); >= 1")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all variants")
-    parser.add_argument("--threads", type=_list(int), default=str(cores), help="intra-op threads, comma-separated")
-    parser.add_argument("--compile", type=_list(_on_off), default="off", help="off, on or off,on")
-    parser.add_argument("--loss-chunk", type=_list(int),
+    parser.add_argument("--threads", type=comma_list(int), default=str(cores), help="intra-op threads, comma-separated")
+    parser.add_argument("--compile", type=comma_list(_on_off), default="off", help="off, on or off,on")
+    parser.add_argument("--loss-chunk", type=comma_list(int),
                         help="model.loss_chunk values, comma-separated: tokens per chunk of the loss head, 0 = plain "
                              "head (full logits); None: the device's default")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda when available")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
     parser.add_argument("--peak-flops", type=float, help="FLOP/s for MFU (default: GPU spec sheet, else measured)")
-    parser.add_argument("--members", type=_list(int), default="1",
+    parser.add_argument("--members", type=comma_list(int), default="1",
                         help="models trained as one, comma-separated: K > 1 stacks K models of each scheme along a "
                              "member axis (torch.func.vmap; eager, no peer); tokens/s counts every member's tokens")
     parser.add_argument("--app", action="store_true", help="also time short `keel pretrain` runs and the loader")
-    parser.add_argument("--loader-workers", type=_list(int), default="0", help="data.loader_workers values (--app)")
+    parser.add_argument("--loader-workers", type=comma_list(int), default="0",
+                        help="data.loader_workers values (--app)")
     parser.add_argument("--config", help="--app: YAML merged over conf/config.yaml, as for keel pretrain")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("overrides", nargs="*", help="--app: key=value / group=choice config overrides (data=...)")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1 or args.repeats < 1:
         parser.error("--warmup, --steps and --repeats must be >= 1")
-    if not args.schemes or not args.compile or not args.threads or min(args.threads) < 1:
-        parser.error("--schemes, --compile and --threads need at least one value; threads >= 1")
-    if not args.members or min(args.members) < 1:
-        parser.error("--members needs at least one value, each >= 1")
+    if not args.schemes or not args.compile:
+        parser.error("--schemes and --compile need at least one value")
+    _at_least(parser, "--threads", args.threads, 1)
+    _at_least(parser, "--members", args.members, 1)
     if max(args.members) > 1 and False not in args.compile:
         parser.error("--members above 1 runs eager: give --compile off (or off,on)")
     if args.loss_chunk is None:
         args.loss_chunk = [None]  # model.loss_chunk: null
-    elif not args.loss_chunk or min(args.loss_chunk) < 0:
-        parser.error("--loss-chunk needs at least one value, each >= 0 (0 = plain head)")
+    else:
+        _at_least(parser, "--loss-chunk", args.loss_chunk, 0, " (0 = plain head)")
     if args.peer == "litgpt" and importlib.util.find_spec("litgpt") is None:
         raise ConfigError(f"--peer litgpt: {PEER_RECIPE}")
     return args

@@ -33,6 +33,7 @@ from keel.model import KeelLM, check_state_fits
 LAST = "last.ckpt"
 SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shards, written once all are
+TORCH_ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save file starts (a zip archive) since torch 1.6
 
 
 # Everything a torch.distributed.checkpoint `.metadata` pickle refers to; anything else (os.system, builtins.eval,
@@ -70,7 +71,37 @@ def read_dcp_metadata(path: Path) -> Metadata:
                           "another torch version, report the name above)") from None
     if not isinstance(metadata, Metadata):
         raise ConfigError(f"checkpoint: {file} refused: it holds a {type(metadata).__name__}, not a checkpoint index")
+    _refuse_shards_outside(Path(path), metadata)
     return metadata
+
+
+def _refuse_shards_outside(path: Path, metadata: Metadata) -> None:
+    """Every shard file `.metadata` names must be a file in the checkpoint directory itself, as torch writes them:
+    torch joins each entry's relative_path to the directory as it is, so `../other.ckpt/__0_0.distcp`, an absolute
+    path or a shard file that is a symlink leading out would have it read another run's weights (or any file)
+    silently. Checked here, where every reader passes before it reads a byte of a shard."""
+    file, root = path / DCP_METADATA, path.resolve()
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise ConfigError(f"checkpoint: {file} refused: its storage_data is a {type(storage).__name__}, not the "
+                          "index of its shard files")
+    outside = []
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        try:
+            target = (root / name).resolve()
+        except (TypeError, ValueError, OSError, RuntimeError) as err:  # not a path, a NUL in it, a symlink loop
+            where = f"which is no file name ({describe_error(err)})"
+        else:
+            if target.parent == root:  # `sub/../__0_0.distcp`, or a link to a file beside it, stays inside
+                continue
+            where = f"which leads to {target}"
+        outside.append(f"its entry {getattr(index, 'fqn', index)} is read from {name!r}, {where}")
+    if outside:
+        others = f" (and {len(outside) - 1} other entries)" if len(outside) > 1 else ""
+        raise ConfigError(f"checkpoint: {file} refused: it must name shard files in {path} itself, but {outside[0]}"
+                          f"{others}; do not use this checkpoint (where a shard file is a link to one elsewhere, "
+                          "copy that file in its place)")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -119,9 +150,18 @@ def unsafe_globals(file) -> list[str]:
 
 def torch_load(path: Path, mmap: bool = False) -> Any:
     """torch.load(weights_only=True) of one checkpoint file, its failure one line: a file that refers to code
-    (a payload) is refused naming it, never with torch's advice to retry with weights_only=False."""
+    (a payload) is refused naming it, never with torch's advice to retry with weights_only=False. A file that is
+    no torch.save zip (a bare pickle, torch's pre-1.6 format) is refused before torch reads it: its weights-only
+    unpickler answers one with that advice."""
+    with open(path, "rb") as file:
+        zipped = file.read(len(TORCH_ZIP_MAGIC)) == TORCH_ZIP_MAGIC
+    if not zipped:
+        raise ConfigError(f"checkpoint: {path} is not a torch.save zip file (a bare pickle, an old torch format, "
+                          "or corrupt); use a checkpoint a keel run wrote")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # torch's request to report a pickle protocol it may not read: see below
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         try:
             unsafe = unsafe_globals(path)
@@ -131,8 +171,17 @@ def torch_load(path: Path, mmap: bool = False) -> Any:
             raise ConfigError(f"checkpoint: {path} refused: it refers to {', '.join(unsafe)}, which a checkpoint "
                               "never holds; it may have been made to run code when loaded: do not use this "
                               "checkpoint") from None
-        reason = describe_error(err).splitlines()[0]
-        raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {reason}") from None
+        raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {_load_reason(err)}") from None
+
+
+def _load_reason(err: Exception) -> str:
+    """torch.load's reason in one line. A weights-only refusal opens with the advice to retry with
+    weights_only=False: only the unpickler's own error, after "WeightsUnpickler error:", is kept."""
+    text = describe_error(err)
+    if not text.startswith("Weights only load failed"):
+        return text.splitlines()[0]
+    detail = [line.strip() for line in text.partition("WeightsUnpickler error:")[2].splitlines() if line.strip()]
+    return "torch.load(weights_only=True) refused it" + (f" ({detail[0]})" if detail else "")
 
 
 def refuse_payloads(path: Path) -> None:
@@ -352,8 +401,8 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
         checkpoint = _read_sharded(path, weights)
     elif path.is_file():
         if path.stat().st_size == 0:
-            raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); resume from "
-                              "another checkpoint (resume=PATH) or start afresh (resume=null)")
+            raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); use another "
+                              "checkpoint")
         checkpoint = torch_load(path, mmap=not weights)  # without the weights, mapped: only the entries used are read
     else:
         raise ConfigError(f"checkpoint: no file or directory at {path}")

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"keel {name}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as stop:  # Ctrl-C; training stops cleanly first, on other signals too (Interrupted)
-        print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
+        if str(stop) or type(stop) is KeyboardInterrupt:  # an Interrupted without a message: rank 0 said it
+            print(f"keel {name}: {stop or 'interrupted'}", file=sys.stderr)
         return getattr(stop, "exit_code", 130)
 
 

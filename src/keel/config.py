@@ -265,6 +265,9 @@ def _explain(err: OmegaConfBaseException) -> ConfigError:
 
 
 def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():  # else read as a YAML error: "cannot parse YAML: [Errno 2] ..."
+        raise ConfigError(f"config: {path} {'is a directory, not' if path.is_dir() else 'does not exist: give'} "
+                          "a YAML file")
     try:
         loaded = OmegaConf.load(path)
     except Exception as err:  # yaml's own errors carry line numbers

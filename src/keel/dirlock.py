@@ -25,7 +25,7 @@ def _holder(lock_file: Path) -> dict:
         return {}
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -43,7 +43,7 @@ def _stale(holder: dict) -> str | None:
     if not holder:
         return None
     if holder.get("host") == socket.gethostname():
-        return None if _pid_alive(int(holder.get("pid", 0))) else "its process is no longer running"
+        return None if pid_alive(int(holder.get("pid", 0))) else "its process is no longer running"
     job = os.environ.get("SLURM_JOB_ID")
     if job and holder.get("slurm_job") == job:
         return f"it is SLURM job {job}'s previous run (requeued here)"
@@ -57,7 +57,9 @@ class DirLock:
     dead process on this host, or this SLURM job's previous run on another). Where the filesystem has no flock
     (ENOLCK, EOPNOTSUPP: some NFS and parallel filesystems), that is said, and the file alone decides: a live holder
     on this host, or one on another host that is not this job's previous run, refuses the start. Subclasses say
-    which directory it is, for the messages."""
+    which directory it is, for the messages. Left by an exception (a start refused after the lock was taken), it
+    removes the lock file and directories it created if nothing else was written there: a refused start leaves
+    nothing behind, and never removes what was there before."""
 
     key: ClassVar[str]  # the config key that names the directory, e.g. "run.dir"
     clash: ClassVar[str]  # what two writers would do to each other, e.g. "Two runs in one directory would ..."
@@ -68,10 +70,14 @@ class DirLock:
         self.path = self.directory / LOCK
         self._fd: int | None = None
         self._flocked = False
+        self._created: list[Path] = []  # the directories acquire made, deepest first
+        self._entries_before: set[str] | None = None  # the directory's entries before, where acquire made the lock
 
     def acquire(self) -> None:
         try:
+            self._created = [d for d in (self.directory, *self.directory.parents) if not d.exists()]
             self.directory.mkdir(parents=True, exist_ok=True)
+            entries = set(os.listdir(self.directory))
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise ConfigError(f"{self.key}={self.directory}: cannot write there ({err.strerror or err}): "
@@ -109,6 +115,7 @@ class DirLock:
                                   "slurm_job": os.environ.get("SLURM_JOB_ID")}).encode(), 0)
         os.fsync(fd)
         self._fd = fd
+        self._entries_before = None if LOCK in entries else entries
 
     def _say(self, message: str) -> None:
         print(f"keel {self.command}: {self.key}={self.directory}: {message}", file=sys.stderr, flush=True)
@@ -132,5 +139,18 @@ class DirLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        leave_nothing = kind is not None and self._wrote_nothing()
+        if leave_nothing:  # while still held: a start meanwhile is refused as in use, not given a lock on no file
+            self.path.unlink()
         self.release()
+        if leave_nothing:
+            for directory in self._created:
+                try:
+                    directory.rmdir()  # only an empty one: another process may have written there meanwhile
+                except OSError:
+                    break
+
+    def _wrote_nothing(self) -> bool:
+        """Whether the directory holds what it held before acquire, plus the lock file acquire made."""
+        return self._entries_before is not None and set(os.listdir(self.directory)) == self._entries_before | {LOCK}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from keel.config import from_dict
 from keel.errors import ConfigError
 
 # KeelLM parameter prefixes -> the exported model's (the rest of each name is the same in both)
@@ -85,6 +86,11 @@ def read_export(path: Path, weights: bool = True) -> dict:
     if config.get("model_type") != MODEL_TYPE or not isinstance(config.get("keel"), dict):
         raise ConfigError(f"checkpoint: {path} is a model directory that `keel export` did not write (model_type "
                           f"{config.get('model_type')!r}); Keel reads back only its own exports")
+    try:  # here, naming the file: checked later, its error would read as one in the user's own settings
+        from_dict(config["keel"])
+    except ConfigError as err:
+        raise ConfigError(f"checkpoint: {path / 'config.json'} holds an invalid keel config ({err}); it was edited: "
+                          "export the checkpoint it came from again") from None
     shards = _shard_names(path)
     missing = [name for name in ["tokenizer.json", *(shards if weights else [])] if not (path / name).is_file()]
     if missing:

@@ -1,5 +1,5 @@
 """What `keel pretrain` prints before training: the model (parameters, depth, L, alpha, FLOPs/token) and the run
-plan (steps, tokens, tokens per parameter, precision, strategy, world size, threads)."""
+plan (steps, tokens, tokens per parameter, precision, strategy, world size, threads); and the line it ends with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 import torch
 
-from keel.checkpoint import batch_layout
+from keel.checkpoint import LAST, batch_layout, checkpoint_dir
 from keel.config import Config
 from keel.flops import flops_per_token
 from keel.model import KeelLM
@@ -56,3 +56,12 @@ def run_plan(cfg: Config, params: int) -> list[str]:
 
 def run_summary(cfg: Config, model: KeelLM) -> str:
     return "\n".join([*model_summary(model), *run_plan(cfg, model.num_params())])
+
+
+def run_result(cfg: Config, step: int, heldout: dict | None, saved_step: int | None) -> str:
+    """The line a run that was not interrupted ends with: the step it reached, its last held-out loss
+    (KeelLitModule.heldout) and the step last.ckpt holds, if this run wrote it."""
+    loss = f"val/loss {heldout['loss']:.4f} at step {heldout['step']}" if heldout else "not validated"
+    saved = (f"checkpoint {checkpoint_dir(cfg) / LAST} (step {saved_step})" if saved_step is not None
+             else "no checkpoint written by this run")
+    return f"end         step {step} of {cfg.trainer.max_steps}, {loss}; {saved}"

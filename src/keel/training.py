@@ -29,6 +29,7 @@ from keel.checkpoint import (
     resolve_resume,
 )
 from keel.config import Config, from_dict, to_dict
+from keel.console import quiet_libraries
 from keel.data.loading import KeelDataModule, check_resumable_data, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
@@ -39,7 +40,7 @@ from keel.memory import check_training_fits
 from keel.model import check_state_fits
 from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
-from keel.summary import run_summary
+from keel.summary import run_result, run_summary
 
 
 def set_threads(cfg: Config) -> None:
@@ -149,7 +150,7 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
 
 class Interrupted(KeyboardInterrupt):
     """Training stopped early on a signal (Ctrl-C, SIGTERM, SIGUSR1), after writing a checkpoint: `keel` exits
-    128 + the signal's number with this message."""
+    128 + the signal's number with this message (empty on the other ranks: rank 0 says it once)."""
 
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
@@ -195,6 +196,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
     """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. Rank 0 holds
     the run directory's lock throughout, taken before anything is written (the others write nothing before
     rank 0 has joined them)."""
+    quiet_libraries()
     set_threads(cfg)
     tell_litdata_the_nodes(cfg)
     owner = launched_as_rank_zero()
@@ -241,8 +243,11 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
         step = trainer.checkpoint_callback.saved_step  # an earlier one if this step's weights were not finite
         saved = (f"saved step {step} to {checkpoint_dir(cfg) / LAST}" if step is not None
                  else f"stopped after step {interrupt.stopped_at} without a finite checkpoint (see above)")
-        raise Interrupted(interrupt.signal, f"{SAID[interrupt.signal]}: {saved}; re-run the same command to continue "
-                          "(resume=auto)")
+        message = f"{SAID[interrupt.signal]}: {saved}; re-run the same command to continue (resume=auto)"
+        raise Interrupted(interrupt.signal, message if trainer.is_global_zero else "")  # rank 0 says it for all
+    if trainer.is_global_zero:
+        saved_step = trainer.checkpoint_callback.saved_step
+        print(run_result(cfg, trainer.global_step, module.heldout, saved_step), flush=True)
     return trainer
 
 

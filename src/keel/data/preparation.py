@@ -36,7 +36,7 @@ from keel.data.shards import (
 )
 from keel.data.sources import get_source
 from keel.data.sources.base import MAX_UNDECODABLE, SkippedFiles
-from keel.data.spooling import spool_corpus
+from keel.data.spooling import remove_stale_spools, spool_corpus, spool_prefix
 from keel.data.tokenizer import eos_id_of, load_tokenizer, train_tokenizer
 from keel.dirlock import DirLock
 from keel.errors import ConfigError
@@ -162,7 +162,8 @@ def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tupl
     timings = {}
     with writing(staging):
         fs.makedirs(staging, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="keel-data-") as workdir:
+    remove_stale_spools()
+    with tempfile.TemporaryDirectory(prefix=spool_prefix()) as workdir:
         print(f"keel data: reading {source.describe(data)}")
         skipped = SkippedFiles(data.encoding)
         spools = spool_corpus(data, workdir, skipped)

@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import re
 import signal
 import sys
@@ -92,7 +93,10 @@ def _shard_writer(rank: int, spans: list[Any], encoder: SpanEncoder, chunk_dir: 
                     store.put_file(chunk, f"{upload_dir}/{os.path.basename(chunk)}")
                     os.remove(chunk)
 
-            writer = BinaryWriter(chunk_dir, chunk_bytes=chunk_bytes, item_loader=TokensLoader())
+            # msg_queue: litdata's optimize() collects each worker's "Rank N inferred the following data format"
+            # there; here it is dropped (without one the writer prints it, per worker and split)
+            writer = BinaryWriter(chunk_dir, chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
+                                  msg_queue=queue.SimpleQueue())
             for index, span in enumerate(spans):
                 keep(writer.add_item(index, encoder(span)))
                 with written.get_lock():

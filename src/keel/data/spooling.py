@@ -6,8 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
+import socket
+import tempfile
 from array import array
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -16,11 +21,32 @@ from keel.config import DataConfig
 from keel.data.shards import SPLITS, writing
 from keel.data.sources import get_source, read_documents
 from keel.data.sources.base import SkippedFiles
+from keel.dirlock import pid_alive
 from keel.errors import ConfigError
 
 # Characters of spooled text per span, the unit of work of the shard writers: small enough to spread over the
 # workers, large enough for each tokenizer call to batch many documents (and the most one call encodes).
 SPAN_CHARS = 1_000_000
+SPOOL = "keel-data-"  # the spool's directory in $TMPDIR: keel-data-<pid>-<host>-<tempfile's random part>
+
+
+def spool_prefix() -> str:
+    """How this process's spool directory is named: by its owner, so that a later build tells one left by a killed
+    build (kill -9 leaves it) from a running build's."""
+    return f"{SPOOL}{os.getpid()}-{socket.gethostname()}-"
+
+
+def remove_stale_spools() -> None:
+    """Remove, from $TMPDIR, the spools of `keel data` processes on this host that are no longer running. A running
+    build's is kept (its pid is alive), and so is one whose owner cannot be told: another host's (a shared
+    $TMPDIR), or one named before the pid was part of the name."""
+    owner = re.compile(rf"{SPOOL}(\d+)-{re.escape(socket.gethostname())}-[a-z0-9_]+")  # tempfile: no "-" in its part
+    stale = [path for path in sorted(Path(tempfile.gettempdir()).glob(f"{SPOOL}*"))
+             if (match := owner.fullmatch(path.name)) and path.is_dir() and not pid_alive(int(match[1]))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)  # another user's, in a shared /tmp, is theirs to remove
+    if removed := [str(path) for path in stale if not path.exists()]:
+        print(f"keel data: removed the spool(s) of keel data processes no longer running: {', '.join(removed)}")
 
 
 def is_validation(doc_id: str, val_fraction: float, seed: int) -> bool:

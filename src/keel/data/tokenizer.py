@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -43,7 +44,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        # its bars draw on a terminal only, but it ends each stage with a newline on stdout wherever that goes
+        show_progress=sys.stderr.isatty(),
     )
     tokenizer.train_from_iterator((piece for text in texts for piece in tokenizer_pieces(text)), trainer)
     return tokenizer

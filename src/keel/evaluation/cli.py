@@ -1,6 +1,6 @@
 """`keel eval [lm-eval arguments]`: lm-eval's own command line (same arguments, same results files) with
-the `keel` model registered and three defaults: --model keel, --include_path <the bundled keel_* tasks>,
---batch_size 16 (lm-eval's own default is 1). For example
+the `keel` model registered and its defaults: --model keel, --include_path <the bundled keel_* tasks>,
+--batch_size 16 (lm-eval's own default is 1) and, without a GPU, --device cpu (lm-eval's is cuda:0). For example
 
     keel eval --model_args checkpoint=runs/default/checkpoints/last.ckpt --tasks keel_generated,keel_arc_easy \\
         --limit 200 --output_path out/eval
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from lm_eval._cli import HarnessCLI
 from lm_eval.utils import setup_logging
 
@@ -40,6 +41,8 @@ def with_defaults(argv: list[str]) -> list[str]:
     defaults = {("--include_path",): str(TASKS_DIR)}
     if command == "run":
         defaults.update(RUN_DEFAULTS)
+        if not torch.cuda.is_available():
+            defaults[("--device",)] = "cpu"
     for flags, value in defaults.items():
         if not _given(rest, flags):
             rest += [flags[0], value]

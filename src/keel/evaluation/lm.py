@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def _device(requested: str | None) -> torch.device:
-    # lm-eval's command line passes device=cuda:0 unless told otherwise; fall back to the CPU without a GPU.
+    # A cuda device asked for where there is no GPU (`keel eval` itself passes --device cpu there, not lm-eval's
+    # cuda:0): evaluated on the CPU, said.
     if requested and (not requested.startswith("cuda") or torch.cuda.is_available()):
         return torch.device(requested)
     if requested:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import lm_eval.api.model
+import lm_eval.api.task
 import lm_eval.utils
 import torch
 from lm_eval.api.model import LM
@@ -16,22 +19,19 @@ from lm_eval.api.task import Task
 from lm_eval.defaults import DEFAULT_OTHER_SEED
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
+from tqdm import tqdm
 
+import keel.evaluation.lm
+from keel.console import DropMessages
 from keel.evaluation.local_tasks import hub_or_local, resolve_tasks
 
 TASKS_DIR = Path(__file__).parent / "tasks"  # generated/ and standard/ task YAMLs
 STDERR = "_stderr"
 
 
-class _DropMetadataHint(logging.Filter):
-    """lm-eval warns, for every task with a custom_dataset, that such loaders may want --metadata; ours
-    already read theirs (data_dir, corpus_dir, checkpoint), so the hint is noise."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
-
-
-logging.getLogger("lm_eval.api.task").addFilter(_DropMetadataHint())
+# lm-eval warns, for every task with a custom_dataset, that such loaders may want --metadata; ours already read
+# theirs (data_dir, corpus_dir, checkpoint), so the hint is noise.
+logging.getLogger("lm_eval.api.task").addFilter(DropMessages("Custom kwargs can be passed to `--metadata`"))
 
 # lm-eval renders prompt templates through jinja2's Environment.from_string, which compiles the template anew
 # for every document and field (5-15 ms on a small CPU: more than a small model's forward pass). A template is
@@ -85,20 +85,41 @@ def primary_metric(task: Task) -> tuple[str, bool]:
     return (name if filters[0] == "none" else f"{name}/{filters[0]}"), higher
 
 
+@contextlib.contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    """lm-eval's progress bars off (building each task's requests, tokenizing them, scoring them): lm-eval has no
+    switch for the first, so the tqdm each of these modules calls is a disabled one meanwhile."""
+    modules = (lm_eval.api.task, lm_eval.api.model, keel.evaluation.lm)
+
+    def disabled(*args, **kwargs) -> tqdm:
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    try:
+        for module in modules:
+            module.tqdm = disabled
+        yield
+    finally:
+        for module in modules:
+            module.tqdm = tqdm  # what each imported (`from tqdm import tqdm`)
+
+
 def run_tasks(
-    lm: LM, tasks: dict[str, Task], limit: int | None = None, num_fewshot: int | None = None
+    lm: LM, tasks: dict[str, Task], limit: int | None = None, num_fewshot: int | None = None,
+    progress_bars: bool = True,
 ) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of loaded tasks (TaskManager.load(...)["tasks"], reusable: their documents are
     read once). num_fewshot None keeps each task's default (0 if it has none). Metric names are lm-eval's,
     the filter appended for generative tasks ('exact_match/strict-match'). lm-eval's evaluate(), not
     simple_evaluate(), which also probes the environment (seconds of subprocesses) and reseeds the global RNGs;
     no bootstrap standard errors, which would cost more than the evaluation itself. An lm with world_size > 1
-    scores its rank's share of the documents; the metrics, over all of them, are returned on every rank."""
+    scores its rank's share of the documents; the metrics, over all of them, are returned on every rank.
+    progress_bars=False: without lm-eval's bars (in-loop evaluation, under the step bar)."""
     for task in tasks.values():
         if num_fewshot is not None or task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=num_fewshot or 0)
         task.set_fewshot_seed(seed=DEFAULT_OTHER_SEED)  # the same few-shot examples at every evaluation
-    results = evaluate(lm=lm, task_dict={"tasks": tasks}, limit=limit, bootstrap_iters=0, log_samples=False)
+    with contextlib.nullcontext() if progress_bars else _without_progress_bars():
+        results = evaluate(lm=lm, task_dict={"tasks": tasks}, limit=limit, bootstrap_iters=0, log_samples=False)
     metrics = {task: _metrics(values) for task, values in results["results"].items()} if results else None
     if lm.world_size > 1:  # lm-eval returns them on rank 0 alone; every rank gets them (the same eval history)
         shared = [metrics]

@@ -47,7 +47,7 @@ from keel.callbacks.reporting import finished_step
 from keel.config import load_config, to_yaml
 from keel.artifacts import read_stability
 from keel.errors import ConfigError
-from keel.experiments.common import comma_list, resolve_alpha, slug, train_run, unigram_loss
+from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, train_run, unigram_loss
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
 from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
@@ -180,7 +180,7 @@ def run_configs(args: argparse.Namespace, runs: list[Run], out: Path) -> list:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["collect"]:
         return report_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="keel maxlr", description=__doc__,
+    parser = OneLineErrorParser(prog="keel maxlr", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", type=comma_list(str), default=list(PAPER_SCHEMES),
                         help="comma-separated (default: Keel and the paper's five baselines)")

@@ -33,6 +33,7 @@ from pathlib import Path
 from keel.artifacts import CONFIG
 from keel.config import load_config
 from keel.experiments.common import (
+    OneLineErrorParser,
     comma_list,
     non_embedding_params,
     plot_lines,
@@ -158,8 +159,8 @@ def main(argv: list[str]) -> int:
         rows = collect(out)
         print(f"keel sweep collect: {len(rows)} runs -> {out}/sweep.csv, sweep.md, plots")
         return 0
-    parser = argparse.ArgumentParser(prog="keel sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog="keel sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", type=comma_list(str), default=[])
     parser.add_argument("--depths", type=comma_list(int), default=[])
     parser.add_argument("--lrs", type=comma_list(str), default=[])

@@ -71,11 +71,12 @@ DEEP := --depths 64 model.width=32 $(NARROW)
 EMIT :=
 endif
 MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
-ALL_GRIDS := table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024 \
+ALL_GRIDS := linear-d16 linear-d64 hold-d16-fast hold-d16-slow hold-d64-fast hold-d64-slow linear-depth-d16 \
+	linear-depth-d256 linear-width-w128 linear-width-w256 table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024 \
 	deep1024-nogain nogain-d16 nogain-d64 nogain-d256
 # PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
 PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
-.PHONY: paper-data $(addprefix paper-,$(ALL_GRIDS))
+.PHONY: paper-data paper-linear $(addprefix paper-,$(ALL_GRIDS))
 # Every scheme trains from its own literature's init (model.init=auto); the shared-init comparison is the same grids
 # with one init for all, e.g. `make paper ARGS=model.init=normal PAPER_OUT=runs/paper-shared-init`; name that tree in
 # PAPER_SHARED_INIT and the report adds what depends on the init.
@@ -86,7 +87,39 @@ paper: $(addprefix paper-,$(PAPER_GRIDS))
 paper-data: install
 	$(KEEL) data $(filter data=% data.%,$(ARGS))
 
-# Table 1: every scheme at 16 blocks x 64; the four the paper runs deep at 64 blocks x 32
+# Table 1 on the paper's protocol (the primary one): a linear warm-up from 0 at 1e-4 per step (peak / steps), the
+# held-out loss every 5 steps (LR resolution 5e-4); every scheme at 16 blocks x 64 and at 64 blocks x 32.
+# `make -j2 paper-linear`: these two, then the hold map (the same probes at half and twice the slope; Keel and
+# Pre-LN), then the trends on this protocol.
+LINEAR = --ramp linear --eval-every 5
+SLOPE_1E4 = $(LINEAR) --peak-lr 0.4 --steps 4000
+SLOPE_2E4 = $(LINEAR) --peak-lr 0.4 --steps 2000
+SLOPE_5E5 = $(LINEAR) --peak-lr 0.4 --steps 8000
+paper-linear: paper-linear-d16 paper-linear-d64 paper-hold-d16-fast paper-hold-d16-slow paper-hold-d64-fast \
+	paper-hold-d64-slow paper-linear-depth-d16 paper-linear-depth-d256 paper-linear-width-w128 paper-linear-width-w256
+	$(KEEL) paper-report $(PAPER_OUT)
+paper-linear-d16: paper-data
+	$(MAXLR) --seeds $(SEEDS) $(SLOPE_1E4) $(ARGS)
+paper-linear-d64: paper-data
+	$(MAXLR) --seeds $(SEEDS) $(SLOPE_1E4) --depths 64 model.width=32 $(NARROW) $(ARGS)
+paper-hold-d16-fast: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) $(SLOPE_2E4) $(ARGS)
+paper-hold-d16-slow: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) $(SLOPE_5E5) $(ARGS)
+paper-hold-d64-fast: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) $(SLOPE_2E4) --depths 64 model.width=32 $(NARROW) $(ARGS)
+paper-hold-d64-slow: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) $(SLOPE_5E5) --depths 64 model.width=32 $(NARROW) $(ARGS)
+paper-linear-depth-d16: paper-data
+	$(MAXLR) --schemes keel,preln,postln --seeds $(TREND_SEEDS) $(SLOPE_1E4) --depths 16 model.width=32 $(NARROW) $(ARGS)
+paper-linear-depth-d256: paper-data
+	$(MAXLR) --schemes keel,preln,postln --seeds $(WIDE_SEEDS) $(SLOPE_1E4) --depths 256 model.width=32 $(NARROW) $(ARGS)
+paper-linear-width-w128: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) $(SLOPE_1E4) --depths 16 model.width=128 $(NARROW) $(ARGS)
+paper-linear-width-w256: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(WIDE_SEEDS) $(SLOPE_1E4) --depths 16 model.width=256 $(NARROW) $(ARGS)
+# Table 1 on the geometric ramp (the second protocol): every scheme at 16 blocks x 64; the four the paper runs deep
+# at 64 blocks x 32
 paper-table1-d16: paper-data
 	$(MAXLR) --seeds $(SEEDS) $(EMIT) $(SHALLOW) $(ARGS)
 paper-table1-d64: paper-data

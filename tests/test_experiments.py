@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
-from keel.experiments.maxlr_report import judge, sign_test
+from keel.experiments.hold import WARMUP_HOLD, fit
+from keel.experiments.maxlr_report import hold_steps, judge, ramp_name, sign_test
 from keel.experiments.paper import init_sensitivity, plot_ratios, ratios, trend
 from keel.model import KeelLM
 
@@ -84,6 +86,7 @@ def test_maxlr_a_collapse_of_a_weak_learner_is_caught():
     verdict = judge(curve, **CRITERION)
     assert verdict.failure == "divergence" and verdict.onset_step == curve[5][0]
     assert verdict.max_tolerable_lr == curve[4][1] and verdict.heldout_at_max_lr == 6.2 and verdict.resolved
+    assert verdict.above_best_at_max_lr == pytest.approx(6.2 - 6.14)  # sustained, 0.06 nat above its best
     assert verdict.leaves_unigram_lr == curve[5][1]
     assert judge(curve, **CRITERION, relative_only=True).failure is None
     # a model that never got 0.5 nat below the unigram loss is judged relative to its best only: not resolved
@@ -101,6 +104,25 @@ def test_maxlr_nonfinite_and_open_excursions_fail():
     # a divergence that began before the non-finite step keeps its own onset
     both = judge(ramp_curve([7.4, 6.2, 5.8, 5.7, 7.0, 7.5]), **CRITERION, nonfinite=(130, 0.0065))
     assert both.failure == "divergence" and both.onset_step == 99
+
+
+def test_the_hold_is_the_steps_between_x_and_four_thirds_x_and_its_fit_recovers_a_power_law():
+    linear = OmegaConf.create({"schedule": "linear_warmup", "lr": 0.4, "warmup_steps": 4000})
+    geometric = OmegaConf.create({"schedule": "exp_warmup", "lr": 3.0, "warmup_steps": 560, "min_lr_ratio": 1e-3 / 3})
+    assert hold_steps(linear, 0.06) == pytest.approx(200)  # 0.02 more LR at 1e-4 per step
+    assert hold_steps(geometric, 0.06) == pytest.approx(hold_steps(geometric, 0.2)) == pytest.approx(20.1, abs=0.05)
+    assert ramp_name(linear) == "linear from 0, 0.0001 per step"
+    assert ramp_name(geometric) == "geometric from 0.001, 161 steps per decade"
+    # max LR = 0.5 h^-0.4, two seeds a few percent apart at each of three holds: the exponent and the 5,000-step
+    # warm-up's value come back, their intervals around them
+    points = [(h, 0.5 * h ** -0.4 * wobble) for h in (20, 200, 800) for wobble in (0.97, 1.03)]
+    result = fit(points)
+    assert result["exponent low"] < -0.4 < result["exponent high"] and result["exponent high"] < 0
+    assert result["value low"] < 0.5 * WARMUP_HOLD ** -0.4 < result["value high"]
+    assert result["value"] == pytest.approx(0.5 * WARMUP_HOLD ** -0.4, rel=0.01)
+    flat = fit([(h, 0.1 * wobble) for h in (20, 200, 800) for wobble in (0.9, 1.1)])
+    assert flat["exponent low"] < 0 < flat["exponent high"]  # no dependence: the interval holds 0
+    assert fit([(20, 0.1), (20, 0.2), (20, 0.15)]) is None  # one hold says nothing about the hold
 
 
 def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path, capsys):
@@ -140,8 +162,9 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path, capsys):
     shutil.copytree(out, tmp_path / "paper" / "table1-d16")
     assert cli_main(["paper-report", str(tmp_path / "paper")]) == 0
     paper = (tmp_path / "paper" / "report.md").read_text()
-    assert "## Table 1, 16 blocks x 64 (table1-d16)" in paper and "| keel vs preln |" in paper
-    assert "Not (yet) run: table1-d64, depth-d16, depth-d256" in paper
+    assert "## Table 1, 16 blocks x 64 (table1-d16; linear from 0, 0.833 per step)" in paper  # the ramp named
+    assert "| keel vs preln |" in paper and "| keel vs preln (best + 0.5) |" in paper
+    assert "Not (yet) run: linear-d16, linear-d64, hold-d16-fast" in paper and "table1-d64, depth-d16" in paper
     row = next(line for line in paper.splitlines() if line.startswith("| keel | "))
     assert row.count("/") >= 2  # a cell per seed: max LR / loss-optimal LR (best held-out)
     # a no-gain grid is reported beside its Table 1 grid's keel rows, with the seed-by-seed comparison

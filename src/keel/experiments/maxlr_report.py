@@ -49,6 +49,7 @@ from keel.experiments.sweep import MANIFEST
 DEFAULT_PAIRS = (("keel", "preln"), ("keel", "postln"))
 COST = "maxlr_time.json"  # wall and CPU seconds of the run (of its last session, when resumed)
 MARGIN = 0.5  # nats below the unigram loss that count as "learned"
+HOLD_FACTOR = 4 / 3  # the hold at an LR x: the steps a ramp spends between x and 4/3 x (the geometric ramp's 20)
 # The sensitivity table: the same curves judged with other settings (None: the run's spike_margin); the looser
 # ones are lower bounds where a probe stopped (see above).
 VARIANTS = {
@@ -69,6 +70,7 @@ class Verdict:
     onset_step: int | None  # the first evaluation above the bar (nonfinite: the non-finite step)
     max_tolerable_lr: float | None  # LR at the last evaluation within the bar before it (nonfinite: the step before)
     heldout_at_max_lr: float | None
+    above_best_at_max_lr: float | None  # how far the held-out loss at the max LR is above the best before it
     resolved: bool  # the best held-out loss up to the max LR was margin below the unigram loss
     loss_optimal_lr: float | None  # LR of the lowest held-out loss on the ramp
     best_heldout: float | None
@@ -110,7 +112,10 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
     best_loss, best_lr = min(finite) if finite else (None, None)
     below = [i for i, (_, _, loss) in enumerate(points) if math.isfinite(loss) and loss < unigram]
     leaves = points[below[-1] + 1][1] if below and below[-1] + 1 < len(points) else None
-    return Verdict(failure, onset[0] if failure else None, max_lr, good[2] if failure and good else None,
+    at_max_lr = good[2] if failure and good else None
+    above_best = None if at_max_lr is None else at_max_lr - min(
+        loss for step, _, loss in points if step <= good[0] and math.isfinite(loss))
+    return Verdict(failure, onset[0] if failure else None, max_lr, at_max_lr, above_best,
                    bool(judged) and min(judged) <= unigram - margin, best_lr, best_loss, leaves)
 
 
@@ -131,6 +136,24 @@ def probe_verdict(state: dict, cfg: Config, unigram: float, margin: float, spike
                  stability.spike_patience, nonfinite, relative_only)
 
 
+def ramp_name(optim) -> str:
+    """A probe's ramp as a table names it: linear with its slope (LR per step), or geometric with its pace."""
+    if optim.schedule == "linear_warmup":
+        return f"linear from 0, {optim.lr / optim.warmup_steps:.3g} per step"
+    decades = math.log10(1 / optim.min_lr_ratio)
+    return f"geometric from {optim.lr * optim.min_lr_ratio:.3g}, {optim.warmup_steps / decades:.0f} steps per decade"
+
+
+def hold_steps(optim, lr: float | None) -> float | None:
+    """The steps the probe's ramp spends between lr and HOLD_FACTOR * lr: on a linear ramp from 0 it grows with lr
+    (a long warm-up holds every LR near its limit for long), on a geometric one it is the same at every LR."""
+    if lr is None:
+        return None
+    if optim.schedule == "linear_warmup":
+        return (HOLD_FACTOR - 1) * lr * optim.warmup_steps / optim.lr
+    return optim.warmup_steps * math.log(HOLD_FACTOR) / math.log(1 / optim.min_lr_ratio)
+
+
 def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: float) -> dict:
     """run_row (what the run was) with the verdict of the report's criterion, and its cost."""
     row = {"row": label, **run_row(run_dir)}
@@ -140,7 +163,8 @@ def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: fl
     if (run_dir / COST).is_file():
         row |= json.loads((run_dir / COST).read_text())
     state = read_stability(run_dir)
-    row |= {**asdict(probe_verdict(state, cfg, unigram, margin)), "unigram_loss": unigram}
+    row |= {**asdict(probe_verdict(state, cfg, unigram, margin)), "unigram_loss": unigram, "ramp": ramp_name(cfg.optim)}
+    row["hold_steps"] = hold_steps(cfg.optim, max_lr_value(row))
     for name, variant in VARIANTS.items():
         row[f"max LR, {name}"] = max_lr_value({**row, **asdict(probe_verdict(state, cfg, unigram, **variant))})
     return row
@@ -155,14 +179,19 @@ def sign_test(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def compare(rows: list[dict], a: str, b: str, depth: int) -> dict | None:
+def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None = None) -> dict | None:
+    """The sign test of a's max LR against b's, seed by seed, under the report's criterion or under one of
+    VARIANTS (criterion: its name)."""
+    def value(row: dict) -> float | None:
+        return max_lr_value(row) if criterion is None else row[f"max LR, {criterion}"]
+
     by_seed = {(r["row"], r["seed"]): r for r in rows if r["depth"] == depth}
     seeds = sorted({seed for label, seed in by_seed if label == a} & {seed for label, seed in by_seed if label == b})
     if not seeds:
         return None
     wins = losses = ties = unresolved = 0
     for seed in seeds:
-        x, y = max_lr_value(by_seed[a, seed]), max_lr_value(by_seed[b, seed])
+        x, y = value(by_seed[a, seed]), value(by_seed[b, seed])
         if x is None or y is None:
             unresolved += 1
         elif math.isclose(x, y, rel_tol=1e-9) or (not by_seed[a, seed]["failure"] and not by_seed[b, seed]["failure"]):
@@ -171,7 +200,8 @@ def compare(rows: list[dict], a: str, b: str, depth: int) -> dict | None:
             wins += 1
         else:
             losses += 1
-    return {"depth": depth, "comparison": f"{a} vs {b}", "seeds": len(seeds), "first higher": wins,
+    return {"depth": depth, "comparison": f"{a} vs {b}" + (f" ({criterion})" if criterion else ""),
+            "seeds": len(seeds), "first higher": wins,
             "second higher": losses, "ties": ties, "not resolved": unresolved, "sign test p": sign_test(wins, losses),
             "verdict": f"{a} higher in {wins} of {wins + losses + ties} seeds"
                        + (f" ({unresolved} more not resolved)" if unresolved else "")}
@@ -240,8 +270,8 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
     pairs = pairs if pairs is not None else [p for p in DEFAULT_PAIRS if p[0] in labels and p[1] in labels]
     tests = [t for depth in dict.fromkeys(r["depth"] for r in rows) for a, b in pairs
              if (t := compare(rows, a, b, depth)) is not None]
-    columns = ["run", "failure", "onset_step", "max_tolerable_lr", "heldout_at_max_lr", "loss_optimal_lr",
-               "best_heldout", "leaves_unigram_lr", "resolved", "stop", "steps", "cpu_s"]
+    columns = ["run", "failure", "onset_step", "max_tolerable_lr", "heldout_at_max_lr", "above_best_at_max_lr",
+               "hold_steps", "loss_optimal_lr", "best_heldout", "leaves_unigram_lr", "resolved", "stop", "steps", "cpu_s"]
     timed = [r["cpu_s"] for r in rows if "cpu_s" in r]
     text = [f"# Max tolerable LR: {manifest.get('protocol', '')}", "",
             f"Unigram loss of the held-out batches: {', '.join(f'{u:.3f}' for u in unigrams.values())}; the "

@@ -22,8 +22,9 @@ import statistics
 from pathlib import Path
 
 from keel.errors import ConfigError
-from keel.artifacts import TENSORBOARD, read_scalars, read_stability
-from keel.experiments.common import load_run_config, markdown_table, pyplot
+from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
+from keel.experiments.common import fmt, load_run_config, markdown_table, median, pyplot
+from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
 from keel.schemes import scheme_of
@@ -33,21 +34,18 @@ DEPTH_TREND = {16: ("depth-d16", 16, 32), 64: ("table1-d64", 64, 32), 256: ("dep
 WIDTH_TREND = {32: ("depth-d16", 16, 32), 64: ("table1-d16", 16, 64), 128: ("width-w128", 16, 128),
                256: ("width-w256", 16, 256)}
 BATCH_POINT = {64: ("batch-8x", 16, 64)}  # 8x the tokens per step, plotted on the width panel
+LINEAR_DEPTH_TREND = {16: ("linear-depth-d16", 16, 32), 64: ("linear-d64", 64, 32), 256: ("linear-depth-d256", 256, 32)}
+LINEAR_WIDTH_TREND = {32: ("linear-depth-d16", 16, 32), 64: ("linear-d16", 16, 64), 128: ("linear-width-w128", 16, 128),
+                      256: ("linear-width-w256", 16, 256)}
+STRICT = "best + 0.5"  # the sensitivity table's stricter bar, under which Table 1's sign tests are repeated
 
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
 
 
 def _cell(row: dict) -> str:
     """One run in a table cell: max LR (failure kind), or >= peak, or n.r.; then the loss-optimal LR and loss."""
     value = max_lr_value(row)
     head = "n.r." if value is None else (f">= {value:.3g}" if not row["failure"] else f"{value:.3g}")
-    return f"{head} / {_fmt(row['loss_optimal_lr'])} ({_fmt(row['best_heldout'])})"
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+    return f"{head} / {fmt(row['loss_optimal_lr'])} ({fmt(row['best_heldout'])})"
 
 
 def _table(rows: list[dict]) -> str:
@@ -61,7 +59,7 @@ def _inits(rows) -> str:
 
 
 def _median_range(values: list[float]) -> str:
-    return f"{_fmt(_median(values))} [{_fmt(min(values))}-{_fmt(max(values))}]" if values else "-"
+    return f"{fmt(median(values))} [{fmt(min(values))}-{fmt(max(values))}]" if values else "-"
 
 
 def seed_table(rows: list[dict]) -> list[dict]:
@@ -72,23 +70,28 @@ def seed_table(rows: list[dict]) -> list[dict]:
         runs = {r["seed"]: r for r in rows if r["row"] == label}
         values = [v for v in map(max_lr_value, runs.values()) if v is not None]
         optimal = [r["loss_optimal_lr"] for r in runs.values() if r["loss_optimal_lr"] is not None]
+        # a slow learner's bar is the unigram cap: how far above its best a run still counted as sustaining
+        above = [r["above_best_at_max_lr"] for r in runs.values()
+                 if max_lr_value(r) is not None and r.get("above_best_at_max_lr") is not None]
         entry = {"scheme": label, "init": _inits(runs.values())}
         entry |= {f"seed {seed}": _cell(runs[seed]) if seed in runs else "" for seed in seeds}
         entry |= {
             "resolved": f"{len(values)}/{len(runs)}",
             "max LR median [range]": _median_range(values),
+            "held-out at it above the best, median [range]": _median_range(above),
             "loss-optimal LR median [range]": _median_range(optimal),
-            "best held-out median": _fmt(_median([r["best_heldout"] for r in runs.values()
+            "best held-out median": fmt(median([r["best_heldout"] for r in runs.values()
                                                   if r["best_heldout"] is not None])),
         }
         table.append(entry)
     return table
 
 
-def sign_tests(rows: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
-    """Seed-by-seed sign tests of the max LR at each depth of rows (keel.experiments.maxlr_report.compare)."""
+def sign_tests(rows: list[dict], pairs: list[tuple[str, str]], criterion: str | None = None) -> list[dict]:
+    """Seed-by-seed sign tests of the max LR at each depth of rows (keel.experiments.maxlr_report.compare), under
+    the report's criterion or a stricter one of its sensitivity table."""
     return [test for depth in dict.fromkeys(r["depth"] for r in rows) for a, b in pairs
-            if (test := compare(rows, a, b, depth)) is not None]
+            if (test := compare(rows, a, b, depth, criterion)) is not None]
 
 
 def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float | None]:
@@ -122,8 +125,8 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
             if runs:
                 entry[f"{scheme} init"] = _inits(runs)
                 values = [v for v in map(max_lr_value, runs) if v is not None]
-                entry[f"{scheme} max LR"] = f"{_fmt(_median(values))} ({len(values)}/{len(runs)})"
-                entry[f"{scheme} loss-optimal"] = _fmt(_median([r["loss_optimal_lr"] for r in runs
+                entry[f"{scheme} max LR"] = f"{fmt(median(values))} ({len(values)}/{len(runs)})"
+                entry[f"{scheme} loss-optimal"] = fmt(median([r["loss_optimal_lr"] for r in runs
                                                                 if r["loss_optimal_lr"] is not None]))
         points[value] = ratios(rows)
         entry["keel / preln (per seed)"] = _ratio_cell(points[value])
@@ -182,12 +185,12 @@ def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
     for r in long:
         if (r["row"], r["seed"]) in by:
             s = by[r["row"], r["seed"]]
-            table.append({"scheme": r["row"], "seed": r["seed"], "max LR, 560 steps": _fmt(max_lr_value(s)),
-                          "its onset step": s["onset_step"], "max LR, 1,120 steps": _fmt(max_lr_value(r)),
+            table.append({"scheme": r["row"], "seed": r["seed"], "max LR, 560 steps": fmt(max_lr_value(s)),
+                          "its onset step": s["onset_step"], "max LR, 1,120 steps": fmt(max_lr_value(r)),
                           "its onset step, 1,120": r["onset_step"],
-                          "ratio": _fmt(max_lr_value(r) / max_lr_value(s))
+                          "ratio": fmt(max_lr_value(r) / max_lr_value(s))
                           if max_lr_value(r) and max_lr_value(s) else "-",
-                          "loss-optimal LR, 560 / 1,120": f"{_fmt(s['loss_optimal_lr'])} / {_fmt(r['loss_optimal_lr'])}"})
+                          "loss-optimal LR, 560 / 1,120": f"{fmt(s['loss_optimal_lr'])} / {fmt(r['loss_optimal_lr'])}"})
     return table
 
 
@@ -234,7 +237,9 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     return table
 
 
-MAXLR_GRIDS = ("table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
+MAXLR_GRIDS = ("linear-d16", "linear-d64", "hold-d16-fast", "hold-d16-slow", "hold-d64-fast", "hold-d64-slow",
+               "linear-depth-d16", "linear-depth-d256", "linear-width-w128", "linear-width-w256",
+               "table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
                "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256")
 
 
@@ -267,8 +272,8 @@ def init_sensitivity(grids: dict[str, list[dict]], shared: dict[str, list[dict]]
             for name, runs in (("own", own), ("shared", other)):
                 values = [v for v in map(max_lr_value, runs) if v is not None]
                 entry |= {f"{name} init": _inits(runs), f"{name}: learned": f"{len(values)}/{len(runs)}",
-                          f"{name}: max LR median": _fmt(_median(values)),
-                          f"{name}: best held-out median": _fmt(_median([r["best_heldout"] for r in runs
+                          f"{name}: max LR median": fmt(median(values)),
+                          f"{name}: best held-out median": fmt(median([r["best_heldout"] for r in runs
                                                                          if r["best_heldout"] is not None]))}
             table.append(entry)
     return table
@@ -281,15 +286,27 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
     text += ["Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
              "loss-optimal LR (best held-out loss).", ""]
-    for grid, title in (("table1-d16", "Table 1, 16 blocks x 64"), ("table1-d64", "Table 1, 64 blocks x 32"),
+    for grid, title in (("linear-d16", "Table 1, 16 blocks x 64"), ("linear-d64", "Table 1, 64 blocks x 32"),
+                        ("table1-d16", "Table 1, 16 blocks x 64"), ("table1-d64", "Table 1, 64 blocks x 32"),
                         ("hybridnorm", "HybridNorm, ramp from 1e-4 over 720 steps")):
         if grid in grids:
-            text += [f"## {title} ({grid})", "", _table(seed_table(grids[grid])), ""]
+            ramps = ", ".join(dict.fromkeys(r["ramp"] for r in grids[grid]))
+            text += [f"## {title} ({grid}; {ramps})", "", _table(seed_table(grids[grid])), ""]
             labels = {r["row"] for r in grids[grid]}
             pairs = [p for p in (("keel", "preln"), ("keel", "postln")) if set(p) <= labels]
             if pairs:
-                tests = sign_tests(grids[grid], pairs)
+                tests = sign_tests(grids[grid], pairs) + sign_tests(grids[grid], pairs, STRICT)
                 text += [_table(tests), ""]
+    if table := hold_table(grids):
+        text += ["## The hold map: max LR against the steps the ramp holds each LR", "", _table(table), ""]
+        if fits := hold_fits(grids):
+            text += [_table(fits), ""]
+        plot_hold_map(grids, out / "hold.png")
+        text += ["![max LR against the hold at the limit](hold.png)", ""]
+    for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
+                                (LINEAR_WIDTH_TREND, "Width at 16 blocks, the paper's protocol", "width")):
+        if (table := trend(grids, axis, prefix)[0]):
+            text += [f"## {title}", "", _table(table), ""]
     depth_table, depth_points = trend(grids, DEPTH_TREND, "blocks")
     width_table, width_points = trend(grids, WIDTH_TREND, "width")
     batch_table, batch_points = trend(grids, BATCH_POINT, "width")
@@ -340,6 +357,9 @@ def main(argv: list[str]) -> int:
         if tree is not None and not tree.is_dir():
             raise ConfigError(f"paper-report: {tree} is not a directory; give the DIR `make paper` wrote (PAPER_OUT, "
                               "by default runs/paper)")
+        if tree is not None and not any(tree.glob(f"*/*/{CONFIG}")):  # a report would list every grid as not run
+            raise ConfigError(f"paper-report: no grid has run under {tree} (no run directory {tree}/GRID/RUN); run "
+                              f"them first (make paper PAPER_OUT={tree}); nothing was written")
     text = report(out, args.shared_init)
     (out / "report.md").write_text(text)
     print(text)

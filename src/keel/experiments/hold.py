@@ -1,0 +1,137 @@
+"""The hold map of `keel paper-report`: how a scheme's max tolerable LR depends on how long its ramp holds each LR.
+
+A ramp's hold at an LR x is the number of steps it spends between x and 4/3 x (maxlr_report.hold_steps): 20 at every
+LR on the default geometric ramp, x / (3 * slope) on a linear warm-up from 0. Every max-LR grid of a point (blocks x
+width) gives each scheme's limit at the hold its ramp had there; a straight line through log(max LR) against
+log(hold), over every resolved seed, says whether the limit depends on the hold (its exponent, with a 95% interval)
+and where it would be under a 5,000-step linear warm-up that peaks at the limit (a hold of 5,000 / 3 steps there).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from keel.experiments.common import fmt, median, pyplot
+from keel.experiments.maxlr_report import HOLD_FACTOR, max_lr_value
+
+# Per point: the grids whose ramps the map compares, slowest hold last (run as `make paper-<grid>`)
+HOLD_GRIDS = {
+    (16, 64): ("table1-d16", "ramp-2x", "hold-d16-fast", "linear-d16", "hold-d16-slow"),
+    (64, 32): ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"),
+}
+HOLD_SCHEMES = ("keel", "preln")
+WARMUP_STEPS = 5000  # the paper's warm-up at 64 layers (seed review, Section 5.1's protocol)
+WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
+
+
+def hold_points(grids: dict[str, list[dict]], point: tuple[int, int], scheme: str) -> list[tuple[str, dict]]:
+    """(grid, row) of every run of the scheme at the point in the map's grids."""
+    return [(grid, r) for grid in HOLD_GRIDS[point] for r in grids.get(grid, [])
+            if r["row"] == scheme and (r["depth"], r["width"]) == point]
+
+
+def limits(runs: list[tuple[str, dict]]) -> list[tuple[float, float]]:
+    """(hold, max LR) of the runs that learned and then diverged: a run with no failure up to the peak gives only a
+    lower bound, kept out of the fit."""
+    return [(r["hold_steps"], v) for _, r in runs if r["failure"] and (v := max_lr_value(r)) is not None]
+
+
+def hold_table(grids: dict[str, list[dict]]) -> list[dict]:
+    """Per point, scheme and ramp: the max LR over seeds and the hold the ramp had at it."""
+    table = []
+    for point in HOLD_GRIDS:
+        for scheme in HOLD_SCHEMES:
+            runs = hold_points(grids, point, scheme)
+            for grid in dict.fromkeys(grid for grid, _ in runs):
+                rows = [r for g, r in runs if g == grid]
+                values = [v for v in map(max_lr_value, rows) if v is not None]
+                holds = [r["hold_steps"] for r in rows if r.get("hold_steps") is not None]
+                optimal = [r["loss_optimal_lr"] for r in rows if r["loss_optimal_lr"] is not None]
+                table.append({
+                    "blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "grid": grid,
+                    "ramp": rows[0]["ramp"], "resolved": f"{len(values)}/{len(rows)}",
+                    "max LR per seed": ", ".join(fmt(v) for v in values) or "-",
+                    "max LR median": fmt(median(values)),
+                    "hold at the limit (steps)": fmt(median(holds)),
+                    "loss-optimal LR median": fmt(median(optimal)),
+                })
+    return table
+
+
+def fit(points: list[tuple[float, float]], at: float = WARMUP_HOLD) -> dict | None:
+    """Least squares of log(max LR) on log(hold) over (hold, max LR) points: the exponent and its 95% interval, and
+    the line's value at `at` with its 95% interval (the mean's, not a new seed's). None with fewer than two holds."""
+    from scipy import stats
+
+    holds = sorted({h for h, _ in points})
+    if len(holds) < 2 or len(points) < 3:
+        return None
+    x = np.log([h for h, _ in points])
+    y = np.log([v for _, v in points])
+    design = np.stack([np.ones_like(x), x], axis=1)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    dof = len(points) - 2
+    residual = y - design @ coef
+    variance = float(residual @ residual) / dof if dof else 0.0
+    cov = variance * np.linalg.inv(design.T @ design)
+    t = stats.t.ppf(0.975, dof) if dof else math.inf
+    slope_half = t * math.sqrt(cov[1, 1])
+    x0 = np.array([1.0, math.log(at)])
+    mean, mean_half = float(x0 @ coef), t * math.sqrt(float(x0 @ cov @ x0))
+    return {"exponent": float(coef[1]), "exponent low": float(coef[1]) - slope_half,
+            "exponent high": float(coef[1]) + slope_half, "at": at, "value": math.exp(mean),
+            "value low": math.exp(mean - mean_half), "value high": math.exp(mean + mean_half),
+            "points": len(points), "holds": len(holds)}
+
+
+def hold_fits(grids: dict[str, list[dict]]) -> list[dict]:
+    """Per point and scheme: does the max LR depend on the hold, and where would a 5,000-step warm-up put it."""
+    table = []
+    for point in HOLD_GRIDS:
+        for scheme in HOLD_SCHEMES:
+            points = limits(hold_points(grids, point, scheme))
+            result = fit(points)
+            if result is None:
+                continue
+            depends = not result["exponent low"] <= 0 <= result["exponent high"]
+            table.append({
+                "blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme,
+                "seeds x ramps": f"{result['points']} ({result['holds']} holds)",
+                "exponent [95%]": f"{result['exponent']:.2f} [{result['exponent low']:.2f}, "
+                                  f"{result['exponent high']:.2f}]",
+                "limit depends on the hold": "yes" if depends else "not measurably",
+                f"max LR at a {WARMUP_STEPS:,}-step warm-up (hold {WARMUP_HOLD:.0f}) [95%]":
+                    f"{result['value']:.3g} [{result['value low']:.3g}, {result['value high']:.3g}]",
+            })
+    return table
+
+
+def plot_hold_map(grids: dict[str, list[dict]], path: Path) -> None:
+    """Max LR against the hold at the limit, a panel per point, a colour per scheme, a point per seed and ramp,
+    and the fitted line out to the 5,000-step warm-up's hold."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(HOLD_GRIDS), figsize=(5.5 * len(HOLD_GRIDS), 4.2), squeeze=False)
+    for ax, point in zip(axes[0], HOLD_GRIDS):
+        for color, scheme in zip(("tab:blue", "tab:orange"), HOLD_SCHEMES):
+            points = limits(hold_points(grids, point, scheme))
+            if not points:
+                continue
+            ax.plot(*zip(*points), "o", color=color, alpha=0.6, label=scheme)
+            if (result := fit(points)) is not None:
+                xs = np.geomspace(min(h for h, _ in points), WARMUP_HOLD, 20)
+                ys = result["value"] * (xs / WARMUP_HOLD) ** result["exponent"]
+                ax.plot(xs, ys, "--", color=color, linewidth=1)
+                ax.errorbar([WARMUP_HOLD], [result["value"]], fmt="s", color=color,
+                            yerr=[[result["value"] - result["value low"]], [result["value high"] - result["value"]]])
+        ax.set(xscale="log", yscale="log", xlabel="steps between the max LR x and 4/3 x (hold)",
+               ylabel="max tolerable LR", title=f"{point[0]} blocks x {point[1]}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"The hold map: max LR against the ramp's hold at the limit (square: a {WARMUP_STEPS:,}-step "
+                 "warm-up, 95%)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

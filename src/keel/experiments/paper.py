@@ -42,9 +42,11 @@ STRICT = "best + 0.5"  # the sensitivity table's stricter bar, under which Table
 
 
 def _cell(row: dict) -> str:
-    """One run in a table cell: max LR (failure kind), or >= peak, or n.r.; then the loss-optimal LR and loss."""
-    value = max_lr_value(row)
-    head = "n.r." if value is None else (f">= {value:.3g}" if not row["failure"] else f"{value:.3g}")
+    """One run in a table cell: max LR (how far its held-out loss there is above the best before it), or >= peak,
+    or n.r.; then the loss-optimal LR and loss."""
+    value, above = max_lr_value(row), row.get("above_best_at_max_lr")
+    head = ("n.r." if value is None else f">= {value:.3g}" if not row["failure"]
+            else f"{value:.3g}" + (f" (+{above:.2f})" if above is not None else ""))
     return f"{head} / {fmt(row['loss_optimal_lr'])} ({fmt(row['best_heldout'])})"
 
 

@@ -72,8 +72,8 @@ EMIT :=
 endif
 MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
 ALL_GRIDS := linear-d16 linear-d64 hold-d16-fast hold-d16-slow hold-d64-fast hold-d64-slow linear-depth-d16 \
-	linear-depth-d256 linear-width-w128 linear-width-w256 table1-d16 table1-d64 depth-d16 depth-d256 width-w128 width-w256 batch-8x ramp-2x hybridnorm deep1024 \
-	deep1024-nogain nogain-d16 nogain-d64 nogain-d256
+	linear-depth-d256 linear-width-w128 linear-width-w256 table1-d16 table1-d64 depth-d16 depth-d256 width-w128 \
+	width-w256 batch-8x ramp-2x hybridnorm deep1024 deep1024-nogain nogain-d16 nogain-d64 nogain-d256
 # PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
 PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
 .PHONY: paper-data paper-linear $(addprefix paper-,$(ALL_GRIDS))

@@ -23,7 +23,7 @@ HOLD_GRIDS = {
     (64, 32): ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"),
 }
 HOLD_SCHEMES = ("keel", "preln")
-WARMUP_STEPS = 5000  # the paper's warm-up at 64 layers (seed review, Section 5.1's protocol)
+WARMUP_STEPS = 5000  # the paper's warm-up of its 64-layer max-LR probe (docs/paper.md, Table 1)
 WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
 
 
@@ -73,11 +73,10 @@ def fit(points: list[tuple[float, float]], at: float = WARMUP_HOLD) -> dict | No
     y = np.log([v for _, v in points])
     design = np.stack([np.ones_like(x), x], axis=1)
     coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    dof = len(points) - 2
+    dof = len(points) - 2  # >= 1: three points or more
     residual = y - design @ coef
-    variance = float(residual @ residual) / dof if dof else 0.0
-    cov = variance * np.linalg.inv(design.T @ design)
-    t = stats.t.ppf(0.975, dof) if dof else math.inf
+    cov = float(residual @ residual) / dof * np.linalg.inv(design.T @ design)
+    t = stats.t.ppf(0.975, dof)
     slope_half = t * math.sqrt(cov[1, 1])
     x0 = np.array([1.0, math.log(at)])
     mean, mean_half = float(x0 @ coef), t * math.sqrt(float(x0 @ cov @ x0))

@@ -181,7 +181,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["collect"]:
         return report_main(argv[1:])
     parser = OneLineErrorParser(prog="keel maxlr", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", type=comma_list(str), default=list(PAPER_SCHEMES),
                         help="comma-separated (default: Keel and the paper's five baselines)")
     parser.add_argument("--depths", type=comma_list(int), default=[],

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
 
 from keel.errors import ConfigError
@@ -38,7 +37,6 @@ LINEAR_DEPTH_TREND = {16: ("linear-depth-d16", 16, 32), 64: ("linear-d64", 64, 3
 LINEAR_WIDTH_TREND = {32: ("linear-depth-d16", 16, 32), 64: ("linear-d16", 16, 64), 128: ("linear-width-w128", 16, 128),
                       256: ("linear-width-w256", 16, 256)}
 STRICT = "best + 0.5"  # the sensitivity table's stricter bar, under which Table 1's sign tests are repeated
-
 
 
 def _cell(row: dict) -> str:
@@ -152,7 +150,7 @@ def plot_ratios(depth: dict, width: dict, batch: list[float | None], path: Path)
         for x, values in known.items():
             ax.plot([x] * len(values), values, "o", color="tab:blue", alpha=0.6)
         xs = [x for x in known if known[x]]
-        ax.plot(xs, [statistics.median(known[x]) for x in xs], "-", color="tab:blue", label="median" if xs else None)
+        ax.plot(xs, [median(known[x]) for x in xs], "-", color="tab:blue", label="median" if xs else None)
         # seeds where Keel learned and Pre-LN did not: no ratio, marked along the top edge with their count
         unresolved = {x: sum(v is None for v in values) for x, values in points.items() if None in values}
         top = ax.get_xaxis_transform()  # x in data, y in axes fractions

@@ -7,10 +7,20 @@ PYTEST_ARGS ?=
 
 .PHONY: install data pretrain test test-extended test-fast test-lowest tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
 
+# TORCH_INDEX: a PyTorch wheel index to take torch from, for a GPU driver older than PyPI's build needs (README,
+# "Scaling out"), e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu126` on a fresh venv. torchvision
+# (litdata's) comes from it too, built for the same torch, and the rest is installed with both held at those builds.
+TORCH_INDEX ?=
+TORCH_PINS := $(VENV)/torch-pins.txt
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test]'
+ifneq ($(TORCH_INDEX),)
+	$(VENV)/bin/pip install --quiet --index-url $(TORCH_INDEX) torch torchvision
+	$(VENV)/bin/pip freeze | grep -E '^(torch|torchvision)==' > $(TORCH_PINS)
+endif
+	$(VENV)/bin/pip install --quiet$(if $(TORCH_INDEX), --constraint $(TORCH_PINS)) -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -9,7 +9,10 @@ Ctrl-C, SIGTERM and SIGUSR1 into a clean stop that writes one (and requeues a SL
                                              keep the last finite state); overwritten in place
 
 Each file (or FSDP directory) is written whole before it replaces anything (AtomicCheckpointIO,
-FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only after the new one is complete.
+FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only after the new one is complete. With
+trainer.async_checkpoint (FSDP) a save returns once the state is copied to host memory and is written in the
+background: it becomes visible - moved into place, last.ckpt linked, the history pruned - only once it is whole,
+at the first logging step after, at the next save (one at a time) or at the end of training, which waits for it.
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint import CheckpointException  # a BaseException: each rank's failure of a save
 from torch.distributed.tensor import DTensor
 
-from keel.callbacks.reporting import due
-from keel.checkpoint import LAST, link_checkpoint
+from keel.callbacks.reporting import due, finished_step
+from keel.checkpoint import LAST, describe_error, link_checkpoint
 from keel.errors import STORAGE_FAILURES, StorageError
 from keel.rundir import say
 
@@ -53,6 +59,17 @@ def storage_failure(err: BaseException) -> str | None:
             pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         pending += [current.__cause__, current.__context__]
     return None
+
+
+def background_failure(err: BaseException) -> str:
+    """What failed in a background write, in one line: torch.distributed.checkpoint raises a CheckpointException
+    holding each failed rank's exception (its text is their tracebacks), or the exception itself."""
+    failures = getattr(err, "failures", None)  # {rank: exception, or (exception, traceback)}
+    if not isinstance(failures, dict) or not failures:
+        return describe_error(err).splitlines()[0]
+    rank, failure = min(failures.items())
+    failure = failure[0] if isinstance(failure, tuple) else failure
+    return f"rank {rank}: {type(failure).__name__}: {describe_error(failure).splitlines()[0]}"
 
 
 def weights_finite(trainer: L.Trainer) -> bool:
@@ -91,6 +108,10 @@ class RunCheckpoint(ModelCheckpoint):
         self._last_finite_step: int | None = None  # in last.ckpt, saved by this run with finite weights
         self._written: tuple[int, str] | None = None  # (step, path) of this run's last finite write
         self._hard_links = True  # until the filesystem refuses one: last.ckpt is then written in full
+        # each write: step, path, seconds the save held the training loop (blocking_s), seconds finish_save waited
+        # for a write in the background to end (waited_s), seconds until the checkpoint was whole (total_s)
+        self.saves: list[dict] = []
+        self._in_flight: dict | None = None  # the entry of saves being written in the background (async saves)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -109,6 +130,11 @@ class RunCheckpoint(ModelCheckpoint):
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        step = finished_step(trainer)
+        if self._in_flight and step is not None and due(step, trainer.log_every_n_steps):
+            # the ranks agree that the background write is done (a collective: at logging steps only, keel's rule)
+            if trainer.strategy.reduce_boolean_decision(trainer.strategy.async_writer.done(), all=True):
+                self.finish_save(trainer)
         saved = self._last_global_step_saved
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._last_global_step_saved != saved:
@@ -120,10 +146,17 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step not in (self._start_step, self._last_global_step_saved):
             self.save_now(trainer)
+        self.finish_save(trainer)  # the run ends (or requeues) with its last checkpoint whole and in place
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, StorageError):  # a save failed: another would fail the same way
             return
+        if self._in_flight and trainer.world_size == 1:  # several processes would have to agree, as below
+            try:
+                self.finish_save(trainer)
+            except Exception as err:
+                say(f"training raised {type(exception).__name__}, and the checkpoint being written failed: {err}")
+                return
         step = trainer.global_step
         if self._boundary is None or self._boundary[0] != step or step == self._last_global_step_saved:
             return  # nothing completed since the last checkpoint, or several processes (see the class doc)
@@ -161,24 +194,64 @@ class RunCheckpoint(ModelCheckpoint):
         the one finiteness check of the event, and non-finite weights go to nonfinite.ckpt instead."""
         if not weights_finite(trainer):
             nonfinite = Path(self.dirpath) / NONFINITE
-            super()._save_checkpoint(trainer, str(nonfinite))
+            self._write(trainer, str(nonfinite))
             if trainer.is_global_zero:
                 say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as "
                     f"a step-numbered checkpoint nor over last.ckpt; {self._kept()}")
             return
         self._write(trainer, filepath)
         self._written = (trainer.global_step, filepath)
-        if Path(filepath).name == LAST:  # what _kept() names
+        if Path(filepath).name == LAST and not self._in_flight:  # what _kept() names
             self._last_finite_step = trainer.global_step
 
     def _write(self, trainer: L.Trainer, filepath: str) -> None:
-        try:
+        """Write (or, async, start writing) the current state to `filepath`; at most one write in the background."""
+        self.finish_save(trainer)
+        start = time.perf_counter()
+        with self._storage_errors(filepath):
             super()._save_checkpoint(trainer, filepath)
-        except Exception as err:
+        save = {"step": trainer.global_step, "path": filepath, "start": start, "blocking_s": time.perf_counter() - start,
+                "waited_s": 0.0}
+        self.saves.append(save)
+        if getattr(trainer.strategy, "async_writer", None) is not None:
+            self._in_flight = save
+        else:
+            save["total_s"] = save["blocking_s"]
+
+    @contextmanager
+    def _storage_errors(self, filepath: str):
+        """A storage failure while writing `filepath` raised as a StorageError saying what was kept and what to do."""
+        try:
+            yield
+        except (Exception, CheckpointException) as err:
             if (reason := storage_failure(err)) is None:
                 raise
             raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or make "
                                "it writable) and re-run the same command to continue from there") from None
+
+    def finish_save(self, trainer: L.Trainer) -> None:
+        """Wait for the checkpoint being written in the background, if any, then make it visible: moved into place,
+        last.ckpt linked to it, the history pruned. A failed write raises here, on every rank (torch gathers each
+        rank's failure), naming the checkpoint and the rank; nothing it would have replaced is touched."""
+        if self._in_flight is None:
+            return
+        save, self._in_flight = self._in_flight, None
+        step, filepath, waiting = save["step"], save["path"], time.perf_counter()
+        with self._storage_errors(filepath):
+            try:
+                trainer.strategy.finish_checkpoint()
+            except (Exception, CheckpointException) as err:
+                if storage_failure(err) is not None:
+                    raise
+                raise RuntimeError(f"checkpoint: writing {filepath} in the background failed ({background_failure(err)}"
+                                   f"); {self._kept()}") from err
+        save["waited_s"] = time.perf_counter() - waiting
+        save["total_s"] = trainer.strategy.async_writer.finished_at - save["start"]
+        if Path(filepath).name == LAST:
+            self._last_finite_step = step
+        elif Path(filepath).name != NONFINITE:
+            self._link_last(trainer, step, filepath)
+            self._prune(trainer)
 
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
         """last.ckpt: hard links to the step-numbered checkpoint this event wrote (link_checkpoint: no second write,
@@ -191,23 +264,35 @@ class RunCheckpoint(ModelCheckpoint):
             return
         if self._written is None or self._written[0] != trainer.global_step:  # not finite: in nonfinite.ckpt
             return
+        if not self._in_flight:  # else once the write is whole (finish_save)
+            self._link_last(trainer, *self._written)
+
+    def _link_last(self, trainer: L.Trainer, step: int, source: str) -> None:
+        """last.ckpt: the step-numbered checkpoint `source` of `step`, hard-linked; where the filesystem has none,
+        the current state written in full, or after a save in the background (the state has moved on since) a
+        copy of `source` by rank 0."""
+        last = str(Path(self.dirpath) / LAST)
         if self._hard_links:
             refused = None
             if trainer.is_global_zero:
                 try:
-                    link_checkpoint(Path(self._written[1]), Path(last))
+                    link_checkpoint(Path(source), Path(last))
                 except OSError as err:
                     refused = err.strerror or str(err)
             refused = trainer.strategy.broadcast(refused)  # the others wait for the link, or write last.ckpt too
             if refused is None:
-                self._last_finite_step = trainer.global_step
+                self._last_finite_step = step
                 return
             self._hard_links = False
             if trainer.is_global_zero:
-                say(f"checkpoint: cannot hard-link {last} to {self._written[1]} ({refused}): last.ckpt is written in "
+                say(f"checkpoint: cannot hard-link {last} to {source} ({refused}): last.ckpt is written in "
                     "full at each checkpoint from now on (a second write per checkpoint)")
-        self._write(trainer, last)
-        self._last_finite_step = trainer.global_step
+        if getattr(trainer.strategy, "async_writer", None) is None:
+            self._write(trainer, last)
+        elif trainer.is_global_zero:
+            with self._storage_errors(last):
+                link_checkpoint(Path(source), Path(last), copy=True)
+        self._last_finite_step = step
 
     @property
     def saved_step(self) -> int | None:
@@ -223,16 +308,18 @@ class RunCheckpoint(ModelCheckpoint):
                 else "no finite checkpoint was written in this run")
 
     def save_now(self, trainer: L.Trainer) -> None:
-        """The current state as the next step-numbered checkpoint and last.ckpt."""
+        """The current state as the next step-numbered checkpoint and last.ckpt, whole when this returns."""
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
         self._prune(trainer)
+        self.finish_save(trainer)
 
     def _prune(self, trainer: L.Trainer) -> None:
         """Delete step-numbered checkpoints beyond the newest keep_last_k up to this step. Later-numbered ones
-        (left by the timeline a resume from an older checkpoint abandoned) are overwritten when reached."""
-        if not self.keep_last_k:
+        (left by the timeline a resume from an older checkpoint abandoned) are overwritten when reached. Not while
+        a checkpoint is being written in the background: it is not yet the newest (finish_save prunes)."""
+        if not self.keep_last_k or self._in_flight:
             return
         if trainer.is_global_zero:
             steps = {int(m[1]): name for name in os.listdir(self.dirpath) if (m := STEP_NAME.match(name))}

@@ -10,14 +10,18 @@ loss against score over the run (printed where it is defined); every evaluation 
 place of lm-eval's progress bars (off in here), through the step bar on rank 0 (LightningModule.print).
 
 Training is untouched: the model is evaluated without gradients in eval mode (then put back as it was), the
-Python/NumPy/torch RNG states are restored afterwards, and the train dataloader is never used. Under DDP each
-rank scores its share of the documents and the metrics are those of all of them, on every rank; under FSDP every
-rank evaluates the same requests (its forwards are collective: as many on every rank). Only rank 0 logs and writes.
+Python/NumPy/torch RNG states are restored afterwards, and the train dataloader is never used. On several processes
+(DDP or FSDP) each rank scores its share of the documents, in lockstep (as many forwards on every rank: FSDP's are
+collective), and the metrics are those of all of them, on every rank. Only rank 0 logs and writes.
+
+The generated tasks are read from data.dir, where `keel data` writes them; for a data.dir built before it did, rank 0
+writes them under run.dir (never into data.dir, which may be an object store or read-only) while the others wait.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -78,10 +82,26 @@ class DownstreamEval(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.tasks:
             return
-        ev = self.cfg.eval
-        with preserved_rng():  # the generated tasks are written here on first use
-            self.tasks = load_tasks(ev.tasks, ev.include_path, ev.data_dir, self.cfg.data.dir)
+        with preserved_rng():
+            self.tasks = self._load_tasks(trainer)
         self.primary = {name: primary_metric(task) for name, task in self.tasks.items()}
+
+    def _load_tasks(self, trainer: L.Trainer) -> dict:
+        """Rank 0 loads the tasks first, writing the generated ones under run.dir if data.dir has none, then the
+        others (run.dir is on a filesystem every node shares). A failure on rank 0 stops every rank."""
+        ev, cfg = self.cfg.eval, self.cfg
+        load = functools.partial(load_tasks, ev.tasks, ev.include_path, ev.data_dir, cfg.data.dir, cfg.run.dir)
+        tasks, failure = {}, None
+        if trainer.is_global_zero:
+            try:
+                tasks = load()
+            except Exception as err:  # noqa: BLE001 - raised below, after the others have heard of it
+                failure = err
+        if (message := trainer.strategy.broadcast(failure and f"{type(failure).__name__}: {failure}")) is not None:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"downstream eval: rank 0 could not load eval.tasks: {message}")
+        return tasks or load()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         done = trainer.global_step  # optimizer steps taken
@@ -118,9 +138,9 @@ class DownstreamEval(Callback):
         if self.lm is None:
             self.lm = KeelEvalLM(
                 model=model, tokenizer_json=pl_module.tokenizer_json, batch_size=self.cfg.eval.batch_size,
+                distributed=True,  # on one process, the same as False
                 # lm-eval fails on a rank that gets no document: share only when every rank gets one
-                distributed=self.cfg.trainer.resolved_strategy == "ddp"
-                and (self.cfg.eval.limit or self.cfg.trainer.world_size) >= self.cfg.trainer.world_size,
+                share_documents=(self.cfg.eval.limit or self.cfg.trainer.world_size) >= self.cfg.trainer.world_size,
             )
         was_training = model.training
         model.eval()

@@ -1,5 +1,6 @@
 """`keel data` reads files a chunk at a time (#34): a plain-text file or a .jsonl record of a gigabyte costs no
-more memory than one of a few megabytes, and gives the documents it gave when it was read whole."""
+more memory than one of a few megabytes, and gives the documents it gave when it was read whole. And an object-store
+data.dir trains with the in-loop evaluation on (#41)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from keel.data.sources.base import SkippedFiles
 from keel.data.sources.json_stream import LongRecord
 from keel.data.sources.text_files import LONG_LINE_BYTES, cut_chunks, cut_text
 from keel.errors import ConfigError
+
+from test_data import s3_bucket  # noqa: F401 - the fixture
 
 # every kind of character the cutter and the JSON decoder treat apart: line ends, blank lines, whitespace runs,
 # characters json escapes (quotes, backslashes, control characters), and non-ASCII, astral (a surrogate pair) too
@@ -206,3 +209,43 @@ def test_the_peak_memory_of_keel_data_does_not_grow_with_a_single_line_record(tm
         peaks.append([int(peak) for peak in done.stderr.split()[-2:]])
     (own_small, writers_small), (own_large, writers_large) = peaks
     assert own_large <= own_small + 25 * 2**20 and writers_large <= writers_small + 25 * 2**20, peaks
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_s3_data_dir_trains_on_two_processes_with_the_in_loop_evaluation(s3_bucket, corpus_dir, tmp_path):
+    """`keel data` writes the generated tasks beside the shards on s3://; for an older data.dir without them, rank 0
+    of a 2-process FSDP run writes the same tasks under run.dir (the bucket is never written) and the in-loop
+    evaluation runs."""
+    import boto3
+    from conftest import QUIET_TRAINER, TINY_MODEL
+
+    from keel.evaluation.generated import TASKS_SUBDIR, generate_tasks
+
+    data_dir = f"{s3_bucket}/tiny"
+    source = ["data=text_files", f"data.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}", "data.vocab_size=512",
+              "data.prepare_workers=1", "data.val_fraction=0.25", "model.seq_len=32"]
+    prepare(load_config(overrides=source))
+    written = generate_tasks(data_dir)
+    assert sorted(written.values()) == [f"{data_dir}/{TASKS_SUBDIR}/{name}.jsonl"
+                                        for name in ("keel_last_token", "keel_next_line")]
+    s3 = boto3.client("s3")
+    tasks_prefix = f"tiny/{TASKS_SUBDIR.split('/')[0]}/"
+    contents = {}
+    for name, url in written.items():
+        key = url.split("/", 3)[3]
+        contents[name] = s3.get_object(Bucket="keel-shards", Key=key)["Body"].read()
+        s3.delete_object(Bucket="keel-shards", Key=key)  # now a data.dir built before `keel data` wrote them
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "keel.cli", "pretrain", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+           *TINY_MODEL, *QUIET_TRAINER, *source, f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=2",
+           "trainer.val_every_n_steps=2", "trainer.val_batches=1", "eval.every_n_steps=2", "eval.limit=8",
+           f"run.dir={run}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [evaluation] = json.loads((run / "eval_history.json").read_text())["evaluations"]
+    assert set(evaluation["scores"]) == set(contents)
+    for name, content in contents.items():
+        assert (run / TASKS_SUBDIR / f"{name}.jsonl").read_bytes() == content
+    assert not s3.list_objects_v2(Bucket="keel-shards", Prefix=tasks_prefix).get("Contents")

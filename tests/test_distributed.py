@@ -559,6 +559,16 @@ def _sbatch_example() -> tuple[dict[str, str], list[str]]:
     return options, srun[srun.index("pretrain") + 1 :]
 
 
+def test_slurm_example_is_warned_before_its_time_limit_and_requeued():
+    """The inline script runs srun in the foreground, with no trap: its USR1 goes to srun's tasks (no `B:`, which
+    would signal the batch shell alone and end it), with docs/slurm/pretrain.sbatch's lead; --requeue lets rank 0
+    requeue it."""
+    options, _ = _sbatch_example()
+    pretrain_sbatch = (Path(__file__).resolve().parents[1] / "docs" / "slurm" / "pretrain.sbatch").read_text()
+    lead = pretrain_sbatch.split("#SBATCH --signal=B:USR1@", 1)[1].split()[0]
+    assert options["signal"] == f"USR1@{lead}" and "requeue" in options
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_slurm_example_task_finds_its_place(monkeypatch, tmp_path, strategy):
     from keel.training import build_trainer

@@ -22,6 +22,7 @@ from keel.config import load_config
 from keel.data.preparation import main as data_main
 from keel.errors import ConfigError
 from keel.evaluation import KeelEvalLM, generate_tasks, load_tasks, run_tasks, task_manager
+from keel.evaluation.generated import TASKS_SUBDIR
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD
 from keel.evaluation.offline import lm_eval_configs, write_local_task
 from keel.evaluation.suite import primary_metric
@@ -140,12 +141,23 @@ def test_generate_until_honours_stop_sequences(checkpoint):
 
 
 def test_generated_tasks_are_deterministic_and_well_formed(eval_data, tmp_path):
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    shutil.copy(Path(eval_data) / "val_docs.jsonl", copy)
-    paths, again = generate_tasks(eval_data), generate_tasks(copy)
+    """keel data's tasks, those written into a writable data dir that had none, and those written under a run dir
+    for a data dir that had none (never written into) are byte-identical."""
+    copies = {}
+    for name in ("writable", "older"):
+        copies[name] = tmp_path / name
+        copies[name].mkdir()
+        shutil.copy(Path(eval_data) / "val_docs.jsonl", copies[name])
+    run = tmp_path / "run"
+    paths = generate_tasks(eval_data)
+    again, elsewhere = generate_tasks(copies["writable"]), generate_tasks(copies["older"], tasks_dir=run)
+    assert {path.parent for path in paths.values()} == {Path(eval_data, TASKS_SUBDIR)}  # written by keel data
+    assert {path.parent for path in again.values()} == {copies["writable"] / TASKS_SUBDIR}
+    assert [path.name for path in copies["older"].rglob("*")] == ["val_docs.jsonl"]  # the data dir is not written
+    assert sorted(str(path.relative_to(run)) for path in run.rglob("*")) == sorted(  # no temporary file left
+        [*(str(Path(TASKS_SUBDIR, f"{name}.jsonl")) for name in paths), TASKS_SUBDIR, str(Path(TASKS_SUBDIR).parent)])
     for name, path in paths.items():
-        assert path.read_bytes() == again[name].read_bytes()
+        assert path.read_bytes() == again[name].read_bytes() == elsewhere[name].read_bytes()
         assert 100 <= len(path.read_text().splitlines()) <= 500  # 500, or every candidate a small corpus has
     next_line = [json.loads(line) for line in paths["keel_next_line"].read_text().splitlines()]
     assert all(len({c.strip() for c in ex["choices"]}) == 4 and 0 <= ex["gold"] < 4 for ex in next_line)

@@ -26,7 +26,7 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     result = json.loads((out / "gpu_check.json").read_text())
     printed = capsys.readouterr().out
     assert result["ok"] and list(result["sections"]) == ["bench", "pretrain", "depth", "paper", "callbacks", "multi",
-                                                      "precision"]
+                                                      "fsdp", "checkpoint", "precision"]
     assert "PASS" in printed and "[ok] pretrain" in printed and "deepest fitting: 8 blocks" in printed
     bench = next(iter(result["sections"]["bench"]["configs"].values()))
     assert bench["keel"]["tokens_per_s"] > 0 and bench["keel"]["mfu"] > 0 and bench["preln"]["ratio"] is None
@@ -49,6 +49,19 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
         "every run ran", "fsdp x 2 = ddp x 2 (rel 1e-04)", "1 device = ddp x 2 (rel 1e-04)",
         "fsdp resumed = fsdp x 2 (rel 1e-05)", "ddp in-loop evaluation written", "non-finite: exit 1, every rank"]
     assert all(multi["checks"].values()) and all(len(norms) == 10 for norms in multi["global_grad_norms"].values())
+    # the GPU-only thresholds are said to be skipped on CPU, not faked
+    assert result["sections"]["paper"]["thresholds"] == {
+        label: {"ok": True, "skipped": "cpu"} for label in
+        ("MFU, compiled, checkpointing off", "peak memory, checkpointing off", "peak memory, checkpointing on")}
+    assert "[skipped] MFU, compiled, checkpointing off: cpu" in printed
+    fsdp = result["sections"]["fsdp"]  # bf16 FSDP on 2 CPU processes with the in-loop evaluation
+    assert fsdp["devices"] == 2 and all(fsdp["checks"].values()) and list(fsdp["fsdp_runs"]) == ["fsdp x 2"]
+    assert fsdp["fsdp_runs"]["fsdp x 2"]["tokens_per_s_per_device"] > 0 and not fsdp["errors"]
+    assert [row.get("skipped", "").split(" ")[0] for row in fsdp["thresholds"].values()] == ["cpu", "cpu"]
+    saves = result["sections"]["checkpoint"]  # sharded saves on 2 CPU processes, sync and in the background
+    assert all(saves["checks"].values()) and list(saves["saves"]) == ["sync", "async"] and not saves["errors"]
+    for save in saves["saves"].values():
+        assert save["bytes"] > 0 and save["total_s"] >= save["blocking_s"] > 0
     assert paper["activation checkpointing on"]["loss_last"] == pytest.approx(
         paper["activation checkpointing off"]["loss_last"], rel=1e-3)
 
@@ -60,4 +73,23 @@ def test_unknown_section_and_missing_gpu_are_refused(capsys, monkeypatch):
     assert cli_main(["gpu-check", "--device", "cuda"]) == 2
     assert "no CUDA GPU is visible; run `make gpu-check DEVICE=cpu`" in capsys.readouterr().err
     assert cli_main(["gpu-check", "--device", "cpu", "--sections", "bench,speed"]) == 2
-    assert "--sections: unknown speed; allowed: bench, pretrain, depth, paper, callbacks, multi, precision" in capsys.readouterr().err
+    assert "--sections: unknown speed; allowed: bench, pretrain, depth, paper, callbacks, multi, fsdp, checkpoint, precision" in capsys.readouterr().err
+
+
+def test_thresholds_fail_when_missed_and_say_their_bound():
+    """A figure below its floor fails its row (and with it the section), printed with the figure, the bound and
+    the bound's source; a GPU-only row on CPU is skipped, not passed on a made-up figure."""
+    import torch
+
+    from keel.gpu_check import MFU_FLOOR, memory_threshold, mfu_threshold, table
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    low, high = mfu_threshold({"mfu": MFU_FLOOR - 0.01}, cuda), mfu_threshold({"mfu": MFU_FLOOR + 0.01}, cuda)
+    assert (low["ok"], high["ok"]) == (False, True) and mfu_threshold({"mfu": 0.5}, cpu) == {"ok": True, "skipped": "cpu"}
+    estimate = 10 * 2**30
+    within, over = ({"peak_memory_bytes": int(estimate * r), "allocated_estimate_bytes": estimate} for r in (1.09, 1.11))
+    assert memory_threshold(within, cuda)["ok"] and not memory_threshold(over, cuda)["ok"]
+    section = {"ok": False, "seconds": 1.0, "thresholds": {"MFU": low, "memory": memory_threshold(over, cuda)}}
+    printed = table({"device_name": "H200", "torch": "2", "seconds": 1.0, "ok": False, "sections": {"paper": section}})
+    assert f"[FAIL] MFU: {MFU_FLOOR - 0.01:.1%} (threshold >= {MFU_FLOOR:.0%}: a floor, this project's choice" in printed
+    assert "[FAIL] memory: 11,366 MB = 1.11 x the estimate 10,240 MB (threshold within 10%" in printed

@@ -1,17 +1,20 @@
 """The host waits for the device only at logging steps (trainer.log_every_n_steps): a short CPU run counts, per
 optimizer step, every call that would make a GPU run's host wait (a tensor read to the host, a synchronize, a
-collective), with a non-finite step among the others, whose update must still be dropped at that very step; the
+collective, a tensor made from host data), with a non-finite step among the others, whose update must still be dropped at that very step; the
 steps judged late are judged before a checkpoint is saved."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import lightning.pytorch.strategies as strategies
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import QUIET_TRAINER, TINY_MODEL
 from keel.config import load_config
@@ -29,13 +32,17 @@ class SyncCounter(Callback):
     def __init__(self) -> None:
         self.where: object = "start"
         self.calls: Counter = Counter()
+        self.in_step = False  # in a training batch's hooks, forward, backward and optimizer step
         self.validation_modes: list[tuple[bool, bool]] = []
 
     def count(self, what: str) -> None:
         self.calls[(self.where, what)] += 1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.where = ("step", trainer.global_step)
+        self.where, self.in_step = ("step", trainer.global_step), True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.in_step = False
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self.where = "val"
@@ -49,6 +56,23 @@ class SyncCounter(Callback):
             if isinstance(where, tuple):
                 waits.setdefault(where[1], []).extend([what] * n)
         return waits
+
+
+class HostData(TorchDispatchMode):
+    """Counts the tensors made from host data: aten.lift_fresh, the op behind torch.tensor(...), a Python number
+    assigned into a tensor, or an index given as a Python list (`out[[0, 2]] = ...`). On a GPU each is a copy from
+    the host that the host waits for: the class of wait the tensor reads above cannot see."""
+
+    def __init__(self, counter: SyncCounter, record: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.counter, self.record, self.recorded = counter, record, []  # the ops whose names contain one of record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(name in str(func) for name in self.record):
+            self.recorded.append(str(func))
+        if func is torch.ops.aten.lift_fresh.default and self.counter.in_step:
+            self.counter.count("tensor from host data")
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
@@ -69,7 +93,8 @@ def counter(monkeypatch) -> SyncCounter:
     counting(torch.cuda, "synchronize")
     for name in ("reduce", "reduce_boolean_decision", "barrier", "broadcast"):
         counting(strategies.SingleDeviceStrategy, name)
-    return counter
+    with HostData(counter):
+        yield counter
 
 
 def test_the_host_waits_only_at_logging_steps(tiny_data, tmp_path, counter):
@@ -84,7 +109,10 @@ def test_the_host_waits_only_at_logging_steps(tiny_data, tmp_path, counter):
     ])
     trainer = train(cfg, extra_callbacks=[NaNLossAt(5), counter])
     waits = counter.steps()
-    assert sorted(waits) == [3, 7, 11], waits  # the logging steps only: none at the other 9, the NaN step's included
+    # the logging steps only: none at the other 9, the NaN step's included; but Lightning's first self.log, which
+    # makes its metric state (value, batch size) from Python numbers, once
+    assert sorted(waits) == [0, 3, 7, 11], waits
+    assert waits[0] == ["tensor from host data"] * 2
     assert all(waits[step] for step in (3, 7, 11))  # (the counting sees the reads where they are)
 
     # the non-finite step 5 was skipped on the device (AdamW's step count: 11 updates of 12) and judged at step 7
@@ -184,3 +212,47 @@ def test_processes_agree_on_a_signal_at_logging_steps_only(capsys):
     assert agreements == [LOG_EVERY, 2 * LOG_EVERY]
     assert interrupt.stopped_at == 2 * LOG_EVERY and interrupt.signal == signal.SIGTERM
     assert "SIGTERM: stopping after this step" in capsys.readouterr().err
+
+
+def _sharded_norms_worker(rank: int, port: int, out: str) -> None:
+    """FSDP2 gradients (one parameter without a gradient): the norms counted for host data and collectives."""
+    import copy
+
+    from test_distributed import WORLD, _batches, _join, _tiny_cfg
+
+    from keel.model import KeelLM, next_token_loss
+    from keel.parallel import parallelize
+    from keel.tensor_norms import grad_norms
+
+    mesh, batches, _ = _join(rank, port, WORLD)
+    cfg = _tiny_cfg("trainer.precision=32-true")
+    torch.manual_seed(0)
+    model = KeelLM(cfg.model)
+    reference = copy.deepcopy(model)
+    parallelize(model, cfg.trainer, mesh)
+    next_token_loss(model, batches[0]).backward()
+    next_token_loss(reference, _batches()[0]).backward()  # the global batch: the mean of the ranks' gradients
+    params, expected = list(model.parameters()), [p.grad.norm() for p in reference.parameters()]
+    params[1].grad, expected[1] = None, torch.tensor(0.0)
+    counter = SyncCounter()
+    counter.in_step = True
+    ops = HostData(counter, record=("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
+    with ops:
+        norms = grad_norms(params)
+    torch.save({"norms": norms, "expected": torch.stack(expected), "host data": counter.calls,
+                "collectives": ops.recorded}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.extended
+def test_sharded_gradient_norms_take_no_host_data_and_one_collective(tmp_path):
+    """Under FSDP2 (2 gloo processes) the per-parameter norms, a missing gradient among them, are the full
+    gradients' norms, from one all-reduce and no tensor made from host data."""
+    import torch.multiprocessing as mp
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    mp.spawn(_sharded_norms_worker, args=(find_free_network_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(result["norms"], result["expected"], rtol=1e-5, atol=0)
+        assert not result["host data"] and result["collectives"] == ["_c10d_functional.all_reduce.default"]

@@ -1,12 +1,26 @@
-"""The GPU memory estimate (keel.gpu_memory), on CPU: the GPU's memory is passed in."""
+"""The GPU memory estimate (keel.gpu_memory), on CPU: the GPU's memory is passed in or mocked; partial activation
+checkpointing and its auto choice, the allocator margin, `keel estimate`."""
 
 from __future__ import annotations
 
 import pytest
 
+import keel.gpu_memory
+from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
-from keel.gpu_memory import activation_bytes, block_bytes_per_token, check_gpu_fits, gpu_training_terms
+from keel.estimate import resolve_activation_checkpointing
+from keel.gpu_memory import (
+    activation_bytes,
+    block_bytes_per_token,
+    check_gpu_fits,
+    gpu_budget_bytes,
+    gpu_training_bytes,
+    gpu_training_terms,
+    with_margin,
+)
+from keel.memory import cpu_auto_checkpointing, cpu_training_bytes
+from keel.model import parameter_counts
 from keel.schemes import SCHEMES, ModelConfig, sublayer_specs
 
 GB80 = 80 * 10**9
@@ -55,7 +69,7 @@ def test_activations_per_token_match_what_autograd_saves(scheme, ffn):
     # the difference of depths 4 and 2 and of 32 and 16 tokens: what grows with both, i.e. per token and block
     measured = saved_bytes(config(4), 32) - saved_bytes(config(2), 32) - saved_bytes(config(4), 16) + saved_bytes(
         config(2), 16)
-    assert measured == 16 * (activation_bytes(config(4), 1, 2, False) - activation_bytes(config(2), 1, 2, False))
+    assert measured == 16 * (activation_bytes(config(4), 1, 2, 0) - activation_bytes(config(2), 1, 2, 0))
 
 
 def test_paper_d64_on_8_gpus_of_80_gb_under_ddp_is_refused_with_numbers_and_keys():
@@ -64,9 +78,13 @@ def test_paper_d64_on_8_gpus_of_80_gb_under_ddp_is_refused_with_numbers_and_keys
     message = str(err.value)
     assert "\n" not in message
     assert "needs about 76.3 GiB per GPU" in message and "more than the 74.5 GiB of this GPU" in message
+    assert "83.9 GiB with the 10% allocator margin" in message
     assert "activations 55.0 GiB" in message and "AdamW state 6.8 GiB" in message and "DDP buckets 3.4 GiB" in message
     assert "55.0 KiB per token per block" in message
-    assert "change, in this order: trainer.activation_checkpointing=true (-> 24.7 GiB)" in message
+    # by hand: each checkpointed block keeps its input (4 x 1,024 bytes per token) instead of its 56,400 bytes, and
+    # no autocast copy of its weights (1.5 GiB / 64), 0.82 GiB in all at 16,384 tokens; 76.3 GiB less 11 of them is
+    # the first under 74.5 / 1.1 = 67.7 GiB
+    assert "change, in this order: trainer.activation_checkpointing=auto (the first 11 of 64 blocks -> 67.4 GiB)" in message
     assert message.endswith("or set trainer.check_memory=false to start anyway")
 
 
@@ -84,7 +102,7 @@ def test_paper_d64_with_activation_checkpointing_under_fsdp_fits():
 
 def test_the_refusal_orders_the_remedies_by_what_they_save():
     # paper_d512 under ddp needs both: checkpointing first (activations dominate), then FSDP
-    with pytest.raises(ConfigError, match=r"trainer.activation_checkpointing=true \(-> [\d.]+ GiB\), then "
+    with pytest.raises(ConfigError, match=r"trainer.activation_checkpointing=all \(-> [\d.]+ GiB\), then "
                                           r"trainer.strategy=fsdp \(-> [\d.]+ GiB\); or set trainer.check_memory"):
         check_gpu_fits(load_config(overrides=["model=paper_d512", "trainer=ddp", "trainer.devices=8",
                                               "trainer.accelerator=gpu"]), GB80)
@@ -106,7 +124,7 @@ def test_keel_pretrain_on_a_gpu_checks_before_anything_is_made(tmp_path, monkeyp
     from keel.cli import main as cli_main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("keel.training.gpu_memory_bytes", lambda: GB80)
+    monkeypatch.setattr(keel.gpu_memory, "gpu_memory_bytes", lambda: GB80)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set_threads writes it; restored after the test
     argv = ["pretrain", "model=paper_d64", "trainer=ddp", "trainer.devices=8",
             f"trainer.threads={torch.get_num_threads()}", f"run.dir={tmp_path / 'run'}"]
@@ -119,6 +137,91 @@ def test_keel_pretrain_on_a_gpu_checks_before_anything_is_made(tmp_path, monkeyp
 @pytest.mark.parametrize("model", ["paper_d128", "paper_d256", "paper_d512"])
 def test_the_deep_paper_configs_need_activation_checkpointing_and_their_documented_command_fits(model):
     overrides = [f"model={model}", "trainer=fsdp", "trainer.devices=8", "trainer.accelerator=gpu"]
-    with pytest.raises(ConfigError, match="change, in this order: trainer.activation_checkpointing=true"):
+    with pytest.raises(ConfigError, match="change, in this order: trainer.activation_checkpointing=(auto|all)"):
         check_gpu_fits(load_config(overrides=overrides), GB80)
     check_gpu_fits(load_config(overrides=[*overrides, "trainer.activation_checkpointing=true"]), GB80)  # conf/model
+
+
+def checkpointing(blocks: int, *overrides: str):
+    """paper_d64 on 8 GPUs with its first `blocks` of 64 blocks checkpointed."""
+    return paper_d64(*overrides, f"trainer.activation_checkpointing={'none' if blocks == 0 else blocks / 64}"
+                     if blocks < 64 else "trainer.activation_checkpointing=all")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_partial_checkpointing_saves_each_block_s_activations_less_its_input(strategy):
+    def need(blocks):
+        cfg = checkpointing(blocks, f"trainer={strategy}")
+        return gpu_training_bytes(cfg.model, cfg.trainer)
+
+    tokens, per_block = 8 * 2048, 56_400  # Keel's bytes per token per block at width 1,024 (issue #35)
+    block_parameters = parameter_counts(paper_d64().model)["blocks"] / 64
+    copies = 2 * block_parameters if strategy == "ddp" else 0  # DDP: a block's bf16 weight copies, saved by autocast
+    for blocks in (1, 17, 62):  # (block 0, Keel's first, has fewer norms)
+        assert need(blocks) - need(blocks + 1) == pytest.approx((per_block - 4 * 1024) * tokens + copies, abs=1)
+    assert need(64) > need(63)  # the last block's recomputation happens as backward starts: it saves nothing
+    cfg = paper_d64("trainer=fsdp", "trainer.activation_checkpointing=all")  # docs/model.md's table: 10.4 GiB
+    assert gpu_training_bytes(cfg.model, cfg.trainer) / 2**30 == pytest.approx(10.4, abs=0.05)
+
+
+def test_the_margin_refuses_a_run_that_fits_only_without_it():
+    cfg = paper_d64("trainer=fsdp")  # 60.5 GiB, 66.6 with the margin
+    check_gpu_fits(cfg, 67 * 2**30)
+    with pytest.raises(ConfigError, match=r"needs about 60.5 GiB per GPU \(.*\), 66.6 GiB with the 10% allocator "
+                                          r"margin, more than the 63.0 GiB of this GPU; change, in this order: "
+                                          r"trainer.activation_checkpointing=auto \(the first 5 of 64 blocks"):
+        check_gpu_fits(cfg, 63 * 2**30)
+
+
+def test_auto_takes_the_fewest_blocks_that_fit_the_mocked_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(keel.gpu_memory, "gpu_memory_bytes", lambda: 40 * 2**30)
+    cfg = paper_d64("trainer=fsdp", "trainer.activation_checkpointing=auto")
+    assert resolve_activation_checkpointing(cfg) == ("trainer.activation_checkpointing=auto: the first 31 of 64 "
+                                                     "blocks (0.484375)")
+    # by hand: 60.5 GiB, less (56,400 - 4,096) x 16,384 bytes (0.80 GiB) per block, is under 40 / 1.1 = 36.4 GiB
+    # from the 31st block on
+    for blocks, fits in ((31, True), (30, False)):
+        trainer = checkpointing(blocks, "trainer=fsdp").trainer
+        assert (with_margin(gpu_training_bytes(cfg.model, trainer)) <= 40 * 2**30) is fits
+    # trainer.gpu_memory_gib caps the visible GPU's memory; without a GPU it is the memory planned with
+    for gib, budget in (("null", 40 * 2**30), (30, 30 * 2**30), (80, 40 * 2**30)):
+        assert gpu_budget_bytes(paper_d64(f"trainer.gpu_memory_gib={gib}").trainer) == budget
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_budget_bytes(paper_d64("trainer.gpu_memory_gib=79").trainer) == 79 * 2**30
+    assert gpu_budget_bytes(paper_d64().trainer) is None
+
+
+def test_auto_on_cpu_takes_the_fewest_blocks_that_fit_the_memory_available(monkeypatch):
+    cfg = load_config(overrides=["model.depth=64", "model.width=256", "trainer.micro_batch_size=64",
+                                 "trainer.activation_checkpointing=auto"])
+    have = (cpu_training_bytes(cfg, 0) + cpu_training_bytes(cfg, 63)) // 2
+    monkeypatch.setattr("keel.memory.available_bytes", lambda: have)
+    blocks = round(cpu_auto_checkpointing(cfg) * 64)
+    assert cpu_training_bytes(cfg, blocks) <= have < cpu_training_bytes(cfg, blocks - 1)
+
+
+def test_keel_estimate_plans_a_gpu_run_without_a_gpu(capsys):
+    paper = ["recipe=paper", "model=paper_d64", "trainer=fsdp", "trainer.devices=8", "trainer.accelerator=gpu"]
+    assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=79"]) == 0
+    out = capsys.readouterr().out
+    assert "auto        trainer.activation_checkpointing=auto: no block (none)" in out
+    assert "estimate    60.5 GiB per GPU, 66.6 GiB with the 10% allocator margin" in out
+    assert "GPU         79.0 GiB (trainer.gpu_memory_gib)" in out and "verdict     fits, 12.4 GiB to spare" in out
+    assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40"]) == 0  # auto checkpoints what it must
+    assert "auto        trainer.activation_checkpointing=auto: the first 31 of 64 blocks" in capsys.readouterr().out
+    assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40", "trainer.activation_checkpointing=none"]) == 1
+    assert ("verdict     does not fit; change, in this order: trainer.activation_checkpointing=auto (the first 31 "
+            "of 64 blocks") in capsys.readouterr().out
+    assert cli_main(["estimate", *paper]) == 0
+    assert "memory unknown: no GPU is visible here; give it as trainer.gpu_memory_gib=GIB" in capsys.readouterr().out
+
+
+def test_keel_estimate_on_cpu_says_whether_this_machine_holds_the_run(capsys, monkeypatch):
+    assert cli_main(["estimate"]) == 0
+    assert "verdict     fits" in capsys.readouterr().out
+    monkeypatch.setattr("keel.memory.available_bytes", lambda: 2**30)
+    assert cli_main(["estimate"]) == 1
+    assert "verdict     does not fit: model.depth=16, model.width=128" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Preemption and time limits (docs/distributed.md): SIGTERM and SIGUSR1 stop a run with a checkpoint on every rank
-and it resumes exactly, a SLURM job is requeued, a requeued job takes over its own stale run-dir lock, and one
+(saved in the background too, waited for before the requeue) and it resumes exactly, a SLURM job is requeued, a requeued job takes over its own stale run-dir lock, and one
 checkpoint event writes the state once (last.ckpt links the step-numbered checkpoint)."""
 
 from __future__ import annotations
@@ -138,8 +138,10 @@ def test_requeue_says_what_to_do_without_scontrol_or_when_it_fails(tmp_path, mon
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_sigusr1_on_one_fsdp_rank_saves_a_sharded_checkpoint_requeues_once_and_resumes_exactly(tiny_data, tmp_path):
-    argv = ["trainer=fsdp", *RUN, *tiny_data]
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])  # trainer.async_checkpoint
+def test_sigusr1_on_one_fsdp_rank_saves_a_sharded_checkpoint_requeues_once_and_resumes_exactly(tiny_data, tmp_path,
+                                                                                               background):
+    argv = ["trainer=fsdp", *RUN, *tiny_data, f"trainer.async_checkpoint={str(background).lower()}"]
     path, calls = fake_scontrol(tmp_path)
     slurm = {"SLURM_JOB_ID": "4242", "PATH": path}
     straight = launch(tmp_path, [*argv, f"run.dir={tmp_path / 'straight'}"], **slurm)
@@ -304,12 +306,15 @@ SBATCH = REPO / "docs" / "slurm" / "pretrain.sbatch"
 def test_the_sbatch_example_warns_requeues_and_resumes_a_valid_config():
     script = SBATCH.read_text()
     options = [line.split(maxsplit=1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
-    assert "--signal=B:USR1@120" in options and "--requeue" in options
+    assert "--signal=B:USR1@300" in options and "--requeue" in options
     command = script[script.index("\nsrun ") + 1:].split("&\n")[0].replace("\\\n", " ").split()
     overrides = command[command.index("pretrain") + 1:]
     assert "resume=auto" in overrides
     cfg = load_config(overrides=[*overrides, "trainer.accelerator=cpu"])
     assert (cfg.trainer.strategy, cfg.trainer.devices, cfg.trainer.num_nodes) == ("fsdp", 8, 2)
+    assert (cfg.model, cfg.data.dir) == (load_config(overrides=["model=paper_d64"]).model, "data/fineweb_edu")
+    per_node = {option.split("=")[0]: option.split("=")[1] for option in options if "=" in option}
+    assert per_node["--ntasks-per-node"] == per_node["--gpus-per-node"] == "8" and per_node["--nodes"] == "2"
 
 
 FAKE_SRUN = """#!/bin/sh

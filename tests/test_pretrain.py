@@ -68,6 +68,7 @@ print(code, sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'lig
     (["model.depth=-1"], "model.depth: must be >= 1, got -1"),
     (["model.sheme=keel"], "model.sheme: unknown config key; did you mean model.scheme"),
     (["optim.lr=abc"], "optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    (["trainer=fsdp", "optim.lr=-1"], "optim.lr: must be > 0, got -1.0"),  # compile: auto is resolved after the check
     (["--print-config", "model.depth=3"], None),
 ])
 def test_the_config_is_checked_before_torch_and_lightning_load(args, error):

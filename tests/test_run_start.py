@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -162,3 +163,100 @@ def test_compile_on_gpu_without_a_c_compiler_is_refused(monkeypatch, tmp_path):
     compiler.chmod(0o755)
     monkeypatch.delenv("CC")
     check_trainer(gpu)  # gcc on PATH
+
+
+# one task of `sbatch --nodes=2 --ntasks-per-node=8` as srun starts it: the 4th on the second node
+SLURM_TASK = {"SLURM_JOB_NAME": "keel", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8",
+              "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_LOCALID": "3", "SLURM_PROCID": "11"}
+
+
+def test_one_gpu_bound_per_slurm_task_is_refused_naming_the_layout(monkeypatch):
+    """`--gpus-per-task=1` leaves each task one visible GPU, where each process looks for the GPU of its local rank
+    among all of its node's: refused in one line that names the layout to submit with; the same task seeing its
+    node's 8 GPUs passes; outside SLURM, too few GPUs are refused with the plain count."""
+    from keel.errors import ConfigError
+    from keel.parallel import check_trainer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for variable, value in {**SLURM_TASK, "SLURM_GPUS_PER_TASK": "1", "CUDA_VISIBLE_DEVICES": "3"}.items():
+        monkeypatch.setenv(variable, value)
+    trainer = load_config(overrides=["trainer=fsdp", "trainer.devices=8", "trainer.num_nodes=2",
+                                     "trainer.compile=false"]).trainer
+    with pytest.raises(ConfigError) as refused:
+        check_trainer(trainer)
+    assert str(refused.value) == (
+        "trainer.devices=8: this SLURM task sees 1 CUDA GPU(s), and each process takes the GPU of its local rank among "
+        "all of its node's; submit with --gpus-per-node=8 --ntasks-per-node=8, without --gpus-per-task or --gpu-bind "
+        "(which leave each task only its own GPU)")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    check_trainer(trainer)
+    for variable in SLURM_TASK:
+        monkeypatch.delenv(variable)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^trainer.devices=8: only 1 CUDA GPU\(s\) visible on this node; "):
+        check_trainer(trainer)
+
+
+def fake_nvidia_smi(directory, body: str) -> None:
+    smi = directory / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n{body}\n")
+    smi.chmod(0o755)
+
+
+def test_the_driver_version_comes_from_pynvml_else_nvidia_smi_else_unknown(monkeypatch, tmp_path):
+    from keel.summary import nvidia_driver_version
+
+    def no_library():
+        raise RuntimeError("NVML Shared Library Not Found")  # as pynvml's NVMLError where no driver is installed
+
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                                 nvmlSystemGetDriverVersion=lambda: b"580.65.06")  # bytes from older pynvml
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert nvidia_driver_version() == "580.65.06"
+    monkeypatch.setattr(nvml, "nvmlInit", no_library)
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no nvidia-smi either
+    assert nvidia_driver_version() == "unknown"
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    fake_nvidia_smi(tmp_path, '[ "$*" = "--query-gpu=driver_version --format=csv,noheader" ] || exit 2\n'
+                              "echo 550.54.15\necho 550.54.15")  # one line per GPU
+    assert nvidia_driver_version() == "550.54.15"
+    fake_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate with the driver' >&2\nexit 9")
+    assert nvidia_driver_version() == "unknown"
+
+
+def test_a_gpu_runs_summary_names_torchs_cuda_build_and_the_driver(monkeypatch, tmp_path):
+    """After the hardware line, a GPU run (trainer=gpu names its accelerator: no GPU needed to plan it) says which
+    CUDA torch was built for and which driver runs it; a CPU run's summary has no such line."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    fake_nvidia_smi(tmp_path, "echo 550.54.15")
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    shape = ["model.depth=2", "model.width=32", "model.n_heads=2", "model.seq_len=32", "model.vocab_size=300"]
+    model = KeelLM(load_config(overrides=shape).model)
+    gpu = run_summary(load_config(overrides=[*shape, "trainer=gpu"]), model).splitlines()
+    assert gpu[8].startswith("hardware    gpu, precision bf16-mixed")
+    assert gpu[9:] == [f"cuda        torch {torch.__version__} built for CUDA {torch.version.cuda}, NVIDIA driver 550.54.15"]
+    cpu = run_summary(load_config(overrides=shape), model).splitlines()
+    assert cpu[8].startswith("hardware    cpu") and len(cpu) == 9
+
+
+def test_auto_on_a_machine_whose_driver_torch_cannot_use_is_refused(monkeypatch, tmp_path):
+    """A driver older than the torch build needs makes torch see no GPU (it only warns): trainer.accelerator=auto
+    (trainer=ddp, fsdp) would then train on the CPU for hours. With an NVIDIA driver loaded and no GPU usable, auto is
+    refused naming the driver and the two ways out; a machine without the driver, or accelerator=cpu, runs."""
+    import keel.parallel as parallel
+    from keel.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC\n")
+    monkeypatch.setattr(parallel, "NVIDIA_DRIVER", driver)
+    fsdp = load_config(overrides=["trainer=fsdp", "trainer.devices=2"]).trainer
+    with pytest.raises(ConfigError, match=r"^trainer.accelerator=auto: torch .* sees no GPU, yet this machine has an "
+                       r"NVIDIA driver loaded \(NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05 .*\); install "
+                       r"the torch build the driver supports .* or set trainer.accelerator=cpu to train on the CPU$"):
+        parallel.check_trainer(fsdp)
+    cpu = ["trainer=fsdp", "trainer.devices=2", "trainer.compile=false"]
+    parallel.check_trainer(load_config(overrides=[*cpu, "trainer.accelerator=cpu"]).trainer)
+    monkeypatch.setattr(parallel, "NVIDIA_DRIVER", tmp_path / "absent")
+    parallel.check_trainer(fsdp)

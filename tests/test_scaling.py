@@ -7,8 +7,10 @@ import re
 import shlex
 
 import pytest
+import torch
 
 from conftest import REPO, QUIET_TRAINER, TINY_MODEL
+from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.data.loading import batches_per_rank, check_splits_fit, open_dataset, token_loader
 from keel.errors import ConfigError
@@ -23,12 +25,13 @@ SPLITS = {
 
 
 def documented_commands() -> list[list[str]]:
-    """The overrides of each `keel pretrain` command (make's ARGS included) in the README's "Scaling out" section
-    and in docs/distributed.md."""
+    """The overrides of each `keel pretrain` command (make's ARGS included) in the README's "Scaling out" section,
+    in docs/distributed.md and in docs/slurm/pretrain.sbatch."""
     readme = (REPO / "README.md").read_text().split("## Scaling out", 1)[1].split("\n## ", 1)[0]
-    text = (readme + (REPO / "docs" / "distributed.md").read_text()).replace("\\\n", " ")
+    text = (readme + (REPO / "docs" / "distributed.md").read_text()
+            + (REPO / "docs" / "slurm" / "pretrain.sbatch").read_text()).replace("\\\n", " ")
     lines = re.findall(r"keel(?:\.cli)? pretrain ([^`#\n]*)", text) + re.findall(r'make pretrain ARGS="([^"]*)"', text)
-    return [[word for word in shlex.split(line) if not word.startswith("run.dir=")] for line in lines
+    return [[word for word in shlex.split(line) if "=" in word and not word.startswith("run.dir=")] for line in lines
             if "..." not in line and "|" not in line]  # not the prose's `trainer=ddp|fsdp`, `... num_nodes=N`
 
 
@@ -91,7 +94,30 @@ def test_the_count_is_the_loaders_own(tiny_data):
 
 
 @pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
-def test_distributed_trainers_do_not_compile(trainer):
-    """docs/distributed.md: ddp.yaml and fsdp.yaml leave compile off (trainer.compile=true turns it on)."""
-    assert load_config(overrides=[f"trainer={trainer}"]).trainer.compile is False
+def test_multi_gpu_trainers_compile_where_the_accelerator_resolves_to_a_gpu(trainer, monkeypatch, capsys):
+    """compile: auto (ddp.yaml, fsdp.yaml): on where trainer.accelerator=auto resolves to a GPU (CUDA mocked: 8
+    GPUs), off on CPU as before; `keel pretrain --print-config` shows the resolved value; true and false force it."""
+    command = ["pretrain", f"trainer={trainer}", "trainer.devices=8", "--print-config"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert cli_main(command) == 0
+    printed = capsys.readouterr().out
+    assert "  accelerator: auto\n" in printed and "  compile: true\n" in printed
+    assert load_config(overrides=[f"trainer={trainer}", "trainer.compile=false"]).trainer.compile is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli_main(command) == 0
+    assert "  compile: false\n" in capsys.readouterr().out
     assert load_config(overrides=[f"trainer={trainer}", "trainer.compile=true"]).trainer.compile is True
+    assert load_config(overrides=[f"trainer={trainer}", "trainer.accelerator=gpu"]).trainer.compile is True
+
+
+def test_compile_auto_follows_the_named_accelerator_and_cpu_keeps_compiling():
+    """trainer=gpu is compile: auto on an accelerator it names (no GPU needed to resolve it); trainer=cpu keeps
+    compile: true (the CPU default, docs/bench.md); auto on a CPU accelerator is off; other values are refused."""
+    assert load_config(overrides=["trainer=gpu"]).trainer.compile is True
+    assert load_config(overrides=["trainer=gpu", "trainer.accelerator=cpu"]).trainer.compile is False
+    assert load_config(overrides=["trainer=cpu"]).trainer.compile is True
+    assert load_config(overrides=["trainer=cpu", "trainer.compile=auto"]).trainer.compile is False
+    with pytest.raises(ConfigError, match=r"^trainer.compile: allowed: true, false, auto; got 'maybe'$"):
+        load_config(overrides=["trainer.compile=maybe"])

@@ -15,7 +15,9 @@ import io
 import os
 import pickle
 import shutil
+import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -270,18 +272,82 @@ def commit_dir(staging: Path, path: Path) -> None:
     remove_path(previous)
 
 
-def link_checkpoint(source: Path, path: Path) -> None:
+class AsyncShardedWriter:
+    """Sharded checkpoints written in the background (torch.distributed.checkpoint.async_save, as torchtitan does):
+    `start` returns once this rank's shards are copied to host memory (pinned on CUDA, the buffers reused from save
+    to save) - the only part training waits for - and a thread writes them into the staging directory while
+    training goes on. `finish` waits for that write and, on rank 0, moves the checkpoint into place (commit_dir):
+    it is visible only once it is whole. One save at a time. The thread's collectives run over a gloo group of
+    their own (async_save needs a CPU backend; the training collectives go on in the main thread meanwhile)."""
+
+    def __init__(self) -> None:
+        self._group = None
+        self._stager = None
+        self._in_flight: tuple[Future, Path, Path, dict] | None = None  # (the write, its staging directory, its
+        # path, when it ended)
+        self.finished_at: float | None = None  # time.perf_counter() when the last finished write ended
+
+    @property
+    def in_flight(self) -> Path | None:
+        """Where the checkpoint being written goes, or None."""
+        return self._in_flight[2] if self._in_flight else None
+
+    def done(self) -> bool:
+        """Whether nothing is being written (a host-side check: no wait, no collective)."""
+        return self._in_flight is None or self._in_flight[0].done()
+
+    def start(self, state: dict, staging: Path, path: Path, device: torch.device) -> None:
+        """Write `state` (its tensors on `device`) to `staging`, then later (finish) to `path`; every rank."""
+        from torch.distributed.checkpoint import async_save
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._in_flight is not None:
+            raise RuntimeError(f"checkpoint: {self.in_flight} is still being written; finish() it first")
+        if self._group is None:  # at the first save, which every rank makes: a collective
+            self._group = torch.distributed.new_group(backend="gloo")
+            cuda = device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        future = async_save(state, checkpoint_id=staging, process_group=self._group, async_stager=self._stager)
+        ended = {}
+        future.add_done_callback(lambda _: ended.setdefault("at", time.perf_counter()))
+        self._in_flight = (future, staging, path, ended)
+
+    def finish(self, commit: bool) -> Path | None:
+        """Wait for the checkpoint being written, raise what failed in the background, and (commit: rank 0 alone)
+        move it into place. Its path, or None if none was being written."""
+        if self._in_flight is None:
+            return None
+        future, staging, path, ended = self._in_flight
+        self._in_flight = None
+        future.result()
+        self.finished_at = ended.get("at", time.perf_counter())  # result() may return before the callback runs
+        if commit:
+            commit_dir(staging, path)
+        return path
+
+    def close(self) -> None:
+        """Free the host buffers the stager keeps. A write still in flight (training raised) is left to end on its
+        own, never committed: waiting for it could hang on a rank that died."""
+        self._in_flight = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def link_checkpoint(source: Path, path: Path, copy: bool = False) -> None:
     """Make `path` the checkpoint `source` holds without writing it again: hard links to its file (or to each file of
     a sharded directory), swapped in whole like a save (os.replace, commit_dir), so `path` is replaced atomically and
     deleting `source` later (keep_last_k pruning) leaves it whole. Raises OSError where the filesystem has no hard
-    links."""
+    links; copy=True copies the files instead (a second write)."""
+    link = shutil.copy2 if copy else os.link
     if source.is_dir():
         staging = staging_path(path)
         remove_path(staging)  # left by a link that crashed
         staging.mkdir()
         try:
             for file in source.iterdir():  # flat: the shards, .metadata, meta.pt
-                os.link(file, staging / file.name)
+                link(file, staging / file.name)
         except OSError:
             remove_path(staging)
             raise
@@ -290,7 +356,7 @@ def link_checkpoint(source: Path, path: Path) -> None:
     staging = path.with_name(f".{path.name}.tmp{os.getpid()}")  # AtomicCheckpointIO's name: removed if orphaned
     staging.unlink(missing_ok=True)
     try:
-        os.link(source, staging)
+        link(source, staging)
         os.replace(staging, path)
     finally:
         staging.unlink(missing_ok=True)

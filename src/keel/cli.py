@@ -9,6 +9,7 @@ from keel.errors import ConfigError, StorageError
 
 COMMANDS = {
     "pretrain": ("keel.pretrain", "train a model from the composed config"),
+    "estimate": ("keel.estimate", "a run's memory per GPU (or CPU) from its config, without starting it"),
     "data": ("keel.data.preparation", "build tokenized litdata shards (and a tokenizer) from a corpus"),
     "gradflow": ("keel.gradflow", "per-sublayer gradient flow at initialization or in a checkpoint, as JSON (and a plot)"),
     "generate": ("keel.generate", "sample text from a checkpoint (KV cache, printed as it is decoded)"),

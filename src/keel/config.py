@@ -2,8 +2,9 @@
 
     keel pretrain [--config FILE] [group=choice ...] [key.path=value ...]
 
-`conf/config.yaml` names the default choice of each group (`model`, `data`, `trainer`, `eval`); a
-`group=choice` override picks `conf/<group>/<choice>.yaml` (or a YAML path), merged into that section.
+`conf/config.yaml` names the default choice of each group (`model`, `data`, `trainer`, `eval`, `recipe`); a
+`group=choice` override picks `conf/<group>/<choice>.yaml` (or a YAML path), merged into that section (a recipe's
+file, which sets optimizer and trainer keys together, into the whole config, after the other groups).
 `--config FILE` merges on top of `conf/config.yaml`, then dotlist overrides on top of both. The result is
 checked against the dataclasses below (`callbacks.*`: each callback's own, keel.callbacks.configs): unknown
 keys (with the closest valid ones), wrong types and bad values fail at start-up with the key named.
@@ -26,11 +27,22 @@ from keel.errors import ConfigError, require
 from keel.loggers import LOGGERS
 from keel.schemes import ModelConfig
 
-GROUPS = ("model", "data", "trainer", "eval")
+GROUPS = ("model", "data", "trainer", "eval", "recipe")
+ROOT_GROUPS = ("recipe",)  # groups whose files set keys of several sections (optim.*, trainer.*), not one section
 STRATEGIES = ("auto", "single", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "gpu")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 SCHEDULES = ("cosine", "linear_warmup", "exp_warmup")
+
+
+def resolve_accelerator(trainer) -> str:
+    """trainer.accelerator with auto resolved: gpu where torch sees a CUDA GPU, else cpu. torch is imported only
+    for auto, so a config that names its accelerator is loaded and checked without it."""
+    if trainer.accelerator != "auto":
+        return trainer.accelerator
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -50,8 +62,22 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 100
     keep_last_k: int = 2  # step-numbered checkpoints kept besides last.ckpt (the newest k); 0 = last.ckpt only
-    compile: bool = True  # torch.compile each block
-    activation_checkpointing: bool = False  # recompute each block in backward
+    # write sharded (FSDP) checkpoints in the background: true | false | auto (on under fsdp where the accelerator
+    # resolves to a GPU, off on CPU: keel.parallel.resolve_async_checkpoint)
+    async_checkpoint: bool | str = "auto"
+    # torch.compile each block: true | false | auto (on where the accelerator resolves to a GPU, off on CPU; resolved
+    # by Config at load time, so the config, --print-config and the run's config.yaml hold true or false)
+    compile: bool | str = True
+    # recompute activations in backward: none | all | auto | a fraction of the blocks in (0, 1), the first
+    # round(fraction x depth) (keel.parallel.apply_activation_checkpointing says why the first); auto: the fewest
+    # blocks with which the memory estimate fits, resolved at start-up (keel.estimate); true / false: all / none
+    activation_checkpointing: bool | int | float | str = "none"
+    # each GPU's memory in GiB, as torch reports it (an "80 GB" H100: about 79): what `keel estimate` plans with where
+    # no GPU is visible, and a cap on the visible GPU's for the start-up check and activation_checkpointing=auto
+    gpu_memory_gib: float | None = None
+    # the dtype gradients are summed over processes in: fp32 | bf16 (half the bytes, sums rounded to bf16's 8-bit
+    # mantissa); FSDP's reduce-scatter, DDP's all-reduce (its bf16 compression hook): docs/distributed.md
+    reduce_dtype: str = "fp32"
     # refuse a run whose estimated memory exceeds what this machine (CPU, keel.memory) or each GPU (keel.gpu_memory) has
     check_memory: bool = True
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
@@ -74,6 +100,14 @@ class TrainerConfig:
         if self.resolved_strategy != "fsdp":
             return 1
         return self.devices if self.hsdp else self.world_size
+
+    def checkpointed_blocks(self, depth: int) -> int:
+        """How many blocks (the first ones) recompute their activations in backward; auto is resolved before."""
+        if self.activation_checkpointing == "auto":
+            raise ConfigError("trainer.activation_checkpointing=auto is chosen from the memory estimate by keel pretrain "
+                              "and keel estimate; here give none, all or a fraction of the blocks")
+        fraction = {"none": 0.0, "all": 1.0}.get(self.activation_checkpointing, self.activation_checkpointing)
+        return min(depth, max(1, round(fraction * depth))) if fraction else 0
 
     @property
     def resolved_strategy(self) -> str:
@@ -99,6 +133,25 @@ class TrainerConfig:
         require(not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}")
         require(bool(self.loggers) and len(set(self.loggers)) == len(self.loggers), "trainer.loggers",
                  f"name each logger once, at least one of {', '.join(LOGGERS)}; got {self.loggers}")
+        checkpointing = self.activation_checkpointing
+        if isinstance(checkpointing, bool) or checkpointing in (0, 1):  # true/false (the older configs'), 1/0
+            self.activation_checkpointing = "all" if checkpointing else "none"
+        require(self.activation_checkpointing in ("none", "all", "auto") or (
+                isinstance(checkpointing, float) and 0 < checkpointing < 1), "trainer.activation_checkpointing",
+                f"allowed: none, all, auto, or a fraction of the blocks in (0, 1) (0.25: the first quarter); got "
+                f"{checkpointing!r}")
+        require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "trainer.gpu_memory_gib",
+                f"must be > 0 (GiB per GPU), or null for the visible GPU's; got {self.gpu_memory_gib}")
+        require(self.reduce_dtype in ("fp32", "bf16"), "trainer.reduce_dtype", f"allowed: fp32, bf16; got {self.reduce_dtype!r}")
+        require(self.reduce_dtype == "fp32" or self.resolved_strategy != "single", "trainer.reduce_dtype",
+                "bf16 sums gradients over processes in bf16; a single-process run sums none: use trainer=fsdp or "
+                "trainer=ddp, or leave it fp32")
+        require(self.compile in (True, False, "auto"), "trainer.compile", f"allowed: true, false, auto; got {self.compile!r}")
+        require(self.async_checkpoint in (True, False, "auto"), "trainer.async_checkpoint",
+                f"allowed: true, false, auto; got {self.async_checkpoint!r}")
+        require(self.async_checkpoint is not True or self.resolved_strategy == "fsdp", "trainer.async_checkpoint",
+                "true writes sharded checkpoints in the background: it needs trainer.strategy=fsdp (trainer=fsdp); "
+                f"a {self.resolved_strategy} run saves one file, synchronously")
 
 
 @dataclass
@@ -212,6 +265,10 @@ class Config:
         require(not fp16 or not self.optim.grad_clip, "trainer.precision",
                 "16-mixed (fp16 loss scaling) cannot clip gradients with keel's fused AdamW; use bf16-mixed (no loss "
                 "scaling, same memory), or optim.grad_clip=0 to train fp16 without clipping")
+        # here, once every section has checked its own keys: resolving auto may import torch (seconds), and a
+        # callback's check below needs the resolved value
+        if self.trainer.compile == "auto":
+            self.trainer.compile = resolve_accelerator(self.trainer) == "gpu"
         for section in self.callback_configs():
             section.check(self)
 
@@ -313,7 +370,8 @@ def load_config(config_file: str | None = None, overrides: list[str] | tuple[str
         for group, choice in choices.items():
             if group not in GROUPS:
                 raise ConfigError(f"defaults.{group}: unknown group; allowed: {', '.join(GROUPS)}")
-            merged = OmegaConf.merge(merged, {group: _read_yaml(_group_file(group, str(choice)))})
+            keys = _read_yaml(_group_file(group, str(choice)))
+            merged = OmegaConf.merge(merged, keys if group in ROOT_GROUPS else {group: keys})
         merged = OmegaConf.merge(merged, base, user, _parse_overrides(dotlist))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

@@ -6,9 +6,12 @@ the activation terms were counted on CPU, the runtime term is an allowance.
     model state    weights, gradients and AdamW state by precision (STATE_BYTES), 1 / world size under FSDP; DDP's
                    gradient buckets; the bf16 weight copies autocast saves for backward, or FSDP's gathered units
     activations    what autograd keeps per token and block (block_bytes_per_token) x micro-batch tokens x depth;
-                   with activation checkpointing each block's fp32 input, plus one block while it is recomputed
+                   a checkpointed block keeps its fp32 input, and one block's are recomputed at a time
     loss head      one chunk's logits (model.loss_chunk; the full logits under the plain head)
-    runtime        CUDA context, cuBLAS workspaces, NCCL buffers, allocator slack
+    runtime        CUDA context, cuBLAS workspaces, NCCL buffers
+
+A run fits when the estimate plus ALLOCATOR_MARGIN does: what `keel estimate` prints, what the start-up check and
+trainer.activation_checkpointing=auto use.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import os
 
 from keel.errors import ConfigError
+from keel.memory import checkpointing_setting, fewest_checkpointed_blocks, peak_activations
 from keel.model import parameter_counts
 from keel.ops.chunked_ce import DEFAULT_CHUNK
 from keel.parallel import resolve_precision
@@ -30,7 +34,11 @@ STATE_BYTES = {"32-true": (4, 4, 8), "bf16-mixed": (4, 4, 8), "16-mixed": (4, 4,
 # about two blocks (the one computing, the one prefetched), each with its gathered compute copy and its unsharded
 # gradient (bf16 under bf16-mixed, then fp32 for the reduce-scatter): ~8 bytes per parameter of those units
 FSDP_UNSHARDED_BYTES = 8
-RUNTIME_BYTES = 2 * 2**30  # CUDA context (~0.5 GiB), cuBLAS workspaces, NCCL buffers, allocator slack: an allowance
+RUNTIME_BYTES = 2 * 2**30  # CUDA context (~0.5 GiB), cuBLAS workspaces, NCCL buffers: an allowance
+# PyTorch's caching allocator reserves more than the tensors it hands out (cached blocks split for smaller tensors,
+# freed memory of one size not reused for another): a run must fit its estimate plus this fraction. This project's
+# choice until a GPU measures torch.cuda.max_memory_reserved() against max_memory_allocated() for these runs.
+ALLOCATOR_MARGIN = 0.10
 
 
 def gpu_precision(trainer) -> str:
@@ -64,13 +72,11 @@ def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerS
     return fp32 + attn + ffn
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int, checkpointed: bool) -> int:
-    """One micro-batch's saved activations over every block; checkpointed: each block's fp32 input, plus the
-    largest block's activations while it is recomputed for its backward."""
+def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int, checkpointed: int) -> int:
+    """One micro-batch's saved activations over every block at their peak; checkpointed: how many blocks (the first
+    ones) keep only their fp32 input, their activations recomputed one block at a time (keel.memory.peak_activations)."""
     per_block = [block_bytes_per_token(cfg, specs, compute_bytes) for specs in sublayer_specs(cfg)]
-    if checkpointed:
-        return tokens * (4 * cfg.width * cfg.depth + max(per_block))
-    return tokens * sum(per_block)
+    return tokens * peak_activations(per_block, 4 * cfg.width, checkpointed)
 
 
 def loss_head_bytes(cfg: ModelConfig, tokens: int) -> int:
@@ -93,6 +99,7 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
     fsdp = trainer.resolved_strategy == "fsdp"
     shards = trainer.shard_size
     tokens = trainer.micro_batch_size * model.seq_len
+    checkpointed = trainer.checkpointed_blocks(model.depth)
     terms = {"weights": weights * params // shards, "gradients": grads * params // shards,
              "AdamW state": adamw * params // shards}
     if trainer.resolved_strategy == "ddp":  # the reducer's flat buckets: a second copy of the gradients
@@ -100,9 +107,9 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
     if fsdp:
         unsharded = params - counts["blocks"] + 2 * counts["blocks"] // model.depth
         terms["FSDP unsharded units"] = FSDP_UNSHARDED_BYTES * unsharded
-    elif precision.endswith("-mixed") and not trainer.activation_checkpointing:
-        terms["autocast weight copies"] = 2 * counts["blocks"]  # cast per matmul, saved for its backward
-    terms["activations"] = activation_bytes(model, tokens, matmul_bytes(trainer), trainer.activation_checkpointing)
+    elif precision.endswith("-mixed") and checkpointed < model.depth:  # cast per matmul, saved for its backward
+        terms["autocast weight copies"] = 2 * counts["blocks"] * (model.depth - checkpointed) // model.depth
+    terms["activations"] = activation_bytes(model, tokens, matmul_bytes(trainer), checkpointed)
     terms["loss head"] = loss_head_bytes(model, tokens)
     terms["runtime"] = RUNTIME_BYTES
     return terms
@@ -115,7 +122,18 @@ def gpu_memory_bytes() -> int:
     return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK") or 0)).total_memory
 
 
-def _gib(n: int) -> str:
+def gpu_budget_bytes(trainer) -> int | None:
+    """The memory each GPU has for the run: the visible GPU's, capped at trainer.gpu_memory_gib; that key alone
+    where no GPU is visible (planning a cluster run elsewhere); None where neither says."""
+    import torch
+
+    configured = None if trainer.gpu_memory_gib is None else int(trainer.gpu_memory_gib * 2**30)
+    if not torch.cuda.is_available():
+        return configured
+    return min(gpu_memory_bytes(), configured or gpu_memory_bytes())
+
+
+def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
@@ -123,51 +141,90 @@ def gpu_training_bytes(model: ModelConfig, trainer) -> int:
     return sum(gpu_training_terms(model, trainer).values())
 
 
+def with_margin(need: int) -> int:
+    """The memory an estimate of `need` bytes asks of the GPU: the estimate plus ALLOCATOR_MARGIN."""
+    return int(need * (1 + ALLOCATOR_MARGIN))
+
+
+def fewest_fitting_blocks(model: ModelConfig, trainer, have: int) -> int:
+    """The fewest blocks to checkpoint for the run to fit `have` bytes per GPU with the margin; all if none does."""
+    return fewest_checkpointed_blocks(model.depth, lambda blocks: with_margin(gpu_training_bytes(
+        model, dataclasses.replace(trainer, activation_checkpointing=checkpointing_setting(blocks, model.depth)))), have)
+
+
+def gpu_auto_checkpointing(model: ModelConfig, trainer, have: int | None) -> str | float:
+    """trainer.activation_checkpointing=auto on GPUs of `have` bytes: the fewest blocks that fit; every block where
+    the GPU's memory is unknown (keel estimate without a GPU or trainer.gpu_memory_gib)."""
+    blocks = model.depth if have is None else fewest_fitting_blocks(model, trainer, have)
+    return checkpointing_setting(blocks, model.depth)
+
+
 def remedies(model: ModelConfig, trainer, have: int) -> list[str]:
     """The changes that bring the estimate under `have`, the most helpful first, each applied on top of the ones
     before it and said with the estimate it leaves: activation checkpointing and FSDP in the order of what they save,
-    then the largest micro-batch that fits, with grad_accum raised to keep the global batch."""
+    then the largest micro-batch that fits, with grad_accum raised to keep the global batch. Activation checkpointing
+    is ranked by what checkpointing every block saves, and proposed as auto: the fewest blocks that fit, if some do.
+    The estimates said are without the margin; what must fit `have` is with it."""
     options = {}
-    if not trainer.activation_checkpointing:
-        options["trainer.activation_checkpointing=true"] = {"activation_checkpointing": True}
+    if trainer.checkpointed_blocks(model.depth) < model.depth:
+        options["activation checkpointing"] = {"activation_checkpointing": "all"}
     if trainer.resolved_strategy != "fsdp" and trainer.world_size > 1 and trainer.precision != "16-mixed":
         options["trainer.strategy=fsdp"] = {"strategy": "fsdp"}
     steps = []
     need = gpu_training_bytes(model, trainer)
-    while options and need > have:
+    while options and with_margin(need) > have:
         after = {key: gpu_training_bytes(model, dataclasses.replace(trainer, **change))
                  for key, change in options.items()}
         key = min(after, key=after.get)
         trainer, need = dataclasses.replace(trainer, **options.pop(key)), after[key]
-        steps.append(f"{key} (-> {_gib(need)})")
+        if key == "activation checkpointing":
+            blocks = fewest_fitting_blocks(model, trainer, have)
+            trainer = dataclasses.replace(trainer, activation_checkpointing=checkpointing_setting(blocks, model.depth))
+            need = gpu_training_bytes(model, trainer)
+            if blocks < model.depth:
+                steps.append(f"trainer.activation_checkpointing=auto (the first {blocks} of {model.depth} blocks -> "
+                             f"{gib(need)})")
+                continue
+            key = "trainer.activation_checkpointing=all"
+        steps.append(f"{key} (-> {gib(need)})")
     sequences = trainer.micro_batch_size * trainer.grad_accum
-    for micro in range(trainer.micro_batch_size - 1, 0, -1) if need > have else ():
+    for micro in range(trainer.micro_batch_size - 1, 0, -1) if with_margin(need) > have else ():
         if sequences % micro == 0:
             need = gpu_training_bytes(model, dataclasses.replace(trainer, micro_batch_size=micro,
                                                                  grad_accum=sequences // micro))
-            if need <= have or micro == 1:
+            if with_margin(need) <= have or micro == 1:
                 steps.append(f"trainer.micro_batch_size={micro} trainer.grad_accum={sequences // micro} "
-                             f"(-> {_gib(need)})")
+                             f"(-> {gib(need)})")
                 break
-    if need > have:
+    if with_margin(need) > have:
         steps.append("more GPUs under trainer.strategy=fsdp, or GPUs with more memory")
     return steps
 
 
 def check_gpu_fits(cfg, have: int) -> None:
-    """Refuse a GPU run (cfg: keel.config.Config) whose estimated memory per GPU exceeds `have` bytes (the GPU's
-    memory), naming the terms and the keys to change; trainer.check_memory=false starts it anyway."""
+    """Refuse a GPU run (cfg: keel.config.Config) whose estimated memory per GPU, with the allocator margin, exceeds
+    `have` bytes (the GPU's memory), naming the terms and the keys to change; trainer.check_memory=false starts it
+    anyway."""
     model, t = cfg.model, cfg.trainer
     terms = gpu_training_terms(model, t)
-    if (need := sum(terms.values())) <= have:
+    if with_margin(need := sum(terms.values())) <= have:
         return
-    counts = parameter_counts(model)
-    per_block = activation_bytes(model, 1, matmul_bytes(t), False) / model.depth
-    shape = (f"model.depth={model.depth}, model.width={model.width}, trainer.micro_batch_size={t.micro_batch_size} x "
-             f"model.seq_len={model.seq_len} ({sum(counts.values()) / 1e9:.2f} B parameters, {gpu_precision(t)}, "
-             f"{t.resolved_strategy} over {t.world_size} GPU(s), activation checkpointing "
-             f"{'on' if t.activation_checkpointing else f'off: {per_block / 2**10:.1f} KiB per token per block'})")
-    breakdown = ", ".join(f"{name} {_gib(n)}" for name, n in terms.items())
-    raise ConfigError(f"{shape} needs about {_gib(need)} per GPU ({breakdown}), more than the {_gib(have)} of this "
-                      f"GPU; change, in this order: {', then '.join(remedies(model, t, have))}; or set "
-                      "trainer.check_memory=false to start anyway")
+    breakdown = ", ".join(f"{name} {gib(n)}" for name, n in terms.items())
+    raise ConfigError(f"{run_shape(model, t)} needs about {gib(need)} per GPU ({breakdown}), "
+                      f"{gib(with_margin(need))} with the {ALLOCATOR_MARGIN:.0%} allocator margin, more than the "
+                      f"{gib(have)} of this GPU; change, in this order: {', then '.join(remedies(model, t, have))}; "
+                      "or set trainer.check_memory=false to start anyway")
+
+
+def run_shape(model: ModelConfig, trainer) -> str:
+    """The sizes and layout a GPU estimate depends on, in words (with activation checkpointing's per-block cost)."""
+    params = sum(parameter_counts(model).values())
+    checkpointed = trainer.checkpointed_blocks(model.depth)
+    per_block = activation_bytes(model, 1, matmul_bytes(trainer), 0) / model.depth
+    saved = f"{per_block / 2**10:.1f} KiB per token per block"
+    checkpointing = ("on, every block" if checkpointed == model.depth else
+                     f"on, the first {checkpointed} of {model.depth} blocks; the others keep {saved}" if checkpointed
+                     else f"off: {saved}")
+    return (f"model.depth={model.depth}, model.width={model.width}, trainer.micro_batch_size={trainer.micro_batch_size}"
+            f" x model.seq_len={model.seq_len} ({params / 1e9:.2f} B parameters, {gpu_precision(trainer)}, "
+            f"{trainer.resolved_strategy} over {trainer.world_size} GPU(s), activation checkpointing {checkpointing})")

@@ -10,6 +10,7 @@ The terms, each fitted to peak RSS measured on CPU (docs/model.md, "Memory estim
 
 from __future__ import annotations
 
+import bisect
 import os
 
 from keel.errors import ConfigError
@@ -25,11 +26,33 @@ def parameter_count(cfg: ModelConfig) -> int:
     return sum(parameter_counts(cfg).values())
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False) -> int:
-    """What one forward keeps for its backward over `tokens` tokens; checkpointed: each block's input only,
-    plus one block's activations while it is recomputed."""
+def activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: int = 0) -> int:
+    """What one forward keeps for its backward over `tokens` tokens, at its peak; checkpointed: how many blocks
+    (the first ones) keep only their input, their activations recomputed in backward (peak_activations)."""
     per_block = 4 * (16 * cfg.width + 4 * cfg.ffn_hidden) * tokens
-    return (4 * cfg.width * tokens * cfg.depth + per_block) if checkpointed else per_block * cfg.depth
+    return peak_activations([per_block] * cfg.depth, 4 * cfg.width * tokens, checkpointed)
+
+
+def peak_activations(per_block: list[int], block_input: int, checkpointed: int) -> int:
+    """The peak of the activations a forward keeps for its backward, in bytes: per_block[i] for block i,
+    block_input for a checkpointed block, whose `checkpointed` first blocks keep only their input. It is the larger
+    of the kept activations as backward starts and of the inputs plus one recomputed block: the first blocks are
+    recomputed last, once the later blocks' activations are freed (keel.parallel.apply_activation_checkpointing)."""
+    kept = sum(per_block[checkpointed:]) + checkpointed * block_input
+    return max(kept, max(per_block[:checkpointed], default=0) + checkpointed * block_input)
+
+
+def fewest_checkpointed_blocks(depth: int, need, have: int) -> int:
+    """The fewest blocks to checkpoint (the first ones) for need(blocks) bytes to fit in `have`; every block if
+    none does (the memory check then refuses the run, naming the other changes). Up to depth - 1 blocks, need falls
+    with each block checkpointed (its input kept instead of its activations), so bisection finds it; checkpointing
+    the last block too saves nothing (peak_activations), so all blocks are never needed where depth - 1 do not fit."""
+    return bisect.bisect_left(range(depth), True, key=lambda blocks: need(blocks) <= have)
+
+
+def checkpointing_setting(blocks: int, depth: int) -> str | float:
+    """The trainer.activation_checkpointing value that checkpoints the first `blocks` of `depth` blocks."""
+    return "none" if blocks == 0 else "all" if blocks == depth else blocks / depth
 
 
 def measurement_bytes(cfg: ModelConfig, batch: int) -> int:
@@ -53,9 +76,9 @@ def check_model_fits(cfg: ModelConfig, what: str) -> None:
                "use a machine with more memory")
 
 
-def training_bytes(cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpointed: bool = False) -> int:
+def training_bytes(cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpointed: int = 0) -> int:
     """One training process: its share of weights, gradients and AdamW state (1 / shards under FSDP), one
-    micro-batch's activations, the blocks' fixed cost and the process's own."""
+    micro-batch's activations (`checkpointed` blocks checkpointed), the blocks' fixed cost and the process's own."""
     return (16 * parameter_count(cfg) // shards + activation_bytes(cfg, micro_batch * cfg.seq_len, checkpointed)
             + BLOCK_BYTES * cfg.depth + PROCESS_BYTES)
 
@@ -80,17 +103,30 @@ def available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cpu_training_bytes(cfg, checkpointed: int) -> int:
+    """A CPU run's processes on this machine (cfg: keel.config.Config), `checkpointed` blocks checkpointed in each.
+    Fitted to peak RSS, which counts the allocator's own slack: no margin is added (keel.gpu_memory adds one)."""
+    t = cfg.trainer
+    return t.devices * training_bytes(cfg.model, t.micro_batch_size, t.shard_size, checkpointed)
+
+
+def cpu_auto_checkpointing(cfg) -> str | float:
+    """trainer.activation_checkpointing=auto on CPU: the fewest blocks with which the run fits the memory available."""
+    depth = cfg.model.depth
+    return checkpointing_setting(fewest_checkpointed_blocks(depth, lambda n: cpu_training_bytes(cfg, n),
+                                                            available_bytes()), depth)
+
+
 def check_training_fits(cfg) -> None:
     """Refuse a CPU run (cfg: keel.config.Config) whose processes on this machine would not fit in its memory;
     trainer.check_memory=false starts it anyway. GPU runs: keel.gpu_memory."""
     t = cfg.trainer
-    shards = t.shard_size
-    need = t.devices * training_bytes(cfg.model, t.micro_batch_size, shards, t.activation_checkpointing)
-    check_fits(need, f"model.depth={cfg.model.depth}, model.width={cfg.model.width}, trainer.micro_batch_size="
-               f"{t.micro_batch_size} x model.seq_len={cfg.model.seq_len} in {t.devices} process(es)",
-               parameter_count(cfg.model), "weights, gradients and AdamW state",
-               "lower one of them (or set trainer.activation_checkpointing=true), or set trainer.check_memory=false "
-               "to start anyway")
+    checkpointed = t.checkpointed_blocks(cfg.model.depth)
+    more = "" if checkpointed == cfg.model.depth else " (or set trainer.activation_checkpointing=auto or all)"
+    check_fits(cpu_training_bytes(cfg, checkpointed), f"model.depth={cfg.model.depth}, model.width={cfg.model.width}, "
+               f"trainer.micro_batch_size={t.micro_batch_size} x model.seq_len={cfg.model.seq_len} in {t.devices} "
+               f"process(es)", parameter_count(cfg.model), "weights, gradients and AdamW state",
+               f"lower one of them{more}, or set trainer.check_memory=false to start anyway")
 
 
 def check_fits(need: int, what: str, parameters: int, state: str, remedy: str) -> None:

@@ -13,23 +13,29 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from keel.checkpoint import commit_dir, refuse_payloads, staging_path
+from keel.checkpoint import SHARDED_META, AsyncShardedWriter, commit_dir, refuse_payloads, staging_path
+from keel.config import resolve_accelerator
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
 
-def apply_activation_checkpointing(model: KeelLM) -> None:
-    """Recompute each block's activations in backward: memory O(1 block) instead of O(depth).
+def apply_activation_checkpointing(model: KeelLM, blocks: int | None = None) -> None:
+    """Recompute the activations of the first `blocks` blocks (default: every one) in backward: all of them, memory
+    O(1 block) instead of O(depth). The first ones because backward reaches them last, once the later blocks'
+    activations are freed: each then saves its activations less its input, and its recomputation adds no peak of its
+    own (Megatron-LM's `--recompute-method block` picks the same; checkpointing the last block would save nothing).
     In place (each block's forward becomes a checkpointed call of its class's forward), so parameter names,
     state_dict keys and module hooks stay those of the plain model - `checkpoint_wrapper` strips its
     `_checkpoint_wrapped_module.` prefix from state_dict() but not from named_parameters() - and
     per-block compile still traces it (it silently skips a functools.partial(checkpoint, ...) forward)."""
-    for block in model.blocks:
+    for block in model.blocks[:blocks]:
         block.forward = types.MethodType(_checkpointed_forward, block)
 
 
@@ -52,13 +58,24 @@ def parallelize(model: KeelLM, trainer, device_mesh=None) -> None:
     unit is a whole checkpointed / compiled block: recomputation re-gathers that block's parameters alone."""
     if getattr(model, "_keel_parallelized", False):
         return
-    if trainer.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if blocks := agreed_checkpointed_blocks(trainer.checkpointed_blocks(model.cfg.depth)):
+        apply_activation_checkpointing(model, blocks)
     if trainer.compile:
         compile_blocks(model)
     if device_mesh is not None:
         shard(model, sharding_mesh(device_mesh, trainer), mixed_precision_policy(trainer))
     model._keel_parallelized = True
+
+
+def agreed_checkpointed_blocks(blocks: int) -> int:
+    """The most blocks any process checkpoints: trainer.activation_checkpointing=auto is resolved by each process from
+    its own GPU (or free host memory), and processes that recompute different blocks would issue different FSDP
+    all-gathers and wait for each other forever."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return blocks
+    every = [0] * dist.get_world_size()
+    dist.all_gather_object(every, blocks)
+    return max(every)
 
 
 def sharding_mesh(device_mesh, trainer):
@@ -101,18 +118,14 @@ def mesh_device(mesh) -> torch.device:
 
 def mixed_precision_policy(trainer) -> MixedPrecisionPolicy:
     """Under bf16-mixed: compute with bf16 copies of the parameters (half the all-gather traffic), reduce
-    gradients in fp32; the sharded master weights and the optimizer state stay fp32. cast_forward_inputs=False
-    keeps FSDP from casting each block's input - the fp32 residual stream - to bf16, which Keel's
-    alpha * x + F(x) cannot afford at depth (see model.py); Lightning's autocast casts the matmul inputs."""
+    gradients in trainer.reduce_dtype (fp32 by default); the sharded master weights and the optimizer state stay
+    fp32. cast_forward_inputs=False keeps FSDP from casting each block's input - the fp32 residual stream - to bf16,
+    which Keel's alpha * x + F(x) cannot afford at depth (see model.py); Lightning's autocast casts the matmul
+    inputs. Other precisions compute in the parameters' dtype; None reduces the gradients in it too."""
+    reduce_dtype = torch.bfloat16 if trainer.reduce_dtype == "bf16" else torch.float32
     if resolve_precision(trainer) != "bf16-mixed":
-        return MixedPrecisionPolicy()  # fp32 throughout
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-
-
-def resolve_accelerator(trainer) -> str:
-    if trainer.accelerator != "auto":
-        return trainer.accelerator
-    return "gpu" if torch.cuda.is_available() else "cpu"
+        return MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if trainer.reduce_dtype == "bf16" else None)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
 def resolve_precision(trainer, accelerator: str | None = None) -> str:
@@ -122,13 +135,38 @@ def resolve_precision(trainer, accelerator: str | None = None) -> str:
     return "bf16-mixed" if (accelerator or resolve_accelerator(trainer)) == "gpu" else "32-true"
 
 
+def resolve_async_checkpoint(trainer) -> bool:
+    """trainer.async_checkpoint, with auto resolved: on for sharded (FSDP) checkpoints on GPUs, which a synchronous
+    save keeps idle while it writes; off on CPU, so that CPU runs save as they always did."""
+    if trainer.async_checkpoint != "auto":
+        return trainer.async_checkpoint
+    return trainer.resolved_strategy == "fsdp" and resolve_accelerator(trainer) == "gpu"
+
+
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")  # present where Linux has loaded the NVIDIA kernel driver
+
+
 def check_trainer(trainer) -> None:
     """Refuse combinations that cannot run, saying what to change, before any process starts."""
     world = trainer.world_size
+    if trainer.accelerator == "auto" and not torch.cuda.is_available() and NVIDIA_DRIVER.is_file():
+        # e.g. a driver older than this torch build needs: torch only warns, and auto would train on the CPU
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError(f"trainer.accelerator=auto: torch {torch.__version__} ({build}) sees no GPU, yet this machine "
+                          f"has an NVIDIA driver loaded ({NVIDIA_DRIVER.read_text().splitlines()[0].strip()}); install "
+                          "the torch build the driver supports (docs/distributed.md, \"The torch build and the GPU "
+                          "driver\"), or set trainer.accelerator=cpu to train on the CPU")
     if trainer.accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator=gpu: no CUDA GPU is visible; use trainer=cpu (or trainer.accelerator=cpu)")
-    if resolve_accelerator(trainer) == "gpu" and trainer.devices > torch.cuda.device_count():
-        raise ConfigError(f"trainer.devices={trainer.devices}: only {torch.cuda.device_count()} CUDA GPU(s) visible on "
+    visible = torch.cuda.device_count()
+    if resolve_accelerator(trainer) == "gpu" and trainer.devices > visible and SLURMEnvironment.detect():
+        # e.g. --gpus-per-task=1: Lightning gives each task the GPU of its local rank among those it sees
+        raise ConfigError(f"trainer.devices={trainer.devices}: this SLURM task sees {visible} CUDA GPU(s), and each "
+                          "process takes the GPU of its local rank among all of its node's; submit with "
+                          f"--gpus-per-node={trainer.devices} --ntasks-per-node={trainer.devices}, without "
+                          "--gpus-per-task or --gpu-bind (which leave each task only its own GPU)")
+    if resolve_accelerator(trainer) == "gpu" and trainer.devices > visible:
+        raise ConfigError(f"trainer.devices={trainer.devices}: only {visible} CUDA GPU(s) visible on "
                           "this node; trainer.devices counts GPUs per node")
     if trainer.strategy == "single" and world > 1:
         raise ConfigError(f"trainer.strategy=single runs one process, not trainer.devices x trainer.num_nodes = {world}; "
@@ -177,7 +215,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     `parallelize` shards the model in configure_model). Its distributed checkpoints - a directory of per-rank
     shards plus rank 0's meta.pt - are written to a staging directory first, then swapped in whole, so a
     crash mid-save leaves the previous checkpoint readable; their `.metadata` and byte entries are checked for code
-    before torch reads them."""
+    before torch reads them. With async_checkpoint the shards are written in the background (AsyncShardedWriter)
+    and swapped in by finish_checkpoint, which the checkpoint callback calls once the write is done."""
+
+    def __init__(self, *args, async_checkpoint: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_writer = AsyncShardedWriter() if async_checkpoint else None
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         path = Path(self.broadcast(str(filepath)))
@@ -185,6 +228,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.is_global_zero:
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
         self.barrier()
+        if self.async_writer is not None:  # Lightning's layout: the tensors by DCP, the rest in rank 0's meta.pt
+            staging.mkdir(parents=True, exist_ok=True)
+            tensors = {"state_dict": checkpoint.pop("state_dict")}
+            tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+            self.async_writer.start(tensors, staging, path, self.root_device)
+            if self.is_global_zero:
+                torch.save(checkpoint, staging / SHARDED_META)
+            return
         super().save_checkpoint(checkpoint, staging, storage_options)  # returns once every rank wrote its shards
         if self.is_global_zero:
             commit_dir(staging, path)
@@ -195,6 +246,30 @@ class FSDP2Strategy(ModelParallelStrategy):
         if path.is_dir():  # torch would unpickle .metadata and the byte entries as they are: refuse a payload first
             refuse_payloads(path)
         return super().load_checkpoint(path, weights_only)
+
+    def finish_checkpoint(self) -> Path | None:
+        """Wait for the checkpoint being written in the background, raise what failed there, and move it into
+        place; its path, or None if none was being written."""
+        if self.async_writer is None or self.async_writer.in_flight is None:
+            return None
+        path = self.async_writer.finish(commit=self.is_global_zero)
+        self.barrier()
+        return path
+
+    def lightning_module_state_dict(self) -> dict:
+        if self.async_writer is None:
+            return super().lightning_module_state_dict()
+        return get_model_state_dict(self.model)  # the live shards: the writer copies them to host memory itself
+
+    def optimizer_state(self, optimizer) -> dict:
+        if self.async_writer is None:
+            return super().optimizer_state(optimizer)
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))  # as above
+
+    def teardown(self) -> None:
+        if self.async_writer is not None:
+            self.async_writer.close()
+        super().teardown()
 
 
 def build_strategy(trainer):
@@ -207,6 +282,8 @@ def build_strategy(trainer):
     if trainer.strategy == "fsdp":
         return FSDP2Strategy(
             data_parallel_size=trainer.world_size, tensor_parallel_size=1, save_distributed_checkpoint=True,
-            process_group_backend=backend,
+            process_group_backend=backend, async_checkpoint=resolve_async_checkpoint(trainer),
         )
-    return DDPStrategy(process_group_backend=backend)
+    # bf16: DDP's own hook casts each gradient bucket to bf16 for the all-reduce and back (torch's default_hooks)
+    hook = bf16_compress_hook if trainer.reduce_dtype == "bf16" else None
+    return DDPStrategy(process_group_backend=backend, ddp_comm_hook=hook)

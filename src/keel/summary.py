@@ -1,17 +1,19 @@
 """What `keel pretrain` prints before training: the model (parameters, depth, L, alpha, FLOPs/token) and the run
-plan (steps, tokens, tokens per parameter, precision, strategy, world size, threads); and the line it ends with."""
+plan (steps, tokens, tokens per parameter, precision, strategy, world size, threads; on GPUs torch's CUDA build
+and the driver); and the line it ends with."""
 
 from __future__ import annotations
 
+import subprocess
 from collections import Counter
 
 import torch
 
 from keel.checkpoint import LAST, batch_layout, checkpoint_dir
-from keel.config import Config
+from keel.config import Config, resolve_accelerator
 from keel.flops import flops_per_token
 from keel.model import KeelLM
-from keel.parallel import resolve_accelerator, resolve_precision
+from keel.parallel import resolve_precision
 from keel.schemes import formulas, init_description, sublayer_specs
 
 
@@ -44,7 +46,7 @@ def run_plan(cfg: Config, params: int) -> list[str]:
     t = cfg.trainer
     global_tokens_per_step = t.world_size * cfg.device_tokens_per_step
     tokens = t.max_steps * global_tokens_per_step
-    return [
+    lines = [
         f"steps       {t.max_steps:,} x {global_tokens_per_step:,} tokens = {tokens:,} tokens "
         f"({tokens / params:.3g} tokens/parameter, {tokens * flops_per_token(cfg.model):.3g} FLOPs)",
         f"batch       {batch_layout(t)} sequences of {cfg.model.seq_len} tokens",
@@ -52,6 +54,32 @@ def run_plan(cfg: Config, params: int) -> list[str]:
         f"{t.world_size}, {torch.get_num_threads()} intra-op thread(s) per process"
         + (", torch.compile per block (compiled during the first steps)" if t.compile else ""),
     ]
+    if resolve_accelerator(t) == "gpu":  # what to compare when a cluster's driver and torch's build disagree
+        lines.append(f"cuda        torch {torch.__version__} built for CUDA {torch.version.cuda}, "
+                     f"NVIDIA driver {nvidia_driver_version()}")
+    return lines
+
+
+def nvidia_driver_version() -> str:
+    """The NVIDIA driver's version (e.g. 550.54.15): from NVML through pynvml where it is installed, else from
+    nvidia-smi, else "unknown" - a line of the summary, never a reason to fail."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else version
+    except Exception:  # pynvml missing (ImportError) or NVML unusable (pynvml.NVMLError): ask nvidia-smi
+        pass
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):  # not on PATH, failed or hung
+        return "unknown"
+    return next(iter(query.stdout.split()), "unknown")  # one line per GPU, all the same driver
 
 
 def run_summary(cfg: Config, model: KeelLM) -> str:

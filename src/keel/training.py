@@ -28,17 +28,18 @@ from keel.checkpoint import (
     read_checkpoint,
     resolve_resume,
 )
-from keel.config import Config, from_dict, to_dict
+from keel.config import Config, from_dict, resolve_accelerator, to_dict
 from keel.console import quiet_libraries
 from keel.data.loading import KeelDataModule, check_resumable_data, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
-from keel.gpu_memory import check_gpu_fits, gpu_memory_bytes
+from keel.estimate import resolve_activation_checkpointing
+from keel.gpu_memory import check_gpu_fits, gpu_budget_bytes
 from keel.lit import KeelLitModule, check_same_model
 from keel.loggers import LOGGERS, kind_of
 from keel.memory import check_training_fits
 from keel.model import check_state_fits
-from keel.parallel import build_strategy, resolve_accelerator, resolve_precision
+from keel.parallel import build_strategy, resolve_precision
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
 from keel.summary import run_result, run_summary
 
@@ -201,12 +202,14 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
     tell_litdata_the_nodes(cfg)
     owner = launched_as_rank_zero()
     accelerator = resolve_accelerator(cfg.trainer)
+    if (chosen := resolve_activation_checkpointing(cfg)) and owner:
+        say(chosen)
     if owner and accelerator == "cpu":
         check_cpu_processes(cfg)
     # every GPU rank checks its own GPU (one that refused alone would leave the others waiting for it); without
     # CUDA, keel.parallel.check_trainer refuses trainer.accelerator=gpu instead
     if accelerator == "gpu" and cfg.trainer.check_memory and torch.cuda.is_available():
-        check_gpu_fits(cfg, gpu_memory_bytes())
+        check_gpu_fits(cfg, gpu_budget_bytes(cfg.trainer))
     with RunDirLock(cfg.run.dir) if owner else nullcontext():
         return _train(cfg, extra_callbacks, owner)
 

@@ -1,7 +1,8 @@
 """`keel data`: one pass over data.source spooled to local disk and split, a tokenizer, the shards of each split
-(encoded in a seeded document order by worker processes, in litdata's TokensLoader layout), val_docs.jsonl, and the
-manifest. A build holds a lock on data.dir, is staged in <data.dir>/.keel-build and moved into place once whole: a
-build that fails or is interrupted is removed and leaves data.dir as it was.
+(encoded in a seeded document order by worker processes, in litdata's TokensLoader layout), val_docs.jsonl, the
+downstream tasks generated from it (eval_tasks/), and the manifest. A build holds a lock on data.dir, is staged in
+<data.dir>/.keel-build and moved into place once whole: a build that fails or is interrupted is removed and leaves
+data.dir as it was.
 
     keel data [--config FILE] [--force] [key=value ...]
 """
@@ -124,7 +125,8 @@ def _up_to_date(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> dict
 
 
 def prepare(cfg: Config, force: bool = False) -> dict:
-    """Build the tokenizer, shards, val_docs.jsonl and manifest at cfg.data.dir unless already there; the manifest."""
+    """Build the tokenizer, shards, val_docs.jsonl, generated tasks and manifest at cfg.data.dir unless already there;
+    the manifest."""
     data = cfg.data
     fs = storage(data.dir)
     if (manifest := _up_to_date(cfg, fs, force)) is not None:
@@ -193,6 +195,9 @@ def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tupl
             timings[f"{split}_shards_s"] = time.perf_counter() - mark
         with writing(data_path(staging, VAL_DOCS)):
             fs.put_file(spools["val"].path, data_path(staging, VAL_DOCS))
+        mark = time.perf_counter()
+        _write_eval_tasks(fs, staging, spools["val"].path)
+        timings["eval_tasks_s"] = time.perf_counter() - mark
 
     require_sequences(fs, staging, cfg.model.seq_len)
     timings["total_s"] = time.perf_counter() - start
@@ -218,6 +223,21 @@ def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tupl
     return manifest
 
 
+def _write_eval_tasks(fs: fsspec.AbstractFileSystem, staging: str, val_docs: str) -> None:
+    """The generated downstream tasks (keel.evaluation.generated), built from the held-out documents beside the
+    shards, so that training reads them where the data is (an object store or a read-only mount too)."""
+    from keel.evaluation.generated import TASKS_SUBDIR, build_tasks, write_tasks  # (keel.evaluation loads lm-eval)
+
+    with open(val_docs, encoding="utf-8") as f:
+        try:
+            tasks = build_tasks(f)
+        except ValueError as err:  # too few held-out documents: the shards are still usable
+            print(f"keel data: no generated evaluation tasks: {err}")
+            return
+    with writing(data_path(staging, TASKS_SUBDIR)):
+        write_tasks(fs, staging, tasks)
+
+
 def _publish(fs: fsspec.AbstractFileSystem, staging: str, data_dir: str) -> None:
     """Moves a whole staged build into data.dir. The old manifest goes first, so data.dir reads as an unfinished build
     until the new one, moved last, marks it complete. Locally every move is a rename on one filesystem: no space
@@ -236,6 +256,13 @@ def _publish(fs: fsspec.AbstractFileSystem, staging: str, data_dir: str) -> None
             for path in fs.ls(source, detail=False):  # split (a flat folder) is copied, then deleted
                 fs.mv(path, f"{target}/{posixpath.basename(path)}")
         else:
+            fs.mv(source, target)
+    from keel.evaluation.generated import task_files
+
+    # the generated tasks file by file: nothing else under eval_tasks/ (a file of the user's) is removed
+    for source, target in zip(task_files(staging).values(), task_files(data_dir).values()):
+        if fs.exists(source):
+            fs.makedirs(posixpath.dirname(target), exist_ok=True)
             fs.mv(source, target)
     fs.rm_file(data_path(data_dir, PUBLISHING))
 

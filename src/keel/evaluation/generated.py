@@ -9,9 +9,11 @@
     keel_last_token  LAMBADA-style: predict the identifier that ends a line, one that already occurs in the
                      preceding lines, so it is recoverable from context (chance ~0: open vocabulary).
 
-`generate_tasks(corpus_dir)` writes one jsonl per task under `<corpus_dir>/eval_tasks/v1/`, deterministically
-(fixed seed, documents in val_docs.jsonl order), and rewrites them only when val_docs.jsonl is newer. The
-task YAMLs load them through `load_next_line` / `load_last_token` (lm-eval `custom_dataset`).
+`keel data` writes one jsonl per task beside the shards, under `<data.dir>/eval_tasks/v2/` (build_tasks,
+write_tasks): deterministically (fixed seed, documents in val_docs.jsonl order). For a data.dir built before it did,
+generate_tasks writes them under a local directory it is given (training: run.dir, by rank 0 alone), never into the
+data.dir, which may be an object store or read-only; the task YAMLs load them through `load_next_line` /
+`load_last_token` (lm-eval `custom_dataset`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,23 @@ import bisect
 import json
 import keyword
 import os
+import posixpath
 import random
 import re
+import secrets
+import socket
+from collections.abc import Iterable
 from pathlib import Path
 
-from keel.checkpoint import read_checkpoint
-from keel.data.shards import VAL_DOCS
+import fsspec
 
-TASKS_SUBDIR = "eval_tasks/v1"  # bump when the generator changes: files of an older one are not reused
+from keel.checkpoint import read_checkpoint
+from keel.data.shards import VAL_DOCS, data_path, storage
+
+TASKS_SUBDIR = "eval_tasks/v2"  # bump when the generator changes: files of an older one are not reused
+# the held-out text the tasks are drawn from: its first documents up to this many characters - ample for EXAMPLES per
+# task, and what `keel data` holds in memory to build them stays bounded whatever the size of the held-out split
+SOURCE_CHARS = 2**20
 EXAMPLES = 500  # per task; in-loop evaluation uses the first eval.limit of them (the order is shuffled)
 SEED = 0
 CONTEXT_LINES = 8
@@ -95,28 +106,89 @@ def _last_token_examples(docs: list[list[str]], rng: random.Random) -> list[dict
 BUILDERS = {"keel_next_line": _next_line_examples, "keel_last_token": _last_token_examples}
 
 
-def generate_tasks(corpus_dir: str | os.PathLike) -> dict[str, Path]:
-    """Write (if missing or older than val_docs.jsonl) and return {task name: jsonl path} for the generated tasks."""
-    corpus = Path(corpus_dir)
-    source = corpus / VAL_DOCS
-    if not source.is_file():
-        raise FileNotFoundError(f"no {VAL_DOCS} in {corpus}: run `keel data` for this data.dir first")
-    out_dir = corpus / TASKS_SUBDIR
-    paths = {name: out_dir / f"{name}.jsonl" for name in BUILDERS}
-    if all(p.is_file() and p.stat().st_mtime >= source.stat().st_mtime for p in paths.values()):
-        return paths
-    with open(source, encoding="utf-8") as f:
-        docs = [json.loads(line)["text"].splitlines() for line in f if line.strip()]
+def task_files(root: str) -> dict[str, str]:
+    """{task name: path or URL} of the generated tasks under root: a data.dir (where `keel data` writes them) or
+    the directory the loaders write them under for a data.dir built without them (training: run.dir)."""
+    return {name: data_path(root, TASKS_SUBDIR, f"{name}.jsonl") for name in BUILDERS}
+
+
+def build_tasks(val_docs: Iterable[str]) -> dict[str, bytes]:
+    """{task name: its jsonl} from the lines of a val_docs.jsonl, its first SOURCE_CHARS characters: deterministic
+    (fixed seed, documents in order)."""
+    docs, chars = [], 0
+    for line in val_docs:
+        if chars >= SOURCE_CHARS:
+            break
+        if line.strip():
+            text = json.loads(line)["text"][: SOURCE_CHARS - chars]
+            docs.append(text.splitlines())
+            chars += len(text)
     if len(docs) < 2:
-        raise ValueError(f"{source}: the generated tasks need at least 2 held-out documents, found {len(docs)}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, build in BUILDERS.items():
-        examples = build(docs, random.Random(f"{SEED}:{name}"))
-        # Atomic: every rank of a multi-process run may generate at once; readers never see a partial file.
-        tmp = paths[name].with_name(f".{paths[name].name}.tmp{os.getpid()}")
-        tmp.write_text("".join(json.dumps(example) + "\n" for example in examples), encoding="utf-8")
-        os.replace(tmp, paths[name])
+        raise ValueError(f"the generated tasks need at least 2 held-out documents ({VAL_DOCS}), found {len(docs)}")
+    return {name: "".join(json.dumps(example) + "\n" for example in build(docs, random.Random(f"{SEED}:{name}")))
+            .encode() for name, build in BUILDERS.items()}
+
+
+def write_tasks(fs: fsspec.AbstractFileSystem, root: str, tasks: dict[str, bytes]) -> dict[str, str]:
+    """Write build_tasks' files under root (on fs, local or an object store); each appears whole: written under a
+    name no other process or host uses, then moved into place. Returns task_files(root)."""
+    paths = task_files(root)
+    unique = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+    for name, content in tasks.items():
+        fs.makedirs(posixpath.dirname(paths[name]), exist_ok=True)
+        tmp = f"{posixpath.dirname(paths[name])}/.{name}.jsonl.{unique}.tmp"
+        fs.pipe_file(tmp, content)
+        fs.mv(tmp, paths[name])
     return paths
+
+
+def _current(fs: fsspec.AbstractFileSystem, paths: dict[str, str], source_modified: float) -> bool:
+    return all(fs.isfile(path) and fs.modified(path).timestamp() >= source_modified for path in paths.values())
+
+
+def generate_tasks(corpus_dir: str | os.PathLike, tasks_dir: str | os.PathLike | None = None) -> dict[str, Path | str]:
+    """{task name: local Path or object-store URL} of the generated tasks of a `keel data` directory (local or a
+    URL): its own, written by `keel data` beside the shards; else those under tasks_dir (a local directory; default:
+    corpus_dir itself where it is local and writable), written there if missing or older than val_docs.jsonl. An
+    object-store or read-only data directory is never written: without a tasks_dir, {} (read_tasks then builds the
+    tasks in memory)."""
+    corpus = str(corpus_dir)
+    fs = storage(corpus)
+    source = data_path(corpus, VAL_DOCS)
+    if not fs.isfile(source):
+        raise FileNotFoundError(f"no {VAL_DOCS} in {corpus}: run `keel data` for this data.dir first")
+    modified = fs.modified(source).timestamp()
+    if _current(fs, own := task_files(corpus), modified):
+        return {name: path if "://" in path else Path(path) for name, path in own.items()}
+    if tasks_dir is None and "://" not in corpus and os.access(corpus, os.W_OK):
+        tasks_dir = corpus
+    if tasks_dir is None:
+        return {}
+    local = fsspec.filesystem("file")
+    if not _current(local, task_files(str(tasks_dir)), modified):
+        write_tasks(local, str(tasks_dir), _build_from(fs, source))
+    return {name: Path(path) for name, path in task_files(str(tasks_dir)).items()}
+
+
+def _build_from(fs: fsspec.AbstractFileSystem, val_docs: str) -> dict[str, bytes]:
+    with fs.open(val_docs, "rt", encoding="utf-8") as f:
+        try:
+            return build_tasks(f)
+        except ValueError as err:
+            raise ValueError(f"{val_docs}: {err}") from None
+
+
+def read_tasks(corpus_dir: str, tasks_dir: str | None = None) -> dict[str, list[dict]]:
+    """{task name: its examples}, from the files generate_tasks finds or writes, else built in memory."""
+    if paths := generate_tasks(corpus_dir, tasks_dir):
+        contents = {}
+        for name, path in paths.items():
+            with fsspec.open(str(path), "rb") as f:
+                contents[name] = f.read()
+    else:
+        contents = _build_from(storage(corpus_dir), data_path(corpus_dir, VAL_DOCS))
+    return {name: [json.loads(line) for line in content.decode("utf-8").splitlines()]
+            for name, content in contents.items()}
 
 
 def _corpus_dir(corpus_dir: str | None, checkpoint: str | None) -> str:
@@ -131,20 +203,19 @@ def _corpus_dir(corpus_dir: str | None, checkpoint: str | None) -> str:
     return DataConfig().dir
 
 
-def _load(name: str, corpus_dir: str | None, checkpoint: str | None):
+def _load(name: str, corpus_dir: str | None, checkpoint: str | None, tasks_dir: str | None):
     import datasets
 
-    path = generate_tasks(_corpus_dir(corpus_dir, checkpoint))[name]
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
+    rows = read_tasks(_corpus_dir(corpus_dir, checkpoint), tasks_dir)[name]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
 # lm-eval calls custom_dataset(**task metadata, **dataset_kwargs): the metadata carries TaskManager(metadata=...)
-# entries (corpus_dir) and, under lm-eval's command line, the --model_args (checkpoint), plus keys we ignore.
-def load_next_line(corpus_dir: str | None = None, checkpoint: str | None = None, **_):
-    return _load("keel_next_line", corpus_dir, checkpoint)
+# entries (corpus_dir, tasks_dir) and, under lm-eval's command line, the --model_args (checkpoint), plus keys we
+# ignore.
+def load_next_line(corpus_dir: str | None = None, checkpoint: str | None = None, tasks_dir: str | None = None, **_):
+    return _load("keel_next_line", corpus_dir, checkpoint, tasks_dir)
 
 
-def load_last_token(corpus_dir: str | None = None, checkpoint: str | None = None, **_):
-    return _load("keel_last_token", corpus_dir, checkpoint)
+def load_last_token(corpus_dir: str | None = None, checkpoint: str | None = None, tasks_dir: str | None = None, **_):
+    return _load("keel_last_token", corpus_dir, checkpoint, tasks_dir)

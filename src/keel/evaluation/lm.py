@@ -5,10 +5,12 @@
 
 Requests are tokenized exactly as lm-eval's HF model does (TemplateLM: context and continuation encoded
 together, trailing context whitespace moved to the continuation, EOS as the prefix of an empty context),
-left-truncated to the model's seq_len. With distributed=True (in-loop under DDP) it reports the process group's
-rank and world size, so that lm-eval's evaluate() gives each rank its share of the documents and gathers the
-metrics on rank 0; otherwise (FSDP, whose forwards are collective and must be as many on every rank, or one process)
-it reports rank 0 of 1 and evaluates every request it is given.
+left-truncated to the model's seq_len. With distributed=True (in-loop evaluation on several processes) it reports the
+process group's rank and world size, so that lm-eval's evaluate() gives each rank its share of the documents and
+gathers the metrics on rank 0, and its ranks run their forwards in lockstep: as many on every rank, which a sharded
+(FSDP) model needs, its forward gathering each block's parameters from every rank. A rank with fewer batches to score
+runs idle forwards for the others' extra ones; generation steps every rank until every rank's request is done.
+Otherwise (one process) it reports rank 0 of 1 and evaluates every request it is given.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tqdm import tqdm
 
 from keel.checkpoint import load_model
 from keel.data.tokenizer import eos_id_of
-from keel.decoding import generate
+from keel.decoding import stream
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
@@ -59,10 +61,13 @@ class KeelEvalLM(TemplateLM):
         device: str | None = None,
         max_gen_toks: int = 256,
         distributed: bool = False,
+        share_documents: bool = True,
     ) -> None:
         """Either `checkpoint` (a single-file keel checkpoint, loaded onto `device`) or an in-memory `model`
         and `tokenizer_json` (evaluated where the model is). batch_size 'auto' = max_batch_size or 64.
-        distributed: share the documents among the ranks of the initialized process group."""
+        distributed: evaluate with every rank of the initialized process group, in lockstep, each rank a share of
+        the documents; share_documents=False: each rank every document (still in lockstep), for fewer documents
+        than ranks, which lm-eval cannot share (a rank without a document fails in it)."""
         super().__init__()
         if (checkpoint is None) == (model is None):
             raise ConfigError("keel model: give either checkpoint=PATH or an in-memory model, not both")
@@ -76,7 +81,8 @@ class KeelEvalLM(TemplateLM):
         self._device = next(model.parameters()).device
         self._batch_size = int(batch_size) if str(batch_size).isdigit() else (max_batch_size or 64)
         self._max_gen_toks = int(max_gen_toks)
-        if distributed and dist.is_initialized():
+        self._lockstep = distributed and dist.is_initialized() and dist.get_world_size() > 1
+        if self._lockstep and share_documents:
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     # ------------------------------------------------------------------ lm-eval's collectives (world_size > 1 only)
@@ -92,6 +98,23 @@ class KeelEvalLM(TemplateLM):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    # ------------------------------------------------------------------ lockstep (distributed only)
+    def _most(self, count: int) -> int:
+        """The largest `count` of any rank: this rank's own unless in lockstep."""
+        if not self._lockstep:
+            return count
+        most = torch.tensor(count, device=self._device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
+    def _anyone(self, busy: bool) -> bool:
+        """Whether any rank is still busy: this rank alone unless in lockstep."""
+        return self._most(int(busy)) > 0
+
+    def _idle_forward(self) -> None:
+        """A forward whose output is not used, run where another rank runs one that this rank has no work for."""
+        self.model(torch.full((1, 1), self.eot_token_id, dtype=torch.long, device=self._device))
 
     # ------------------------------------------------------------------ TemplateLM interface
     @property
@@ -152,9 +175,11 @@ class KeelEvalLM(TemplateLM):
         """Batched (context, continuation <= seq_len) scoring: longest first (lm-eval's Collator), inputs
         left-truncated to seq_len and right-padded (causal attention never looks at the padding)."""
         collator = Collator(pieces, sort_fn=lambda piece: (-len(piece[0]) - len(piece[1]), tuple(piece[0] + piece[1])))
+        chunks = list(collator.get_batched(n=self.batch_size))
+        batches = self._most(len(chunks))  # before any forward: every rank's collectives in one order
         results = []
         progress = tqdm(total=len(pieces), desc="Running loglikelihood requests", disable=disable_tqdm)
-        for chunk in collator.get_batched(n=self.batch_size):
+        for chunk in chunks:
             windows = [(context + continuation)[-(self.max_length + 1) :][:-1] for context, continuation in chunk]
             batch = torch.full((len(windows), max(map(len, windows))), self.eot_token_id, dtype=torch.long)
             for row, window in enumerate(windows):
@@ -170,6 +195,9 @@ class KeelEvalLM(TemplateLM):
                 )
             progress.update(len(chunk))
         progress.close()
+        with self._inference():
+            for _ in range(batches - len(chunks)):
+                self._idle_forward()
         return collator.get_original(results)
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -190,26 +218,41 @@ class KeelEvalLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, if do_sample) continuation through keel.decoding.generate's KV cache, one request at
-        a time (the model takes no padding mask), cut at the first stop sequence of the decoded text."""
+        """Greedy (or sampled, if do_sample) continuation through keel.decoding.stream's KV cache, one request at a
+        time (the model takes no padding mask), cut at the first stop sequence of the decoded text. In lockstep,
+        every rank decodes as many requests, one step at a time, until every rank's request is done."""
+        rounds = self._most(len(requests))
         results = []
-        for context, gen_kwargs in tqdm(
-            [request.args for request in requests], desc="Running generate_until requests", disable=disable_tqdm
-        ):
+        for index in tqdm(range(rounds), desc="Running generate_until requests", disable=disable_tqdm):
+            if index >= len(requests):  # none left here: idle forwards while another rank decodes
+                self._decode(None, 0, {})
+                continue
+            context, gen_kwargs = requests[index].args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             # A short-context model keeps at least half its window for the prompt.
             max_new = min(kwargs["max_gen_toks"], self.max_length // 2)
-            ids = self.tok_encode(context) or [self.prefix_token_id]
-            with self._inference():
-                out = generate(
-                    self.model,
-                    torch.tensor([ids], device=self._device),
-                    max_new,
-                    temperature=kwargs.get("temperature", 1.0) if kwargs["do_sample"] else 0.0,
-                    top_k=kwargs.get("top_k"),
-                    stop_tokens=(self.eot_token_id,),
-                )
-            text = postprocess_generated_text(self.tok_decode(out[0, len(ids) :].tolist()), kwargs["until"], None)
+            tokens = self._decode(self.tok_encode(context) or [self.prefix_token_id], max_new, kwargs)
+            text = postprocess_generated_text(self.tok_decode(tokens), kwargs["until"], None)
             results.append(text)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return results
+
+    def _decode(self, ids: list[int] | None, max_new: int, kwargs: dict) -> list[int]:
+        """Up to max_new tokens after ids, the last one EOS if decoding stopped there. One step, one forward; in
+        lockstep, steps continue (idle forwards on a rank whose request is done, or that has none: ids None) until
+        no rank is decoding, agreed on before each step."""
+        steps = None
+        if ids is not None and max_new > 0:
+            steps = stream(self.model, torch.tensor([ids], device=self._device), max_new,
+                           temperature=kwargs.get("temperature", 1.0) if kwargs["do_sample"] else 0.0,
+                           top_k=kwargs.get("top_k"))
+        tokens = []
+        with self._inference():
+            while self._anyone(steps is not None):
+                if steps is None:
+                    self._idle_forward()
+                    continue
+                tokens.append(int(next(steps)[0]))
+                if tokens[-1] == self.eot_token_id or len(tokens) == max_new:
+                    steps = None
+        return tokens

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from tqdm import tqdm
 
 import keel.evaluation.lm
 from keel.console import DropMessages
+from keel.data.shards import data_path
 from keel.evaluation.local_tasks import hub_or_local, resolve_tasks
 
 TASKS_DIR = Path(__file__).parent / "tasks"  # generated/ and standard/ task YAMLs
@@ -49,14 +49,16 @@ def task_manager(
     include_path: str | None = None,
     data_dir: str | None = None,
     corpus_dir: str | None = None,
+    tasks_dir: str | None = None,
 ) -> TaskManager:
     """A TaskManager indexing the bundled tasks (and include_path), built once per process and argument set.
     lm-eval's own ~15k tasks are indexed too (about 15 s) only when `tasks` names one that is neither bundled
-    nor a YAML path. data_dir (local standard-suite files) and corpus_dir (a `keel data` directory, for the
-    generated tasks) reach the task loaders as task metadata."""
+    nor a YAML path. data_dir (local standard-suite files), corpus_dir (a `keel data` directory, local or an
+    object-store URL, for the generated tasks) and tasks_dir (where those are written for a corpus_dir built
+    without them: keel.evaluation.generated) reach the task loaders as task metadata."""
     paths = (str(TASKS_DIR),) + ((include_path,) if include_path else ())
-    dirs = {"data_dir": data_dir, "corpus_dir": corpus_dir}
-    metadata = tuple(sorted((key, os.path.abspath(value)) for key, value in dirs.items() if value))
+    dirs = {"data_dir": data_dir, "corpus_dir": corpus_dir, "tasks_dir": tasks_dir}
+    metadata = tuple(sorted((key, data_path(value)) for key, value in dirs.items() if value))  # URLs as they are
     local = _task_manager(paths, False, metadata)
     if all(name in local.all_tasks or name.endswith(".yaml") for name in tasks):
         return local
@@ -68,11 +70,12 @@ def load_tasks(
     include_path: str | None = None,
     data_dir: str | None = None,
     corpus_dir: str | None = None,
+    tasks_dir: str | None = None,
 ) -> dict[str, Task]:
     """{name: Task} for task names, tags or groups: the bundled tasks, lm-eval's own (from data_dir's copy
     where `keel eval-data fetch` wrote one, else from the hub or the HF cache), or YAML paths."""
     specs = resolve_tasks(tasks, data_dir)
-    manager = task_manager(specs, include_path, data_dir, corpus_dir)
+    manager = task_manager(specs, include_path, data_dir, corpus_dir, tasks_dir)
     with hub_or_local("eval.data_dir", data_dir):
         return manager.load(specs)["tasks"]
 

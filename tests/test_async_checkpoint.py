@@ -1,0 +1,105 @@
+"""Sharded checkpoints written in the background (trainer.async_checkpoint, docs/distributed.md): on by default on
+GPUs only; under 2-process FSDP a run that saves asynchronously, crashes and resumes trains exactly like one that
+was not interrupted, each checkpoint visible only once whole; a failed background write stops the run naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.checkpoint import LAST, SHARDED_META, read_checkpoint
+from keel.config import load_config
+from keel.errors import ConfigError
+from keel.parallel import resolve_async_checkpoint
+
+from test_distributed import _command, _env, pretrain, seen
+from test_pretrain import scalars
+
+ASYNC = ["trainer.async_checkpoint=true", "trainer.max_steps=12"]  # saves at 4, 8, 12: one finished by the next
+
+
+@pytest.mark.parametrize("overrides, cuda, on", [
+    (["trainer=fsdp"], False, False),  # CPU runs save as they did
+    (["trainer=fsdp"], True, True),
+    (["trainer=fsdp", "trainer.async_checkpoint=false"], True, False),
+    (["trainer=ddp"], True, False),  # one file, written by rank 0: nothing to shard
+    (["trainer=fsdp", "trainer.async_checkpoint=true", "trainer.accelerator=cpu", "trainer.devices=2"], False, True),
+])
+def test_async_checkpoint_is_on_for_sharded_checkpoints_on_gpus(monkeypatch, overrides, cuda, on):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    trainer = load_config(overrides=overrides).trainer
+    assert resolve_async_checkpoint(trainer) is on
+
+
+@pytest.mark.parametrize("value, message", [
+    ("true", "trainer.async_checkpoint: true writes sharded checkpoints in the background: it needs "
+             "trainer.strategy=fsdp (trainer=fsdp); a single run saves one file, synchronously"),
+    ("later", "trainer.async_checkpoint: allowed: true, false, auto; got 'later'"),
+])
+def test_bad_async_checkpoint_values_say_what_is_allowed(value, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[f"trainer.async_checkpoint={value}"])
+    assert str(err.value) == message
+
+
+@pytest.fixture(scope="module")
+def async_straight(tiny_data, tmp_path_factory) -> Path:
+    """An uninterrupted 12-step FSDP run on 2 processes, saving in the background every 4 steps."""
+    run = tmp_path_factory.mktemp("async") / "run"
+    pretrain(tiny_data, run, "fsdp", overrides=ASYNC)
+    return run
+
+
+@pytest.mark.slow
+def test_async_saves_resume_exactly_and_show_whole_checkpoints_only(tiny_data, async_straight, tmp_path):
+    checkpoints = async_straight / "checkpoints"
+    # waited for at the end: the last one in place, the history pruned to keep_last_k=2, no staging left
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000008.ckpt", "step000012.ckpt"]
+    assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                      SHARDED_META]
+    assert read_checkpoint(checkpoints / LAST, weights=False)["global_step"] == 12
+
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, "fsdp", crash_at=10, overrides=ASYNC)
+    # the save of step 8, started two steps before the crash, was made visible once written (at a logging step)
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 8
+    pretrain(tiny_data, run, "fsdp", overrides=ASYNC)  # resume=auto: from step 8
+    assert sorted(scalars(run, "train/loss")) == list(range(12))
+    assert scalars(run, "train/loss") == scalars(async_straight, "train/loss")  # bit for bit, every step
+    resumed = read_checkpoint(run / "checkpoints" / LAST)["state_dict"]
+    straight = read_checkpoint(checkpoints / LAST)["state_dict"]
+    assert resumed.keys() == straight.keys()
+    for name, weight in straight.items():
+        assert torch.equal(resumed[name], weight), name
+
+
+# Every rank's background write of the second checkpoint fails as a full disk would.
+FULL_DISK = """
+import errno, sys
+from torch.distributed.checkpoint import FileSystemWriter
+write_data = FileSystemWriter.write_data
+def fail_at_step_8(self, plan, planner):
+    if "step000008" in str(self.path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write_data(self, plan, planner)
+FileSystemWriter.write_data = fail_at_step_8
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_stops_the_run_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    command = _command(tiny_data, run, "fsdp", ASYNC)
+    launcher = Path(command[1])
+    launcher.write_text(FULL_DISK + launcher.read_text())
+    done = subprocess.run(command, env=_env(run, "run"), capture_output=True, text=True, timeout=900)
+    assert done.returncode != 0
+    assert (f"checkpoint: cannot write {run / 'checkpoints' / 'step000008.ckpt'}: no space left on the device"
+            in done.stderr), done.stderr[-3000:]
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4
+    # found failed one step later, at the next logging step: the step after the save trained while it was written
+    assert {step for step, _ in seen(run)} == set(range(9))

@@ -237,8 +237,8 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     return table
 
 
-MAXLR_GRIDS = ("linear-d16", "linear-d64", "hold-d16-fast", "hold-d16-slow", "hold-d64-fast", "hold-d64-slow",
-               "linear-depth-d16", "linear-depth-d256", "linear-width-w128", "linear-width-w256",
+MAXLR_GRIDS = ("linear-d16", "linear-d64", "linear-gentle-d16", "hold-d16-fast", "hold-d16-slow", "hold-d64-fast",
+               "hold-d64-slow", "linear-depth-d16", "linear-depth-d256", "linear-width-w128", "linear-width-w256",
                "table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
                "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256")
 
@@ -287,6 +287,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     text += ["Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
              "loss-optimal LR (best held-out loss).", ""]
     for grid, title in (("linear-d16", "Table 1, 16 blocks x 64"), ("linear-d64", "Table 1, 64 blocks x 32"),
+                        ("linear-gentle-d16", "Table 1's Post-LN family, 16 blocks x 64, a 4x gentler slope"),
                         ("table1-d16", "Table 1, 16 blocks x 64"), ("table1-d64", "Table 1, 64 blocks x 32"),
                         ("hybridnorm", "HybridNorm, ramp from 1e-4 over 720 steps")):
         if grid in grids:

@@ -90,6 +90,7 @@ FileSystemWriter.write_data = fail_at_step_8
 """
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_failed_background_write_stops_the_run_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"

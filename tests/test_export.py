@@ -55,6 +55,10 @@ VARIANTS = {
     "hybridnorm": ["model.scheme=hybridnorm"],
     "hybridnorm_star": ["model.scheme=hybridnorm_star", "model.rope_theta=500"],
     "mixln": ["model.scheme=mixln", "model.depth=4", "model.mixln_post_fraction=0.5"],
+    # muP at a width (32) other than its base: logits multiplier 0.5, attention scale sqrt(16/4)/8
+    "keel-mup": ["model.parametrization=mup", "model.mup_base_width=16"],
+    "preln-mup-tied": ["model.scheme=preln", "model.parametrization=mup", "model.mup_base_width=64",
+                       "model.tie_embeddings=true"],
 }
 
 
@@ -104,6 +108,7 @@ def test_the_export_computes_what_keel_computes(variant, tokenizer_json, tmp_pat
     model, checkpoint = random_checkpoint(VARIANTS[variant], tokenizer_json, tmp_path / "model.ckpt")
     hf = hf_model(export(str(checkpoint), tmp_path / "hf"))
     assert hf.config.scheme == model.cfg.scheme and hf.config.trained_steps == 7
+    assert hf.config.logits_multiplier == model.cfg.mup_ratio  # 1 under sp; muP's readout multiplier under mup
     ids = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(ids)

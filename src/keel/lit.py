@@ -37,18 +37,30 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, weight decay on matrices only (`keel bench` times this same optimizer)."""
-    return adamw([p for p in model.parameters() if p.requires_grad], optim)
+def make_optimizer(model: KeelLM, optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, weight decay on matrices only (`keel bench` times this same optimizer);
+    under model.parametrization=mup the hidden matrices in a group of their own at LR x mup_base_width / width."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if model.cfg.parametrization == "sp":
+        return adamw(params, optim)
+    return adamw(params, optim, hidden=frozenset(map(id, model.hidden_matrices())), hidden_lr_scale=model.cfg.mup_ratio)
 
 
-def adamw(params: list[torch.Tensor], optim: OptimConfig, matrix_ndim: int = 2) -> torch.optim.AdamW:
+def adamw(params: list[torch.Tensor], optim: OptimConfig, matrix_ndim: int = 2, hidden: frozenset[int] = frozenset(),
+          hidden_lr_scale: float = 1.0) -> torch.optim.AdamW:
     """make_optimizer's AdamW over params; matrix_ndim: the dims of a weight matrix (3 for models stacked along a
-    leading member axis, `keel bench --members`)."""
+    leading member axis, `keel bench --members`). hidden: ids of the matrices trained at optim.lr x hidden_lr_scale
+    (muP), in a group named "hidden" whose `lr_scale` says so; LambdaLR multiplies each group's own initial LR, so
+    the scale holds at every step of the schedule."""
+    matrices = [p for p in params if p.ndim >= matrix_ndim]
+    decay = optim.weight_decay
     groups = [
-        {"name": "matrices", "params": [p for p in params if p.ndim >= matrix_ndim], "weight_decay": optim.weight_decay},
+        {"name": "matrices", "params": [p for p in matrices if id(p) not in hidden], "weight_decay": decay},
         {"name": "gains", "params": [p for p in params if p.ndim < matrix_ndim], "weight_decay": 0.0},  # norm gains
     ]
+    if hidden:
+        groups.append({"name": "hidden", "params": [p for p in matrices if id(p) in hidden], "weight_decay": decay,
+                       "lr": optim.lr * hidden_lr_scale, "lr_scale": hidden_lr_scale})
     # fused: one kernel for every tensor (CPU and CUDA); the foreach default cost ~4x more per step here
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
 

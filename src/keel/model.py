@@ -101,6 +101,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv_norm: bool) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.scale = cfg.attention_scale  # None: SDPA's 1/sqrt(head_dim)
         self.qkv = nn.Linear(cfg.width, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.out = nn.Linear(cfg.width, cfg.width, bias=False)
         # HybridNorm: q, k and v each RMS-normalized per head (one gain of size head_dim, shared by heads)
@@ -126,10 +127,12 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(block, k, v)
         if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.kv_heads != self.n_heads)
         else:  # new queries attend to every cached position and causally among themselves
             mask = torch.arange(start + T, device=x.device) <= torch.arange(start, start + T, device=x.device)[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.kv_heads != self.n_heads)
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -231,6 +234,15 @@ class KeelLM(nn.Module):
             _xavier_blocks(self)
         if (scheme_init := SCHEME_INITS.get(cfg.scheme)) is not None:
             scheme_init(self)
+        if cfg.parametrization == "mup":  # muP's fan-in rule: std ~ 1/sqrt(width), equal to sp's at the base width
+            for matrix in self.hidden_matrices():
+                matrix.mul_(cfg.mup_ratio**0.5)
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The weights muP calls hidden (both dimensions grow with the width): q, k, v, out, FFN up and down;
+        not the embedding nor the head (keel.lit.make_optimizer scales their LR under model.parametrization=mup)."""
+        return [linear.weight for block in self.blocks for linear in
+                (block.attn.branch.qkv, block.attn.branch.out, block.ffn.branch.up, block.ffn.branch.down)]
 
     def forward(
         self, idx: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
@@ -247,6 +259,8 @@ class KeelLM(nn.Module):
             x = block(x, rope, cache, start)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if self.cfg.parametrization == "mup":  # muP's readout multiplier on the logits, as W_head (m x) = m W_head x
+            x = x * self.cfg.mup_ratio
         if targets is None:
             return self.head(x.to(self.head.weight.dtype))
         chunk = default_chunk(x.device) if self.cfg.loss_chunk is None else self.cfg.loss_chunk

@@ -7,6 +7,17 @@ import argparse
 from omegaconf import OmegaConf
 
 from keel.config import GROUPS, Config, conf_dir, load_config, to_dict, to_yaml
+from keel.schemes import init_description
+
+
+def resolved_comment(cfg: Config) -> str:
+    """What the keys resolve to that no key shows (the init in force, muP's multipliers), as YAML comments: the
+    printed config still loads."""
+    lines = [f"init in force: {init_description(cfg.model)}"]
+    if cfg.model.parametrization == "mup":
+        lines.append(f"mup: hidden matrices' peak LR {cfg.optim.lr * cfg.model.mup_ratio:.4g} (optim.lr x "
+                     f"{cfg.model.mup_ratio:.4g}), the rest at optim.lr {cfg.optim.lr:.4g}")
+    return "\n".join(f"# {line}" for line in lines)
 
 
 def config_help() -> str:
@@ -34,6 +45,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
+        print(resolved_comment(cfg))
         return 0
     # Lightning and torch load only now: a config error above is reported in a fraction of their start-up time
     from keel.training import failure_exit_code, train

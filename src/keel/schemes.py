@@ -33,6 +33,10 @@ FFN_KINDS = ("gelu", "swiglu")
 KEEL_FIRST_BLOCK = ("v1", "v2")
 # model.init: `auto` = the scheme's own recipe (Scheme.init); the rest apply to every scheme (docs/schemes.md#initialization)
 INIT_KINDS = ("auto", "normal", "gpt2", "megatron", "xavier", "mixln", "unit")
+# model.parametrization: sp (standard) | mup (muP for AdamW, Tensor Programs V; docs/model.md#mup-modelparametrization)
+PARAMETRIZATIONS = ("sp", "mup")
+# inits whose std already depends on the width: muP's fan-in rule would scale them twice
+WIDTH_DEPENDENT_INITS = ("xavier", "unit")
 
 
 @dataclass
@@ -68,18 +72,27 @@ class ModelConfig:
     # tokens per chunk of the loss head (LM head + cross-entropy fused, keel.ops.chunked_ce): 0 = plain head over
     # full logits; null = the device's default. How the loss is computed, not what: checkpoints resume across it
     loss_chunk: int | None = None
+    # sp: standard. mup: muP for AdamW (docs/model.md#mup-modelparametrization), equal to sp at width
+    # mup_base_width: the hidden matrices' init std x sqrt(base/width) and LR x base/width, the logits x base/width,
+    # attention q.k x sqrt(base_hd)/hd
+    parametrization: str = "sp"
+    mup_base_width: int = 128
 
     def __post_init__(self) -> None:
         scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
         for key, noun, allowed in (("ffn", "FFN", FFN_KINDS), ("init", "init", INIT_KINDS),
-                                   ("keel_first_block", "rule", KEEL_FIRST_BLOCK)):
+                                   ("keel_first_block", "rule", KEEL_FIRST_BLOCK),
+                                   ("parametrization", "parametrization", PARAMETRIZATIONS)):
             value = getattr(self, key)
             require(value in allowed, f"model.{key}", f"unknown {noun} {value!r}; allowed: {', '.join(allowed)}")
         require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
                 f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
         require(self.out_norm_gain or any(spec.norm_out for block in sublayer_specs(self) for spec in block),
                 "model.out_norm_gain", f"scheme {self.scheme!r} has no Norm_out at this depth; leave it true")
-        for key in ("vocab_size", "depth", "width", "n_heads", "seq_len"):
+        require(self.parametrization == "sp" or self.init_kind not in WIDTH_DEPENDENT_INITS, "model.init",
+                f"init {self.init_kind!r} already scales with the width, which model.parametrization=mup does too; "
+                f"use one of {', '.join(k for k in INIT_KINDS[1:] if k not in WIDTH_DEPENDENT_INITS)}")
+        for key in ("vocab_size", "depth", "width", "n_heads", "seq_len", "mup_base_width"):
             require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
         require(self.width % self.n_heads == 0, "model.width",
                 f"width {self.width} must be divisible by model.n_heads={self.n_heads}")
@@ -99,6 +112,19 @@ class ModelConfig:
     def init_kind(self) -> str:
         """The init in force: model.init, or the scheme's own recipe when it is `auto`."""
         return scheme_of(self).init if self.init == "auto" else self.init
+
+    @property
+    def mup_ratio(self) -> float:
+        """mup_base_width / width under mup (the hidden matrices' LR multiplier, the logits' multiplier), 1 under sp."""
+        return self.mup_base_width / self.width if self.parametrization == "mup" else 1.0
+
+    @property
+    def attention_scale(self) -> float | None:
+        """q.k's scale: None = 1/sqrt(head_dim) (sp); under mup 1/head_dim times sqrt(the base width's head_dim),
+        so that it is sp's at the base width."""
+        if self.parametrization == "sp":
+            return None
+        return (self.mup_base_width / self.n_heads) ** 0.5 / self.head_dim
 
     @property
     def L(self) -> int:
@@ -238,6 +264,10 @@ def init_description(cfg: ModelConfig) -> str:
     }[kind]
     if cfg.scheme == "deepnorm":
         what += f"; DeepNorm's beta {deepnorm_beta(cfg):.4g} on v, out and both FFN matrices"
+    if cfg.parametrization == "mup":
+        ratio = cfg.mup_ratio
+        what += (f"; mup (base width {cfg.mup_base_width}): hidden matrices' std x {ratio**0.5:.4g} and LR x "
+                 f"{ratio:.4g}, logits x {ratio:.4g}, attention scale {cfg.attention_scale:.4g}")
     origin = f"{cfg.scheme}'s own recipe, model.init=auto" if cfg.init == "auto" else f"model.init={kind}"
     return f"{kind} ({origin}): {what}"
 

@@ -42,6 +42,9 @@ class KeelConfig(PreTrainedConfig):
     initializer_range: float = 0.02
     out_norm_gain: bool = True  # false: no learnable gain in any Norm_out
     final_norm: bool = True  # an RMSNorm before the head
+    # muP (model.parametrization=mup): the head's input times logits_multiplier; q.k times attention_scale
+    logits_multiplier: float = 1.0
+    attention_scale: float | None = None  # None = 1/sqrt(head_dim)
     sublayers: list | None = None  # [[attention, ffn], ...] per block (above); None = Pre-LN everywhere
     scheme: str = "preln"
     keel: dict | None = None

@@ -85,7 +85,7 @@ class KeelAttention(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                       config.head_dim)
         self.num_key_value_groups = self.n_heads // self.kv_heads
-        self.scaling = self.head_dim**-0.5
+        self.scaling = self.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
         self.qkv = nn.Linear(config.hidden_size, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         # HybridNorm: q, k and v each RMS-normalized per head (one gain of size head_dim, shared by heads)
@@ -247,6 +247,8 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         x = outputs.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else outputs.last_hidden_state
+        if self.config.logits_multiplier != 1.0:  # muP's readout multiplier, on the fp32 stream as Keel applies it
+            x = x * self.config.logits_multiplier
         logits = self.lm_head(x.to(self.lm_head.weight.dtype))
         loss = None
         if labels is not None:

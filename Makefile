@@ -69,6 +69,7 @@ redundancy: install
 SEEDS ?= 1,2,3,4,5
 TREND_SEEDS ?= 1,2,3
 WIDE_SEEDS ?= 1,2
+MUP_WIDTHS := 32 64 128 256
 PAPER_OUT ?= runs/paper
 NARROW := model.n_heads=4 model.seq_len=128 trainer.micro_batch_size=8 trainer.threads=1
 ifeq ($(PAPER_SCALE),1)
@@ -83,7 +84,8 @@ endif
 MAXLR = $(KEEL) maxlr --out $(PAPER_OUT)/$(subst paper-,,$@)
 ALL_GRIDS := linear-d16 linear-d64 linear-gentle-d16 hold-d16-fast hold-d16-slow hold-d64-fast hold-d64-slow linear-depth-d16 \
 	linear-depth-d256 linear-width-w128 linear-width-w256 table1-d16 table1-d64 depth-d16 depth-d256 width-w128 \
-	width-w256 batch-8x ramp-2x hybridnorm deep1024 deep1024-nogain nogain-d16 nogain-d64 nogain-d256
+	width-w256 batch-8x ramp-2x hybridnorm deep1024 deep1024-nogain nogain-d16 nogain-d64 nogain-d256 \
+	$(addprefix mup-width-w,$(MUP_WIDTHS))
 # PAPER_SCALE=1: the two Table 1 grids only, emitted for a cluster (the others are miniature experiments)
 PAPER_GRIDS := $(if $(filter 1,$(PAPER_SCALE)),table1-d16 table1-d64,$(ALL_GRIDS))
 .PHONY: paper-data paper-linear $(addprefix paper-,$(ALL_GRIDS))
@@ -154,6 +156,12 @@ paper-width-w128: paper-data
 	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) --depths 16 model.width=128 $(NARROW) $(ARGS)
 paper-width-w256: paper-data
 	$(MAXLR) --schemes keel,preln --seeds $(WIDE_SEEDS) --depths 16 model.width=256 $(NARROW) $(ARGS)
+# LR transfer across width under muP (docs/model.md#mup-modelparametrization), base width 64 (the miniature's: there
+# mup is sp): the width trend's grids again with model.parametrization=mup, against the sp ones above
+MUP := model.parametrization=mup model.mup_base_width=64
+$(addprefix paper-mup-width-w,$(MUP_WIDTHS)): paper-mup-width-w%: paper-data
+	$(MAXLR) --schemes keel,preln --seeds $(if $(filter 256,$*),$(WIDE_SEEDS),$(TREND_SEEDS)) --depths 16 \
+		model.width=$* $(NARROW) $(MUP) $(ARGS)
 paper-batch-8x: paper-data
 	$(MAXLR) --schemes keel,preln --seeds $(TREND_SEEDS) --depths 16 model.width=64 $(NARROW) trainer.micro_batch_size=64 $(ARGS)
 # The criterion's check: the ramp twice as slow (a real LR limit stays at its LR, an artefact moves with the step)

@@ -20,7 +20,7 @@ from keel.experiments.common import non_embedding_params, resolve_alpha, width_f
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.hold import WARMUP_HOLD, fit
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name, sign_test
-from keel.experiments.paper import init_sensitivity, plot_ratios, ratios, trend
+from keel.experiments.paper import init_sensitivity, plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 
 from conftest import QUIET_TRAINER, TINY_MODEL
@@ -306,6 +306,29 @@ def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
     assert table[0]["keel / preln (per seed)"] == "0.5; Pre-LN unresolved in 1"
     plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
     assert (tmp_path / "ratio.png").stat().st_size > 0
+
+
+def test_the_transfer_table_says_how_far_each_lr_moves_over_the_widths(tmp_path):
+    """sp's grids (the width trend) beside mup's: per width the seeds' loss-optimal LR, and max / min of the medians;
+    a width with no run is a dash and is not counted."""
+    def row(width, seed, optimal, max_lr):
+        return {"row": "keel", "seed": seed, "depth": 16, "width": width, "resolved": max_lr is not None,
+                "failure": "divergence", "max_tolerable_lr": max_lr, "loss_optimal_lr": optimal, "init": "normal"}
+
+    grids = {"depth-d16": [row(32, 1, 0.04, 0.3), row(32, 2, 0.02, 0.3)], "width-w256": [row(256, 1, 0.0075, 0.015)],
+             "mup-width-w32": [row(32, 1, 0.01, 0.1)], "mup-width-w128": [row(128, 1, 0.012, None)]}
+    table, points = transfer(grids)
+    assert [entry["width"] for entry in table] == [32, 64, 128, 256, "max / min over widths"]
+    assert table[0]["keel sp loss-optimal LR"] == "0.03 [0.02-0.04] (2 seeds)"
+    assert table[1]["keel sp loss-optimal LR"] == "-"
+    assert table[2]["keel mup max LR"] == "- (0/1 resolved)"
+    moves = table[-1]
+    assert moves["keel sp loss-optimal LR"] == "4x (2 widths)"  # median 0.03 at 32 over 0.0075 at 256
+    assert moves["keel mup loss-optimal LR"] == "1.2x (2 widths)"
+    assert moves["keel mup max LR"] == moves["preln sp loss-optimal LR"] == "-"
+    assert points["keel", "mup"] == {32: [0.01], 64: [], 128: [0.012], 256: []}
+    plot_transfer(points, tmp_path / "transfer.png")
+    assert (tmp_path / "transfer.png").stat().st_size > 0
 
 
 def test_the_init_table_sets_each_schemes_recipe_beside_the_shared_init():

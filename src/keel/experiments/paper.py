@@ -7,8 +7,9 @@ depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, wid
 (batch-8x); the two-ramp check (ramp-2x against table1-d16, seed by seed); HybridNorm; and the 1,024-block runs
 (deep1024, a `keel sweep`, and deep1024-nogain, Keel with model.out_norm_gain=false): held-out loss, non-finite
 steps and per-block gradient norms against depth; and Keel without its outer norms' gains beside the keel rows
-of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256). Every table names the init in
-force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between DIR (by default
+of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256); and the width trend again under
+model.parametrization=mup (mup-width-w32 .. w256) beside sp's, the loss-optimal and max LR per width and how far each
+moves over the widths. Every table names the init in force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between DIR (by default
 each scheme's own recipe) and DIR2 (the grids run with one init for all), side by side. A grid not run yet is
 listed as missing; the rest is reported.
 """
@@ -36,6 +37,8 @@ BATCH_POINT = {64: ("batch-8x", 16, 64)}  # 8x the tokens per step, plotted on t
 LINEAR_DEPTH_TREND = {16: ("linear-depth-d16", 16, 32), 64: ("linear-d64", 64, 32), 256: ("linear-depth-d256", 256, 32)}
 LINEAR_WIDTH_TREND = {32: ("linear-depth-d16", 16, 32), 64: ("linear-d16", 16, 64), 128: ("linear-width-w128", 16, 128),
                       256: ("linear-width-w256", 16, 256)}
+# the width trend under muP (base width 64), against WIDTH_TREND's sp grids
+MUP_WIDTH_TREND = {width: (f"mup-width-w{width}", 16, width) for width in (32, 64, 128, 256)}
 STRICT = "best + 0.5"  # the sensitivity table's stricter bar, under which Table 1's sign tests are repeated
 
 
@@ -132,6 +135,63 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
         entry["keel / preln (per seed)"] = _ratio_cell(points[value])
         table.append(entry)
     return table, points
+
+
+def _trend_runs(grids: dict[str, list[dict]], point: tuple[str, int, int], scheme: str) -> list[dict]:
+    grid, depth, width = point
+    return [r for r in grids.get(grid, []) if (r["depth"], r["width"], r["row"]) == (depth, width, scheme)]
+
+
+def _spread(values: list[float]) -> float | None:
+    """max / min of positive values (how far an LR moves over a trend), None with fewer than two."""
+    return max(values) / min(values) if len(values) >= 2 else None
+
+
+def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
+    """The width trend under sp (WIDTH_TREND) and under mup (MUP_WIDTH_TREND), Keel and Pre-LN: per width the
+    loss-optimal and max LR, median [range] over seeds; then how far each median moves over the widths (max / min).
+    Also the points for the plot: (scheme, parametrization) -> width -> the seeds' loss-optimal LRs."""
+    table, points, medians = [], {}, {}
+    for width in WIDTH_TREND:
+        entry = {"width": width}
+        for scheme in ("keel", "preln"):
+            for name, axis in (("sp", WIDTH_TREND), ("mup", MUP_WIDTH_TREND)):
+                runs = _trend_runs(grids, axis[width], scheme)
+                optimal = [r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None]
+                values = [v for v in map(max_lr_value, runs) if v is not None]
+                points.setdefault((scheme, name), {})[width] = optimal
+                for column, seeds, cell in (
+                        (f"{scheme} {name} loss-optimal LR", optimal, f"({len(optimal)} seeds)"),
+                        (f"{scheme} {name} max LR", values, f"({len(values)}/{len(runs)} resolved)")):
+                    entry[column] = f"{_median_range(seeds)} {cell}" if runs else "-"
+                    if seeds:
+                        medians.setdefault(column, []).append(median(seeds))
+        table.append(entry)
+    moves = {"width": "max / min over widths"}
+    for column in table[0]:
+        if (spread := _spread(medians.get(column, []))) is not None:
+            moves[column] = f"{fmt(spread)}x ({len(medians[column])} widths)"
+        elif column != "width":
+            moves[column] = "-"
+    return [*table, moves], points
+
+
+def plot_transfer(points: dict, path: Path) -> None:
+    """The loss-optimal LR against width, a point per seed and the medians' line, sp dashed and mup solid."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (scheme, name), by_width in points.items():
+        color = {"keel": "tab:blue", "preln": "tab:orange"}[scheme]
+        style = "-" if name == "mup" else "--"
+        xs = [w for w, values in by_width.items() if values]
+        for w in xs:
+            ax.plot([w] * len(by_width[w]), by_width[w], "o" if name == "mup" else "x", color=color, alpha=0.5)
+        ax.plot(xs, [median(by_width[w]) for w in xs], style, color=color, label=f"{scheme} {name}")
+    ax.set(xscale="log", yscale="log", xlabel="width (16 blocks)", ylabel="loss-optimal LR")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "The loss-optimal LR against width: sp and mup (base width 64)", path)
 
 
 def save(fig, title: str, path: Path) -> None:
@@ -240,7 +300,7 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
 MAXLR_GRIDS = ("linear-d16", "linear-d64", "linear-gentle-d16", "hold-d16-fast", "hold-d16-slow", "hold-d64-fast",
                "hold-d64-slow", "linear-depth-d16", "linear-depth-d256", "linear-width-w128", "linear-width-w256",
                "table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
-               "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256")
+               "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256", *(grid for grid, _, _ in MUP_WIDTH_TREND.values()))
 
 
 def collect_grids(out: Path) -> tuple[dict[str, list[dict]], list[str]]:
@@ -320,6 +380,11 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     if any(depth_points.values()) or any(width_points.values()):
         plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
         text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
+    if any(grid in grids for grid, _, _ in MUP_WIDTH_TREND.values()):
+        table, points = transfer(grids)
+        text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
+                 _table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
+        plot_transfer(points, out / "transfer.png")
     if "ramp-2x" in grids and "table1-d16" in grids:
         table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
         if table:

@@ -135,6 +135,10 @@ def test_mup_at_its_base_width_is_sp(scheme):
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     wide = ModelConfig(scheme=scheme, width=256, n_heads=4, parametrization="mup", mup_base_width=64)
     assert wide.mup_ratio == 0.25 and wide.attention_scale == pytest.approx(math.sqrt(16) / 64)
+    # tuned with 4 heads at width 64 (head_dim 16), trained with 16 at width 1024 (head_dim 64): 1/head_dim from 16
+    paper = ModelConfig(scheme=scheme, width=1024, n_heads=16, parametrization="mup", mup_base_width=64,
+                        mup_base_head_dim=16)
+    assert paper.attention_scale == pytest.approx(math.sqrt(16) / 64)
     sp = ModelConfig(scheme=scheme, width=256)
     assert sp.mup_ratio == 1.0 and sp.attention_scale is None
 
@@ -166,6 +170,7 @@ def test_mup_init_scales_hidden_matrices_by_the_fan_in_rule():
 @pytest.mark.parametrize("override, key", [
     ("model.parametrization=mupp", "model.parametrization"),
     ("model.mup_base_width=0", "model.mup_base_width"),
+    ("model.mup_base_head_dim=0", "model.mup_base_head_dim"),
     ("model.init=unit", "model.init"),
 ])
 def test_mup_config_refusals_name_the_key(override, key):

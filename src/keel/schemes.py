@@ -77,6 +77,9 @@ class ModelConfig:
     # attention q.k x sqrt(base_hd)/hd
     parametrization: str = "sp"
     mup_base_width: int = 128
+    # the base model's head_dim, where attention's 1/head_dim rule starts from; null = mup_base_width / n_heads (the
+    # heads held fixed across widths). Set it when the tuned model has another head count (a 4-head miniature: 16)
+    mup_base_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
@@ -94,6 +97,8 @@ class ModelConfig:
                 f"use one of {', '.join(k for k in INIT_KINDS[1:] if k not in WIDTH_DEPENDENT_INITS)}")
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len", "mup_base_width"):
             require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.mup_base_head_dim is None or self.mup_base_head_dim >= 1, "model.mup_base_head_dim",
+                f"must be null (= mup_base_width / n_heads) or >= 1, got {self.mup_base_head_dim}")
         require(self.width % self.n_heads == 0, "model.width",
                 f"width {self.width} must be divisible by model.n_heads={self.n_heads}")
         require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
@@ -120,11 +125,12 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float | None:
-        """q.k's scale: None = 1/sqrt(head_dim) (sp); under mup 1/head_dim times sqrt(the base width's head_dim),
-        so that it is sp's at the base width."""
+        """q.k's scale: None = 1/sqrt(head_dim) (sp); under mup 1/head_dim times sqrt(the base model's head_dim),
+        so that it is sp's at the base."""
         if self.parametrization == "sp":
             return None
-        return (self.mup_base_width / self.n_heads) ** 0.5 / self.head_dim
+        base = self.mup_base_head_dim or self.mup_base_width / self.n_heads
+        return base**0.5 / self.head_dim
 
     @property
     def L(self) -> int:

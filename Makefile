@@ -191,6 +191,41 @@ paper-nogain-d64: paper-data
 paper-nogain-d256: paper-data
 	$(MAXLR) $(NOGAIN) --seeds $(WIDE_SEEDS) --depths 256 model.width=32 $(NARROW) $(ARGS)
 
+# The claims about trained models (keel.experiments.trained, in keel paper-report): complete runs (linear warm-up, then
+# cosine to 10% at the last step) of Keel and Pre-LN, each from its own init, with the in-loop generated tasks (400
+# documents each), over TRAINED_SEEDS. LR sweeps at 16 x 64 and 64 x 32 (Table 2, loss against tasks; layer use: keel
+# redundancy over their final checkpoints), 3-point LR sweeps at 16 and 256 blocks of width 32 (Table 3, with lr-d64).
+# A run flagged by the stability monitor trains on to the end (its verdict is kept in stability.json). 2,000 steps:
+# a pilot (Keel 16 x 64, LR 0.02) still fell 0.05 nat over its last 200 (docs/experiments.md); 256 blocks: 500 steps.
+# The LRs: from about half of Pre-LN's loss-optimal LR on the linear ramp to above its max LR there.
+TRAINED_STEPS ?= 2000
+TRAINED_STEPS_D256 ?= 500
+TRAINED_WARMUP ?= 200
+TRAINED_SEEDS ?= 1,2,3
+LRS_D16 ?= 0.01,0.02,0.04,0.08
+LRS_D64 ?= 0.0125,0.025,0.05,0.1
+TUNED_LRS ?= 0.01,0.02,0.04
+TRAINED = $(KEEL) sweep --schemes keel,preln --seeds $(TRAINED_SEEDS) --out $(PAPER_OUT)/$(subst paper-,,$@) $(NARROW) \
+	trainer.max_steps=$(TRAINED_STEPS) optim.warmup_steps=$(TRAINED_WARMUP) optim.schedule=cosine optim.min_lr_ratio=0.1 \
+	trainer.val_every_n_steps=100 eval.every_n_steps=200 eval.limit=400 trainer.checkpoint_every_n_steps=500 \
+	trainer.progress_bar=false callbacks.stability.stop_on_failure=false
+TRAINED_GRIDS := lr-d16 lr-d64 tuned-depth-d16 tuned-depth-d256
+.PHONY: paper-trained $(addprefix paper-,$(TRAINED_GRIDS)) paper-redundancy-lr-d16 paper-redundancy-lr-d64
+paper-trained: $(addprefix paper-,$(TRAINED_GRIDS)) paper-redundancy-lr-d16 paper-redundancy-lr-d64
+	$(KEEL) paper-report $(PAPER_OUT)
+paper-lr-d16: paper-data
+	$(TRAINED) --lrs $(LRS_D16) model.depth=16 model.width=64 $(ARGS)
+paper-lr-d64: paper-data
+	$(TRAINED) --lrs $(LRS_D64) model.depth=64 model.width=32 $(ARGS)
+paper-tuned-depth-d16: paper-data
+	$(TRAINED) --lrs $(TUNED_LRS) model.depth=16 model.width=32 $(ARGS)
+paper-tuned-depth-d256: paper-data
+	$(TRAINED) --lrs $(TUNED_LRS) model.depth=256 model.width=32 trainer.max_steps=$(TRAINED_STEPS_D256) \
+		optim.warmup_steps=50 $(ARGS)
+# after its grid (rerunning a finished grid skips its runs); the checkpoints are listed once the grid is done
+paper-redundancy-lr-d16 paper-redundancy-lr-d64: paper-redundancy-%: paper-%
+	$(KEEL) redundancy $(wildcard $(PAPER_OUT)/$*/*/checkpoints/last.ckpt) --out $(PAPER_OUT)/$*/redundancy
+
 bench: install
 	$(KEEL) bench $(ARGS)
 

@@ -36,13 +36,22 @@ def read_scalars(run_dir: str | Path, tags: list[str] | None = None) -> dict[str
             for tag in (found if tags is None else [t for t in tags if t in found])}
 
 
-def read_stability(run_dir: str | Path) -> dict | None:
-    """The run's stability.json, or None when the stability monitor wrote none."""
-    path = Path(run_dir) / STABILITY
+def _read_json(path: Path, lost: str) -> dict | None:
     if not path.is_file():
         return None
     try:
         return json.loads(path.read_text())
     except ValueError as err:  # a run killed as it wrote it (on a file system without atomic rename), or edited
-        raise ConfigError(f"{path} cannot be read (truncated?): {err}; delete it (the run's verdict is lost) or "
-                          "re-run that run") from None
+        raise ConfigError(f"{path} cannot be read (truncated?): {err}; delete it ({lost}) or re-run that run") from None
+
+
+def read_stability(run_dir: str | Path) -> dict | None:
+    """The run's stability.json, or None when the stability monitor wrote none."""
+    return _read_json(Path(run_dir) / STABILITY, "the run's verdict is lost")
+
+
+def read_eval_history(run_dir: str | Path) -> dict | None:
+    """The run's eval_history.json (keel.callbacks.downstream_eval: "tasks" {task: {"metric", "higher_is_better"}},
+    "evaluations" [{"step", "val_loss", "wall_s", "scores": {task: {metric: value}}}], "spearman"), or None when
+    the in-loop evaluation wrote none."""
+    return _read_json(Path(run_dir) / EVAL_HISTORY, "the run's task scores are lost")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import ast
 import csv
-import json
 import math
 import operator
 import re
@@ -19,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from keel.artifacts import CONFIG, EVAL_HISTORY, read_scalars, read_stability
+from keel.artifacts import CONFIG, read_eval_history, read_scalars, read_stability
 from keel.config import Config, from_dict
 from keel.errors import ConfigError
 from keel.model import parameter_counts
@@ -137,11 +136,8 @@ def train_run(cfg: Config, extra_callbacks: Sequence = ()) -> float:
 
 def _eval_scores(run_dir: Path) -> dict[str, float]:
     """The last in-loop evaluation's primary metric per task, from the downstream-eval callback's history."""
-    path = run_dir / EVAL_HISTORY
-    if not path.is_file():
-        return {}
-    history = json.loads(path.read_text())
-    if not history.get("evaluations"):
+    history = read_eval_history(run_dir)
+    if not history or not history.get("evaluations"):
         return {}
     last = history["evaluations"][-1]["scores"]
     return {f"eval/{task}/{info['metric']}": last[task][info["metric"]] for task, info in history["tasks"].items()
@@ -231,7 +227,9 @@ def write_table(rows: list[dict[str, Any]], csv_path: Path, md_path: Path | None
     return columns
 
 
-def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """rows as a markdown table; columns: by default every key, in order of first appearance."""
+    columns = list(dict.fromkeys(k for row in rows for k in row)) if columns is None else columns
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
@@ -244,6 +242,14 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, title: str, path: Path, dpi: int = 120) -> None:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
 
 
 def plot_lines(

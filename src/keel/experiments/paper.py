@@ -9,9 +9,12 @@ depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, wid
 steps and per-block gradient norms against depth; and Keel without its outer norms' gains beside the keel rows
 of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256); and the width trend again under
 model.parametrization=mup (mup-width-w32 .. w256) beside sp's, the loss-optimal and max LR per width and how far each
-moves over the widths. Every table names the init in force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between DIR (by default
-each scheme's own recipe) and DIR2 (the grids run with one init for all), side by side. A grid not run yet is
-listed as missing; the rest is reported.
+moves over the widths. Every table names the init in force. The trained-model claims (keel.experiments.trained): the
+LR sweeps lr-d16 and lr-d64 (Table 2, loss against tasks, layer use from <grid>/redundancy/) and Table 3 from
+tuned-depth-d16, lr-d64 and tuned-depth-d256, each a `keel sweep` of complete Keel and Pre-LN runs. --shared-init DIR2
+adds what depends on the init: each scheme whose init differs between DIR (by default each scheme's own recipe) and
+DIR2 (the grids run with one init for all), side by side. A grid not run yet is listed as missing; the rest is
+reported.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from pathlib import Path
 
 from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
-from keel.experiments.common import fmt, load_run_config, markdown_table, median, pyplot
+from keel.experiments.common import fmt, load_run_config, markdown_table, median, pyplot, save_figure
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value
 from keel.experiments.sweep import MANIFEST
+from keel.experiments.trained import load_trained, sections as trained_sections
 from keel.schemes import scheme_of
 
 # a trend's points: value -> (grid, blocks, width) of the runs that make it
@@ -49,11 +53,6 @@ def _cell(row: dict) -> str:
     head = ("n.r." if value is None else f">= {value:.3g}" if not row["failure"]
             else f"{value:.3g}" + (f" (+{above:.2f})" if above is not None else ""))
     return f"{head} / {fmt(row['loss_optimal_lr'])} ({fmt(row['best_heldout'])})"
-
-
-def _table(rows: list[dict]) -> str:
-    """rows as a markdown table, its columns every key in order of first appearance."""
-    return markdown_table(rows, list(dict.fromkeys(k for row in rows for k in row)))
 
 
 def _inits(rows) -> str:
@@ -191,15 +190,7 @@ def plot_transfer(points: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save(fig, "The loss-optimal LR against width: sp and mup (base width 64)", path)
-
-
-def save(fig, title: str, path: Path) -> None:
-    plt = pyplot()
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, "The loss-optimal LR against width: sp and mup (base width 64)", path)
 
 
 def plot_ratios(depth: dict, width: dict, batch: list[float | None], path: Path) -> None:
@@ -234,7 +225,7 @@ def plot_ratios(depth: dict, width: dict, batch: list[float | None], path: Path)
         ax.set_ylabel("Keel max LR / Pre-LN max LR")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    save(fig, "Keel's tolerable LR relative to Pre-LN (a point per seed; > 1: Keel tolerates more)", path)
+    save_figure(fig, "Keel's tolerable LR relative to Pre-LN (a point per seed; > 1: Keel tolerates more)", path)
 
 
 def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
@@ -293,7 +284,7 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    save(fig, "1,024 blocks (L = 2,048) at LR 0.01", plot_path)
+    save_figure(fig, "1,024 blocks (L = 2,048) at LR 0.01", plot_path)
     return table
 
 
@@ -341,6 +332,8 @@ def init_sensitivity(grids: dict[str, list[dict]], shared: dict[str, list[dict]]
 
 def report(out: Path, shared_init: Path | None = None) -> str:
     grids, missing = collect_grids(out)
+    trained, not_trained = load_trained(out)
+    missing += not_trained
     text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
     if missing:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
@@ -352,62 +345,63 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                         ("hybridnorm", "HybridNorm, ramp from 1e-4 over 720 steps")):
         if grid in grids:
             ramps = ", ".join(dict.fromkeys(r["ramp"] for r in grids[grid]))
-            text += [f"## {title} ({grid}; {ramps})", "", _table(seed_table(grids[grid])), ""]
+            text += [f"## {title} ({grid}; {ramps})", "", markdown_table(seed_table(grids[grid])), ""]
             labels = {r["row"] for r in grids[grid]}
             pairs = [p for p in (("keel", "preln"), ("keel", "postln")) if set(p) <= labels]
             if pairs:
                 tests = sign_tests(grids[grid], pairs) + sign_tests(grids[grid], pairs, STRICT)
-                text += [_table(tests), ""]
+                text += [markdown_table(tests), ""]
     if table := hold_table(grids):
-        text += ["## The hold map: max LR against the steps the ramp holds each LR", "", _table(table), ""]
+        text += ["## The hold map: max LR against the steps the ramp holds each LR", "", markdown_table(table), ""]
         if fits := hold_fits(grids):
-            text += [_table(fits), ""]
+            text += [markdown_table(fits), ""]
         plot_hold_map(grids, out / "hold.png")
         text += ["![max LR against the hold at the limit](hold.png)", ""]
     for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
                                 (LINEAR_WIDTH_TREND, "Width at 16 blocks, the paper's protocol", "width")):
         if (table := trend(grids, axis, prefix)[0]):
-            text += [f"## {title}", "", _table(table), ""]
+            text += [f"## {title}", "", markdown_table(table), ""]
     depth_table, depth_points = trend(grids, DEPTH_TREND, "blocks")
     width_table, width_points = trend(grids, WIDTH_TREND, "width")
     batch_table, batch_points = trend(grids, BATCH_POINT, "width")
     for title, table in (("Depth at width 32", depth_table), ("Width at 16 blocks", width_table)):
         if table:
-            text += [f"## {title}", "", _table(table), ""]
+            text += [f"## {title}", "", markdown_table(table), ""]
     if batch_table:
         text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
-                 _table(batch_table), ""]
+                 markdown_table(batch_table), ""]
     if any(depth_points.values()) or any(width_points.values()):
         plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
         text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
     if any(grid in grids for grid, _, _ in MUP_WIDTH_TREND.values()):
         table, points = transfer(grids)
         text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
-                 _table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
+                 markdown_table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
         plot_transfer(points, out / "transfer.png")
     if "ramp-2x" in grids and "table1-d16" in grids:
         table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
         if table:
-            text += ["## Two ramp lengths (16 x 64)", "", _table(table), ""]
+            text += ["## Two ramp lengths (16 x 64)", "", markdown_table(table), ""]
     for table1, nogain, title in (("table1-d16", "nogain-d16", "16 x 64"), ("table1-d64", "nogain-d64", "64 x 32"),
                                   ("depth-d256", "nogain-d256", "256 x 32")):
         if nogain in grids and table1 in grids:
             rows = [r for r in grids[table1] if r["row"] == "keel"] + grids[nogain]
             tests = sign_tests(rows, [("keel-nogain", "keel")])
             text += [f"## Keel without its outer norms' gains, {title} ({nogain} beside {table1}'s keel rows)", "",
-                     _table(seed_table(rows)), ""]
+                     markdown_table(seed_table(rows)), ""]
             if tests:
-                text += [_table(tests), ""]
+                text += [markdown_table(tests), ""]
     sweeps = [(out / grid, suffix) for grid, suffix in (("deep1024", ""), ("deep1024-nogain", " (out_norm_gain=false)"))
               if (out / grid / MANIFEST).is_file()]
     if sweeps:
         table = deep_runs(sweeps, out / "deep1024.png")
         if table:
-            text += ["## 1,024 blocks", "", _table(table),
+            text += ["## 1,024 blocks", "", markdown_table(table),
                      "", "![1,024 blocks](deep1024.png)", ""]
+    text += trained_sections(out, trained)
     if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
         text += [f"## What depends on the init: each scheme's own recipe ({out}) against one init for all "
-                 f"({shared_init})", "", "Learned: seeds whose max LR is resolved.", "", _table(table), ""]
+                 f"({shared_init})", "", "Learned: seeds whose max LR is resolved.", "", markdown_table(table), ""]
     return "\n".join(text)
 
 

@@ -1,0 +1,242 @@
+"""keel.experiments.trained (the trained-model tables of `keel paper-report`) on synthetic grids: run directories as
+`keel sweep` lays them out (its own sweep.json), each with a config.yaml from the project's config writer, an
+eval_history.json from the in-loop evaluation's writer and a stability.json from the monitor's; every expected number
+is computed here from the synthetic inputs (numpy's interpolation for the loss levels)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from keel.artifacts import STABILITY
+from keel.callbacks.downstream_eval import DownstreamEval
+from keel.callbacks.stability import Failure, StabilityMonitor
+from keel.cli import main as cli_main
+from keel.config import load_config
+from keel.experiments.common import fmt, write_table
+from keel.experiments.trained import (LOSS, apart, direction, load_trained, matched_gaps, read_redundancy, spread,
+                                      tuned_depth, layer_use, lr_table)
+from keel.rundir import write_config
+
+STEPS = 600  # evaluations every 200 steps: at steps 199, 399, 599 (0-based)
+EVAL = ["eval.every_n_steps=200", "trainer.val_every_n_steps=100", f"trainer.max_steps={STEPS}"]
+# final held-out loss by design (before a +-0.02 seed noise): Keel falls with LR, Pre-LN is U-shaped
+LR_GRID = {"keel": [5.0, 4.9, 4.8, 4.7], "preln": [5.2, 5.0, 5.1, 5.4]}
+LRS = [0.005, 0.01, 0.02, 0.04]
+DEPTH_GRID = {16: "tuned-depth-d16", 64: "lr-d64"}  # Table 3's grids at width 32 (64 blocks: the LR sweep's)
+# the depth grids: Keel's gap to Pre-LN at its best LR grows from ~0.1 (16 blocks) to ~0.3 (64)
+TUNED = {16: {"keel": [5.1, 5.0, 5.05], "preln": [5.2, 5.1, 5.15]},
+         64: {"keel": [5.0, 4.9, 4.95], "preln": [5.3, 5.25, 5.2]}}
+TUNED_LRS = [0.005, 0.01, 0.02]
+METRICS = ["keel_next_line acc_mutual_info", "keel_next_line acc", "keel_next_line acc_norm", "keel_last_token acc"]
+
+
+def trajectory(rng: random.Random, final: float) -> list[dict]:
+    """Three evaluations with a strictly falling held-out loss and random scores."""
+    return [{"step": step, "val_loss": final + 0.5 * (2 - i) + rng.uniform(0, 0.1), "wall_s": 1.0,
+             "scores": {"keel_next_line": {"acc_mutual_info": rng.uniform(0.25, 0.7), "acc": rng.uniform(0.2, 0.6),
+                                           "acc_norm": rng.uniform(0.2, 0.6)},
+                        "keel_last_token": {"perplexity": rng.uniform(10, 100), "acc": rng.uniform(0, 0.3)}}}
+            for i, step in enumerate((199, 399, 599))]
+
+
+def make_grid(out: Path, name: str, lrs: list[float], depth: int, width: int, finals: dict, rng: random.Random,
+              failed: set[str] = frozenset(), unfinished: set[str] = frozenset()) -> dict[str, list[dict]]:
+    """A `keel sweep` grid (keel, preln x lrs x seeds 1-3) with every run's records; its evaluations by run name."""
+    overrides = [f"model.depth={depth}", f"model.width={width}", *EVAL]
+    assert cli_main(["sweep", "--emit", "commands", "--schemes", "keel,preln", "--lrs", ",".join(map(str, lrs)),
+                     "--seeds", "1,2,3", "--out", str(out / name), *overrides]) == 0
+    histories, base = {}, load_config(None, overrides)
+    for run in json.loads((out / name / "sweep.json").read_text())["runs"]:  # the runs' configs, as keel sweep's
+        axes = run["axes"]
+        cfg = replace(base, model=replace(base.model, scheme=axes["scheme"]),
+                      optim=replace(base.optim, lr=float(axes["lr"])),
+                      run=replace(base.run, seed=int(axes["seed"]), dir=str(out / name / run["name"])))
+        Path(cfg.run.dir).mkdir()
+        write_config(cfg, None)
+        evaluations = trajectory(rng, finals[cfg.model.scheme][lrs.index(cfg.optim.lr)] + rng.uniform(-0.02, 0.02))
+        if run["name"] in unfinished:
+            evaluations = evaluations[:-1]
+        histories[run["name"]] = evaluations
+        callback = DownstreamEval(cfg)
+        callback.primary = {"keel_next_line": ("acc_mutual_info", True), "keel_last_token": ("perplexity", False)}
+        callback.history = evaluations
+        callback._write_history(SimpleNamespace(is_global_zero=True))
+        monitor = StabilityMonitor(run_dir=cfg.run.dir)
+        if run["name"] in failed:
+            monitor.failure = Failure("spike", 300, 320, cfg.optim.lr, cfg.optim.lr, 7.0, "synthetic")
+        (Path(cfg.run.dir) / STABILITY).write_text(json.dumps(monitor.summary(STEPS)))
+    return histories
+
+
+def final(evaluations: list[dict], metric: str) -> float:
+    if metric == LOSS:
+        return evaluations[-1]["val_loss"]
+    task, name = metric.split(" ")
+    return evaluations[-1]["scores"][task][name]
+
+
+def score(evaluation: dict, metric: str) -> float:
+    task, name = metric.split(" ")
+    return evaluation["scores"][task][name]
+
+
+@pytest.fixture(scope="module")
+def paper(tmp_path_factory):
+    """A paper directory with lr-d16 (one run stopped short, one flagged by the monitor), its redundancy.csv, and
+    Table 3's depth grids (tuned-depth-d16, and lr-d64 for 64 blocks); the evaluations written, by grid and run."""
+    out = tmp_path_factory.mktemp("paper")
+    rng = random.Random(0)
+    histories = {"lr-d16": make_grid(out, "lr-d16", LRS, 16, 64, LR_GRID, rng, failed={"keel-lr0.01-s2"},
+                                     unfinished={"preln-lr0.02-s3"})}
+    for depth, finals in TUNED.items():
+        histories[DEPTH_GRID[depth]] = make_grid(out, DEPTH_GRID[depth], TUNED_LRS, depth, 32, finals, rng)
+    # keel redundancy's rows (keel.experiments.redundancy.measure) over every final checkpoint of lr-d16 and one more
+    increases = {}
+    rows = []
+    for name in [*histories["lr-d16"], "elsewhere"]:
+        path = out / "lr-d16" / name / "checkpoints" / "last.ckpt"
+        increases[name] = [rng.uniform(-0.01, 0.5) for _ in range(16)]
+        rows += [{"checkpoint": f"{name}/last (keel, depth 16)", "path": str(path), "scheme": name.split("-")[0],
+                  "depth": 16, "block": block, "val_tokens": 16384, "ppl_base": 100.0, "ppl_removed": 100.0 + increase,
+                  "ppl_increase": increase, "loss_increase": increase}
+                 for block, increase in enumerate(increases[name])]
+    write_table(rows, out / "lr-d16" / "redundancy" / "redundancy.csv")
+    grids, missing = load_trained(out)
+    return SimpleNamespace(out=out, histories=histories, increases=increases, grids=grids, missing=missing)
+
+
+def test_the_cells_statistics_and_verdicts():
+    values = [4.0, 5.5, 4.25]
+    assert spread(values) == (f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.3g} "
+                              f"[{min(values):.3g}, {max(values):.3g}] n=3")
+    assert spread([4.0]) == "4 ± - [4, 4] n=1" and spread([]) == "-"
+    assert apart([1, 2], [2.5, 3]) == "yes" and apart([3, 4], [1, 2]) == "yes" and apart([1, 3], [2, 4]) == "no"
+    assert [direction(v) for v in ([1, 2, 2], [3, 1], [1, 1], [1, 3, 2], [1])] == ["rises", "falls", "flat",
+                                                                                  "not monotone", "-"]
+
+
+def test_the_lr_table_has_every_scheme_and_lr_over_the_finished_seeds(paper):
+    grids, missing = paper.grids, paper.missing
+    assert set(grids) == {"lr-d16", "lr-d64", "tuned-depth-d16"}
+    assert missing == ["tuned-depth-d256"]
+    grid, histories = grids["lr-d16"], paper.histories["lr-d16"]
+    assert (len(grid.runs), grid.listed) == (23, 24)  # preln-lr0.02-s3 stopped before its last step
+    table, verdicts = lr_table(grid.runs)
+    assert [(r["scheme"], r["peak LR"]) for r in table] == [(s, fmt(lr)) for s in ("keel", "preln") for lr in LRS]
+    for row in table:
+        lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
+        names = [f"{row['scheme']}-lr{lr}-s{seed}" for seed in (1, 2, 3) if f"{row['scheme']}-lr{lr}-s{seed}" !=
+                 "preln-lr0.02-s3"]
+        for metric in (LOSS, *METRICS):
+            assert row[metric] == spread([final(histories[name], metric) for name in names]), (row, metric)
+        assert row["stability failures"] == ("1/3" if (row["scheme"], lr) == ("keel", 0.01) else f"0/{len(names)}")
+        assert row["init"] == {"keel": "normal", "preln": "gpt2"}[row["scheme"]]  # each scheme's own recipe
+    assert "keel_last_token perplexity" not in table[0]  # the metrics with a stated chance level only
+    keel, preln = verdicts
+    assert keel[LOSS].startswith("falls: ") and preln[LOSS].startswith("not monotone: ")
+    means = [statistics.mean(final(histories[f"preln-lr{lr}-s{s}"], LOSS) for s in (1, 2, 3)
+                             if f"preln-lr{lr}-s{s}" != "preln-lr0.02-s3") for lr in LRS]
+    assert preln[LOSS] == "not monotone: " + ", ".join(fmt(m) for m in means)
+
+
+def test_tasks_are_compared_at_common_loss_levels_along_each_runs_trajectory(paper):
+    grid, histories = paper.grids["lr-d16"], paper.histories["lr-d16"]
+    table = matched_gaps(grid.runs)
+    assert [(r["metric"], r["peak LR"]) for r in table] == [(m, fmt(lr)) for m in METRICS for lr in LRS]
+    for row in table:
+        lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
+        runs = {s: [histories[n] for n in histories if n.startswith(f"{s}-lr{lr}-") and n != "preln-lr0.02-s3"]
+                for s in ("keel", "preln")}
+        every = runs["keel"] + runs["preln"]
+        # the losses fall: a run's first evaluation is its highest; the levels every run passes through
+        levels = np.linspace(min(e[0]["val_loss"] for e in every), max(e[-1]["val_loss"] for e in every), 3)
+        assert row[f"{LOSS} levels"] == ", ".join(fmt(x) for x in levels)
+        for i, level in enumerate(levels, 1):
+            at = {s: [float(np.interp(level, [e["val_loss"] for e in h][::-1],
+                                      [score(e, row["metric"]) for e in h][::-1])) for h in runs[s]] for s in runs}
+            separate = min(at["keel"]) > max(at["preln"]) or max(at["keel"]) < min(at["preln"])
+            assert row[f"level {i}: keel - preln (sd keel / preln; seeds apart)"] == (
+                f"{fmt(statistics.mean(at['keel']) - statistics.mean(at['preln']))} "
+                f"({fmt(statistics.stdev(at['keel']))} / {fmt(statistics.stdev(at['preln']))}; "
+                f"{'yes' if separate else 'no'})"), (row, i)
+        assert row["chance"] == ("~0" if row["metric"] == "keel_last_token acc" else "0.25")
+
+
+def test_layer_use_reports_the_first_and_last_block_apart_from_the_middle(paper):
+    grid = paper.grids["lr-d16"]
+    increases, unknown = read_redundancy(paper.out / "lr-d16" / "redundancy" / "redundancy.csv", grid.runs)
+    assert unknown == 2  # the checkpoint of no run of the grid, and that of the unfinished run
+    table = layer_use(grid.runs, increases)
+    assert len(table) == 8
+    for row in table:
+        lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
+        seeds = [paper.increases[f"{row['scheme']}-lr{lr}-s{s}"] for s in (1, 2, 3)
+                 if f"{row['scheme']}-lr{lr}-s{s}" != "preln-lr0.02-s3"]
+        assert row["first block (0)"] == spread([v[0] for v in seeds])
+        assert row["middle blocks (1-14), mean"] == spread([sum(v[1:15]) / 14 for v in seeds])
+        assert row["last block (15)"] == spread([v[15] for v in seeds])
+
+
+def test_each_scheme_at_its_own_best_lr_per_depth_and_the_gap_against_depth(paper):
+    grids = paper.grids
+    sweeps, gaps, trend = tuned_depth({g: grids[g].runs for g in DEPTH_GRID.values()})
+    best = {}
+    for depth in TUNED:
+        histories = paper.histories[DEPTH_GRID[depth]]
+        for scheme in ("keel", "preln"):
+            means = [statistics.mean(final(histories[f"{scheme}-lr{lr}-s{s}"], LOSS) for s in (1, 2, 3))
+                     for lr in TUNED_LRS]
+            best[depth, scheme] = TUNED_LRS[means.index(min(means))]
+            (row,) = [r for r in sweeps if (r["blocks"], r["scheme"]) == (depth, scheme)]
+            assert row["best LR"] == fmt(best[depth, scheme])
+            assert row["mean final held-out loss per LR"] == ", ".join(f"{fmt(lr)}: {fmt(m)}"
+                                                                       for lr, m in zip(TUNED_LRS, means))
+            assert row["best at the sweep's edge"] == ("no" if best[depth, scheme] == 0.01 else "yes")
+        for metric in (LOSS, *METRICS):
+            values = {s: [final(histories[f"{s}-lr{best[depth, s]}-s{seed}"], metric) for seed in (1, 2, 3)]
+                      for s in ("keel", "preln")}
+            (row,) = [r for r in gaps if (r["blocks"], r["metric"]) == (depth, metric)]
+            assert (row["keel LR"], row["preln LR"]) == (fmt(best[depth, "keel"]), fmt(best[depth, "preln"]))
+            assert row["keel"] == spread(values["keel"]) and row["preln"] == spread(values["preln"])
+            assert row["keel - preln"] == fmt(statistics.mean(values["keel"]) - statistics.mean(values["preln"]))
+            assert row["seeds apart"] == ("yes" if min(values["keel"]) > max(values["preln"])
+                                          or max(values["keel"]) < min(values["preln"]) else "no")
+    assert (best[64, "keel"], best[64, "preln"]) == (0.01, 0.02)  # as designed: Pre-LN's best at the edge at 64
+    (loss,) = [r for r in trend if r["metric"] == LOSS]
+    assert loss["its size with depth"] == "grows"  # ~0.1 at 16 blocks, ~0.3 at 64, both negative
+
+
+def test_paper_report_has_the_trained_sections_for_the_grids_present(paper):
+    assert cli_main(["paper-report", str(paper.out)]) == 0
+    report = (paper.out / "report.md").read_text()
+    assert "## Table 2, the LR sweep at 16 blocks x 64 (lr-d16; 23 of 24 runs finished)" in report
+    for heading in ("## Section 9, loss against tasks at 16 blocks x 64 (lr-d16)",
+                    "## Section 8, layer use at 16 blocks x 64 (lr-d16) (2 checkpoints of unfinished or unknown runs "
+                    "left out)", "## Table 3, depth at width 32, each scheme at its own best LR"):
+        assert heading in report
+    # lr-d64 (Table 3's 64-block point) has its Table 2 too, and no redundancy.csv yet: the report says how to make it
+    assert "## Table 2, the LR sweep at 64 blocks x 32 (lr-d64; 18 of 18 runs finished)" in report
+    assert "Section 8 at 64 blocks x 32: no lr-d64/redundancy/redundancy.csv yet (make paper-redundancy-lr-d64)." in report
+    assert "tuned-depth-d256." in report.split("\n")[2]  # the "Not (yet) run" line ends with them
+    for plot in ("loss_vs_tasks_lr-d16.png", "layer_use_lr-d16.png"):
+        assert f"]({plot})" in report and (paper.out / plot).stat().st_size > 0
+
+
+def test_a_truncated_eval_history_is_named(paper, capsys):
+    history = paper.out / "tuned-depth-d16" / "keel-lr0.01-s1" / "eval_history.json"
+    text = history.read_text()
+    history.write_text(text[:30])
+    try:
+        assert cli_main(["paper-report", str(paper.out)]) == 2
+    finally:
+        history.write_text(text)
+    assert capsys.readouterr().err.startswith(f"keel paper-report: config error: {history} cannot be read "
+                                              "(truncated?): ")

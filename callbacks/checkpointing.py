@@ -1,18 +1,14 @@
 """Checkpoints of a run: `RunCheckpoint` decides when and where they are written, `GracefulInterrupt` turns
 Ctrl-C, SIGTERM and SIGUSR1 into a clean stop that writes one (and requeues a SLURM job after SIGUSR1).
 
-    <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end of training, and
-                                             when training raises (one process); always replaced whole, as hard
-                                             links to the step-numbered checkpoint of the same save (no second write)
+    <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end and on a raise;
+                                             hard links to the step-numbered checkpoint of the same save
     <run.dir>/checkpoints/step000400.ckpt    the same saves, step-numbered: the newest trainer.keep_last_k kept
-    <run.dir>/checkpoints/nonfinite.ckpt     a save whose weights are not finite, instead of the two above (which
-                                             keep the last finite state); overwritten in place
+    <run.dir>/checkpoints/nonfinite.ckpt     a save whose weights are not finite, instead of the two above
 
-Each file (or FSDP directory) is written whole before it replaces anything (AtomicCheckpointIO,
-FSDP2Strategy.save_checkpoint) and older step-numbered ones are deleted only after the new one is complete. With
-trainer.async_checkpoint (FSDP) a save returns once the state is copied to host memory and is written in the
-background: it becomes visible - moved into place, last.ckpt linked, the history pruned - only once it is whole,
-at the first logging step after, at the next save (one at a time) or at the end of training, which waits for it.
+Each save is written whole before it replaces anything, and older ones are pruned only after; with
+trainer.async_checkpoint a save becomes visible only once its background write is complete (docs/failures.md,
+docs/distributed.md "In the background").
 """
 
 from __future__ import annotations
@@ -28,14 +24,15 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import lightning as L
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint import CheckpointException  # a BaseException: each rank's failure of a save
 from torch.distributed.tensor import DTensor
 
-from keel.callbacks.reporting import due, finished_step
-from keel.checkpoint import LAST, describe_error, link_checkpoint
+from keel.callbacks.cadence import due, finished_step
+from keel.checkpoint import LAST, describe_error
+from keel.checkpoint_io import link_checkpoint
 from keel.errors import STORAGE_FAILURES, StorageError
 from keel.rundir import say
 
@@ -72,7 +69,7 @@ def background_failure(err: BaseException) -> str:
     return f"rank {rank}: {type(failure).__name__}: {describe_error(failure).splitlines()[0]}"
 
 
-def weights_finite(trainer: L.Trainer) -> bool:
+def weights_finite(trainer: Trainer) -> bool:
     """Whether every weight is finite, in every process (each checks its own shards under FSDP)."""
     local = (p.to_local() if isinstance(p, DTensor) else p for p in trainer.lightning_module.parameters())
     return trainer.strategy.reduce_boolean_decision(all(bool(t.isfinite().all()) for t in local), all=True)
@@ -113,23 +110,23 @@ class RunCheckpoint(ModelCheckpoint):
         self.saves: list[dict] = []
         self._in_flight: dict | None = None  # the entry of saves being written in the background (async saves)
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
             warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
             super().setup(trainer, pl_module, stage)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._start_step = trainer.global_step
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx) -> None:
         # On restart Lightning adds one to the loggers' step counter, on the premise that the checkpoint was
         # written inside a step; the final checkpoint is written after it, so a run extended from it (a larger
         # max_steps) logged every step one too late. With one optimizer the counter is the global step.
         if trainer.global_step == self._start_step:
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         step = finished_step(trainer)
         if self._in_flight and step is not None and due(step, trainer.log_every_n_steps):
             # the ranks agree that the background write is done (a collective: at logging steps only, keel's rule)
@@ -143,12 +140,12 @@ class RunCheckpoint(ModelCheckpoint):
         if step_done and trainer.world_size == 1:  # not mid-accumulation
             self._boundary = (trainer.global_step, self._progress(trainer))
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step not in (self._start_step, self._last_global_step_saved):
             self.save_now(trainer)
         self.finish_save(trainer)  # the run ends (or requeues) with its last checkpoint whole and in place
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, StorageError):  # a save failed: another would fail the same way
             return
         if self._in_flight and trainer.world_size == 1:  # several processes would have to agree, as below
@@ -171,7 +168,7 @@ class RunCheckpoint(ModelCheckpoint):
             self._replace = None
 
     @staticmethod
-    def _progress(trainer: L.Trainer) -> dict:
+    def _progress(trainer: Trainer) -> dict:
         """The checkpoint entries that move within a step: the loops' progress and the data loader's position."""
         loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
                                                                        "predict_loop")}
@@ -180,7 +177,7 @@ class RunCheckpoint(ModelCheckpoint):
             progress[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
         return progress
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         if self._replace is not None:  # the live loops and loader are part-way into the step that failed
             checkpoint.update(self._replace)
 
@@ -189,7 +186,7 @@ class RunCheckpoint(ModelCheckpoint):
         last = str(Path(self.dirpath) / LAST)
         super().load_state_dict({**state_dict, "dirpath": self.dirpath, "last_model_path": last, "best_k_models": {}})
 
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         """Every write comes here, once per checkpoint event (the step-numbered one, or last.ckpt when keep_last_k=0):
         the one finiteness check of the event, and non-finite weights go to nonfinite.ckpt instead."""
         if not weights_finite(trainer):
@@ -204,7 +201,7 @@ class RunCheckpoint(ModelCheckpoint):
         if Path(filepath).name == LAST and not self._in_flight:  # what _kept() names
             self._last_finite_step = trainer.global_step
 
-    def _write(self, trainer: L.Trainer, filepath: str) -> None:
+    def _write(self, trainer: Trainer, filepath: str) -> None:
         """Write (or, async, start writing) the current state to `filepath`; at most one write in the background."""
         self.finish_save(trainer)
         start = time.perf_counter()
@@ -229,7 +226,7 @@ class RunCheckpoint(ModelCheckpoint):
             raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or make "
                                "it writable) and re-run the same command to continue from there") from None
 
-    def finish_save(self, trainer: L.Trainer) -> None:
+    def finish_save(self, trainer: Trainer) -> None:
         """Wait for the checkpoint being written in the background, if any, then make it visible: moved into place,
         last.ckpt linked to it, the history pruned. A failed write raises here, on every rank (torch gathers each
         rank's failure), naming the checkpoint and the rank; nothing it would have replaced is touched."""
@@ -253,7 +250,7 @@ class RunCheckpoint(ModelCheckpoint):
             self._link_last(trainer, step, filepath)
             self._prune(trainer)
 
-    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict) -> None:
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict) -> None:
         """last.ckpt: hard links to the step-numbered checkpoint this event wrote (link_checkpoint: no second write,
         the same atomic replace), or written in full where there is none (keep_last_k=0) or the filesystem has no
         hard links. After non-finite weights (nonfinite.ckpt) it keeps the last finite state."""
@@ -267,7 +264,7 @@ class RunCheckpoint(ModelCheckpoint):
         if not self._in_flight:  # else once the write is whole (finish_save)
             self._link_last(trainer, *self._written)
 
-    def _link_last(self, trainer: L.Trainer, step: int, source: str) -> None:
+    def _link_last(self, trainer: Trainer, step: int, source: str) -> None:
         """last.ckpt: the step-numbered checkpoint `source` of `step`, hard-linked; where the filesystem has none,
         the current state written in full, or after a save in the background (the state has moved on since) a
         copy of `source` by rank 0."""
@@ -307,7 +304,7 @@ class RunCheckpoint(ModelCheckpoint):
         return (f"{last} (from before this run) is intact" if last.exists()
                 else "no finite checkpoint was written in this run")
 
-    def save_now(self, trainer: L.Trainer) -> None:
+    def save_now(self, trainer: Trainer) -> None:
         """The current state as the next step-numbered checkpoint and last.ckpt, whole when this returns."""
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
@@ -315,7 +312,7 @@ class RunCheckpoint(ModelCheckpoint):
         self._prune(trainer)
         self.finish_save(trainer)
 
-    def _prune(self, trainer: L.Trainer) -> None:
+    def _prune(self, trainer: Trainer) -> None:
         """Delete step-numbered checkpoints beyond the newest keep_last_k up to this step. Later-numbered ones
         (left by the timeline a resume from an older checkpoint abandoned) are overwritten when reached. Not while
         a checkpoint is being written in the background: it is not yet the newest (finish_save prunes)."""
@@ -384,17 +381,17 @@ class GracefulInterrupt(Callback):
         again = " (press Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
         say(f"{SAID[signum]}: stopping after this step with a checkpoint{again}")
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # before Lightning installs its SIGTERM handler, which it removes at its teardown, before this one's
         self._previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step = trainer.global_step
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:  # over Lightning's SIGTERM one: it ends training with an exception
                 signal.signal(signum, self._handle)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self._step:  # mid-accumulation: the optimizer step is not done
             return
         self._step = trainer.global_step
@@ -411,7 +408,7 @@ class GracefulInterrupt(Callback):
             self.stopped_at = trainer.global_step
             self.signal = STOP_SIGNALS[code - 1]
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.stopped_at is None:
             return
         if self.signal == signal.SIGUSR1 and trainer.is_global_zero:
@@ -419,7 +416,7 @@ class GracefulInterrupt(Callback):
         # no rank returns before the requeue: under srun --kill-on-bad-exit the first to exit ends the others
         trainer.strategy.barrier("GracefulInterrupt.on_fit_end")
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
             for signum, handler in self._previous.items():
                 if handler is not None:  # None: not installed from Python, nothing to restore

@@ -2,20 +2,11 @@
 differences (the paper's Figure 8: lower loss, no better tasks), so the tasks are watched as the run goes.
 
 Right after every eval.every_n_steps-th validation, each task in eval.tasks runs on its first eval.limit
-documents; TensorBoard gets `eval/<task>/<metric>`, `time/downstream_eval_s` and, from the second evaluation
-on, `eval/disagree/<task>` = 1 when validation loss and the task's primary metric moved in opposite directions
-since the previous evaluation (also printed as a line). At the end of training, `eval/spearman/<task>` ranks
-loss against score over the run (printed where it is defined); every evaluation is in
-`<run.dir>/eval_history.json`. Each evaluation prints one line, its step, time and each task's primary metric, in
-place of lm-eval's progress bars (off in here), through the step bar on rank 0 (LightningModule.print).
-
-Training is untouched: the model is evaluated without gradients in eval mode (then put back as it was), the
-Python/NumPy/torch RNG states are restored afterwards, and the train dataloader is never used. On several processes
-(DDP or FSDP) each rank scores its share of the documents, in lockstep (as many forwards on every rank: FSDP's are
-collective), and the metrics are those of all of them, on every rank. Only rank 0 logs and writes.
-
-The generated tasks are read from data.dir, where `keel data` writes them; for a data.dir built before it did, rank 0
-writes them under run.dir (never into data.dir, which may be an object store or read-only) while the others wait.
+documents: `eval/<task>/<metric>`, `eval/disagree/<task>` (loss and task moved in opposite directions), at the end
+`eval/spearman/<task>`, one printed line per evaluation and `<run.dir>/eval_history.json`. Training is untouched
+(eval mode without gradients, RNG states restored, the train dataloader never used); on several processes each rank
+scores its share of the documents in lockstep and only rank 0 logs and writes. Tags, cost and tests:
+docs/evaluation.md, "In-loop evaluation".
 """
 
 from __future__ import annotations
@@ -28,14 +19,14 @@ import random
 import time
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from scipy.stats import spearmanr
 
 from keel.artifacts import EVAL_HISTORY
-from keel.callbacks.reporting import log_scalars
+from keel.callbacks.log_writing import log_scalars
 from keel.config import Config
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import load_tasks, primary_metric, run_tasks
@@ -79,14 +70,14 @@ class DownstreamEval(Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = state_dict["history"]
 
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or self.tasks:
             return
         with preserved_rng():
             self.tasks = self._load_tasks(trainer)
         self.primary = {name: primary_metric(task) for name, task in self.tasks.items()}
 
-    def _load_tasks(self, trainer: L.Trainer) -> dict:
+    def _load_tasks(self, trainer: Trainer) -> dict:
         """Rank 0 loads the tasks first, writing the generated ones under run.dir if data.dir has none, then the
         others (run.dir is on a filesystem every node shares). A failure on rank 0 stops every rank."""
         ev, cfg = self.cfg.eval, self.cfg
@@ -103,7 +94,7 @@ class DownstreamEval(Callback):
             raise RuntimeError(f"downstream eval: rank 0 could not load eval.tasks: {message}")
         return tasks or load()
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         done = trainer.global_step  # optimizer steps taken
         due = done % self.cfg.eval.every_n_steps == 0 or done == trainer.max_steps
         step = done - 1  # 0-based index of the last step: where Lightning logs this validation's val/loss
@@ -123,7 +114,7 @@ class DownstreamEval(Callback):
         log_scalars(trainer, metrics, step)
         self._write_history(trainer)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rhos = self.spearman()
         for task, rho in rhos.items():
             if rho is not None:  # None: too few evaluations, or a loss or score that never moved
@@ -133,7 +124,7 @@ class DownstreamEval(Callback):
                     trainer.global_step - 1)
         self._write_history(trainer)
 
-    def _evaluate(self, pl_module: L.LightningModule) -> dict[str, dict[str, float]]:
+    def _evaluate(self, pl_module: LightningModule) -> dict[str, dict[str, float]]:
         model = pl_module.model
         if self.lm is None:
             self.lm = KeelEvalLM(
@@ -151,7 +142,7 @@ class DownstreamEval(Callback):
         finally:
             model.train(was_training)
 
-    def _disagreements(self, pl_module: L.LightningModule, before: dict, after: dict) -> dict[str, float]:
+    def _disagreements(self, pl_module: LightningModule, before: dict, after: dict) -> dict[str, float]:
         loss_moved = _moved(before["val_loss"], after["val_loss"], higher_is_better=False)
         flags = {}
         for task, (metric, higher) in self.primary.items():
@@ -178,7 +169,7 @@ class DownstreamEval(Callback):
             rhos[task] = float(spearmanr(losses, scores).statistic) if defined else None
         return rhos
 
-    def _write_history(self, trainer: L.Trainer) -> None:
+    def _write_history(self, trainer: Trainer) -> None:
         if trainer.is_global_zero:
             tasks = {task: {"metric": name, "higher_is_better": up} for task, (name, up) in self.primary.items()}
             history = {"tasks": tasks, "evaluations": self.history, "spearman": self.spearman()}

@@ -1,24 +1,12 @@
 """Per-layer gradient norms: where the gradient goes, layer by layer, as training proceeds.
 
-Every `every_n_steps`, in on_before_optimizer_step (after backward and AMP unscaling, before clipping):
+Every `every_n_steps`, in on_before_optimizer_step (after backward and AMP unscaling, before clipping): each
+sublayer's branch and gain norms, the embedding, head and global norms, block ratios (bottom, middle, block 0 over
+the top block, as keel.gradflow defines them) and a heatmap; optionally the activation-gradient profile
+(keel.gradflow.measure_model, one extra forward and backward). The tags: docs/tensorboard.md, "Gradient norms".
 
-    grad/attn/block_003, grad/ffn/block_003           ||grad|| of that sublayer's branch matrices
-    grad/gain/attn/block_003, grad/gain/ffn/block_003   ||grad|| of its norm gains (norm_in, norm_out, q/k/v norms)
-    grad/embed, grad/head, grad/gain/final
-    grad/global                                       all parameters together: the norm clipping sees
-    grad/ratio/bottom_top, grad/ratio/middle_top, grad/ratio/block0_top   block weight-gradient ratios
-    grad/heatmap/branch_weights                       every sublayer x step, log10 (every heatmap_every_n_steps)
-
-Block ratios use a block's two branches together; bottom = block 1 for Keel, block 0 otherwise, middle =
-depth // 2, top = the last block (the definitions of keel.gradflow). Keel's block 0 (alpha = 1) gets ~L times
-the weight gradient of the others by design (docs/schemes.md, "Gradient scale"): block0_top shows it.
-
-Optionally, every `activation_every_n_steps`, the activation-gradient profile ||dL/dx_l|| * rms(x_l) of the
-step's batch (grad/act/..., measured by keel.gradflow.measure_model: one extra forward and backward).
-
-Lightning's `utilities.grad_norm` is not used: it gives per-parameter norms (we group by sublayer) and costs a
-collective per parameter on FSDP2 DTensors; here all norms are reduced together (keel.tensor_norms), from the per-parameter
-norms the LightningModule computes once per step (KeelLitModule.grad_norms: shared with stability and clipping).
+The norms are those the LightningModule measures once per step (KeelLitModule.grad_norms), grouped by sublayer;
+Lightning's `utilities.grad_norm` is not used: per-parameter only, and a collective per parameter on FSDP2 DTensors.
 """
 
 from __future__ import annotations
@@ -26,12 +14,14 @@ from __future__ import annotations
 import math
 import time
 
-import lightning as L
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks.reporting import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.callbacks.configs import GradNormsConfig
+from keel.callbacks.cadence import due, finished_step
+from keel.config import GradNormsConfig
+from keel.callbacks.log_writing import log_scalars
+from keel.callbacks.per_layer import Heatmap, evenly_spaced
 from keel.gradflow import bottom_middle_top, measure_model
 from keel.tensor_norms import grad_norms
 
@@ -66,14 +56,14 @@ class GradNormMonitor(Callback):
     def __init__(self, config: GradNormsConfig | None = None) -> None:
         self.config = config if config is not None else GradNormsConfig()
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After the strategy's setup: under FSDP the parameters are now the DTensors the optimizer updates.
         model = pl_module.model
         cfg = model.cfg
         groups = parameter_groups(model)
         self._tags = [tag for tag, _ in groups]
         group_of = {id(p): g for g, (_, params) in enumerate(groups) for p in params}
-        self._params = list(model.parameters())  # the order of KeelLitModule.grad_norms()
+        self._params = list(model.parameters())  # the order of KeelLitModule.grad_norms
         self._group_of = torch.tensor([group_of[id(p)] for p in self._params])
         self._depth = cfg.depth
         self._ratio_blocks = bottom_middle_top(cfg)
@@ -96,12 +86,12 @@ class GradNormMonitor(Callback):
         values = torch.cat((squares, squares.sum()[None])).sqrt().tolist()
         return dict(zip([*self._tags, "grad/global"], values))
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         step = trainer.global_step
         if not due(step, self.config.every_n_steps):
             return
         start = time.perf_counter()
-        norms = self.norms(pl_module.grad_norms())
+        norms = self.norms(pl_module.grad_norms)
         if not norms:
             return
         blocks = [math.hypot(norms[block_tag("grad", "attn", b)], norms[block_tag("grad", "ffn", b)])
@@ -121,7 +111,7 @@ class GradNormMonitor(Callback):
         log_scalars(trainer, {**shown, **ratios, **elapsed}, step)
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         step = finished_step(trainer)
         if step is None or not due(step, self.config.activation_every_n_steps):

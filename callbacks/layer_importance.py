@@ -1,28 +1,24 @@
 """Layer importance over training (the paper's Section 8, made dynamic): how much the loss rises when one
 block is skipped, i.e. its output replaced by its input, on one fixed validation batch.
 
-Every `every_n_steps`:
-
-    importance/block_003        loss with block 3 skipped - loss of the full model (nats)
-    importance/base_loss        loss of the full model on that batch
-    importance/heatmap          blocks x steps
-    time/layer_importance_ms
-
-Deep models measure `max_blocks` evenly spaced blocks (first and last included). A skip (keel.layer_skip) swaps
-the block for a module that returns its input, so the skipped block costs nothing and nothing else changes (no hooks to
-recompile under torch.compile). Under FSDP every rank runs the same forwards (their all-gathers are
-collective) on its own batch; the losses are averaged over ranks and rank 0 logs.
+Every `every_n_steps`: `importance/block_NNN` (loss skipped - loss of the full model), `importance/base_loss`, a
+blocks x steps heatmap (docs/tensorboard.md, "Layer importance"). Deep models measure `max_blocks` evenly spaced
+blocks. A skip (keel.layer_skip) swaps the block for a module that returns its input: nothing else changes and
+there are no hooks to recompile under torch.compile. Under FSDP every rank runs the same (collective) forwards on
+its own batch; the losses are averaged over ranks and rank 0 logs.
 """
 
 from __future__ import annotations
 
 import time
 
-import lightning as L
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks.reporting import Heatmap, due, evenly_spaced, finished_step, log_scalars
-from keel.callbacks.configs import LayerImportanceConfig
+from keel.callbacks.cadence import due, finished_step
+from keel.config import LayerImportanceConfig
+from keel.callbacks.log_writing import log_scalars
+from keel.callbacks.per_layer import Heatmap, evenly_spaced
 from keel.layer_skip import skip_losses
 
 
@@ -30,7 +26,7 @@ class LayerImportance(Callback):
     def __init__(self, config: LayerImportanceConfig | None = None) -> None:
         self.config = config if config is not None else LayerImportanceConfig()
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.datamodule is None:
             raise RuntimeError("LayerImportance takes its fixed batch from trainer.datamodule.val_dataloader()")
         self._batch = next(iter(trainer.datamodule.val_dataloader())).to(pl_module.device)
@@ -39,7 +35,7 @@ class LayerImportance(Callback):
         self._heatmap = Heatmap("importance/heatmap", rows, "loss increase when skipped")
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         step = finished_step(trainer)
         if step is None or not due(step, self.config.every_n_steps):

@@ -3,10 +3,10 @@ trainer.grad_accum > 1 its count and ETA are off by that factor, and it restarts
 
 from __future__ import annotations
 
-import lightning as L
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from keel.callbacks.reporting import due, finished_step
+from keel.callbacks.cadence import due, finished_step
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -19,16 +19,16 @@ class StepProgressBar(TQDMProgressBar):
     def train_description(self) -> str:
         return "step"
 
-    def on_train_start(self, trainer: L.Trainer, *_) -> None:
+    def on_train_start(self, trainer: Trainer, *_) -> None:
         super().on_train_start(trainer)
         bar = self.train_progress_bar
         bar.reset(total=trainer.max_steps)
         bar.initial = bar.n = trainer.global_step
 
-    def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, *_) -> None:
         pass  # one bar for the whole run, not one per epoch
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step = finished_step(trainer)
         if step is None:  # still accumulating gradients
             return

@@ -1,49 +1,16 @@
-"""Training-failure detection: the three ways the paper's runs die, caught as they happen.
+"""Training-failure detection: the three ways the paper's runs die, watched as they happen (it changes no update:
+the LightningModule drops a non-finite one itself, monitor or not).
 
-    nonfinite    the step's loss or global gradient norm is NaN/inf. Its update is always dropped, on the device
-                 at that very step: the fused AdamW gets the step's non-finite flag as its `found_inf` (GradScaler's
-                 protocol) and leaves weights, moments and step count alone; the LR schedule still advances.
-                 on_nonfinite=skip tolerates up to max_nonfinite consecutive such steps; stop fails at the first.
-    spike        the smoothed loss stays above its running minimum by spike_margin nats (or above spike_ceiling,
-                 once the minimum has been spike_ceiling_margin below it) for spike_patience steps (an
-                 irrecoverable spike; shorter excursions are logged as recovered spikes)
-    stagnation   the smoothed loss has not improved on its best by stagnation_min_delta for stagnation_window
-                 steps (abnormally slow descent; off when the window is 0); with stagnation_below, only once the
-                 loss has been at or below that level (a model still on its initial plateau is not judged)
+    nonfinite    the step's loss or global gradient norm is NaN/inf: on_nonfinite=skip tolerates up to
+                 max_nonfinite consecutive such steps, stop fails at the first
+    spike        the judged loss stays spike_margin nats above its running minimum (or above spike_ceiling) for
+                 spike_patience steps
+    stagnation   it has not improved by stagnation_min_delta for stagnation_window steps (0 = off)
 
-Spikes and stagnation judge a loss signal: `train` (default), the EMA of the training-batch losses, or `val`,
-the held-out loss of each validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps):
-a property of the model, not of the batches it happens to see - what the max-LR protocol judges. Patience and
-window stay in optimizer steps; under `val` a spike is counted from the last evaluation within the margin.
-
-The first failure is kept (`failure`), with `max_tolerable_lr` = the learning rate of the last update the model
-sustained: a training loss is computed before its step's update, so a failure whose onset is step s was caused by
-update s - 1 and the LR is that of step s - 2 (none for onset 1: the first update already failed); under `val`,
-that of the last evaluation before the onset (each follows its step's update) - within the evaluations'
-resolution, the onset, not the later detection, whose LR is `detected_lr`), and written to <run.dir>/stability.json
-(rewritten at the end of training, failed or not; under `val` with every evaluation as `heldout`: step, lr, loss).
-The run then ends cleanly (trainer.should_stop; the final checkpoint is written and `keel pretrain` exits 1) if
-stop_on_failure (the default), and always for a non-finite step under on_nonfinite=stop; a run resumed after such
-a stop stops again at once. With stop_on_failure=false training goes on, which is said once. Typical use (the
-max-LR experiment):
-
-    monitor = StabilityMonitor(StabilityConfig(stop_on_failure=True, stagnation_window=100), run_dir)
-    trainer.fit(...)
-    monitor.failure        # None, or Failure(kind, step, detected_step, lr, max_tolerable_lr, loss, message,
-                           #               detected_lr)
-    monitor.max_tolerable_lr
-
-Every decision uses values that are the same on every rank (the loss averaged over ranks, the full gradient
-norm: the global norm of KeelLitModule.grad_norms(), computed once per step and shared with the grad-norm logging
-and clipping), so all ranks skip and stop together.
-
-The host never waits for the device at other steps than logging ones (trainer.log_every_n_steps): each step's loss
-and gradient norm stay on the device, and the verdicts are reached at the next logging step (or validation under
-`val`, or checkpoint, or the end of training), step by step as if each had been read at once - one all-reduce and
-one read for all the steps since the last. A failure stops the run there, at most log_every_n_steps - 1 steps after
-its detection step, which is recorded as such. Only the skip of a non-finite update cannot wait, and needs no
-read: it is decided on the device, from the global gradient norm (the same on every rank; a non-finite loss on any
-rank makes it non-finite). Under fp16 loss scaling (no gradient norm is checked) the scaler skips such steps.
+Spikes and stagnation judge `signal`: train (the EMA of the training losses) or val (each validation's held-out
+loss). The first failure and its max tolerable LR (of the last update the model sustained) go to `failure` and
+<run.dir>/stability.json; with stop_on_failure (or a non-finite step under on_nonfinite=stop) the run then stops.
+Steps are judged at logging steps, all pending ones at once, from values equal on every rank: docs/tensorboard.md.
 """
 
 from __future__ import annotations
@@ -55,14 +22,15 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from keel.callbacks.reporting import due, log_scalars, log_text
 from keel.artifacts import STABILITY
-from keel.callbacks.configs import StabilityConfig, divergence_bar
+from keel.callbacks.cadence import due
+from keel.config.callbacks import StabilityConfig, divergence_bar
+from keel.callbacks.log_writing import log_scalars, log_text
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
 
@@ -130,15 +98,15 @@ class StabilityMonitor(Callback):
 
     # ------------------------------------------------------------------------------------------------- hooks
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # fp16 loss scaling: inf gradients are routine there and handled by the scaler, so only the loss is checked
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.failure is not None and self.config.stop_on_failure:  # resumed after stopping: the run is over
             trainer.should_stop = True
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
         if self.config.signal != "val" or trainer.sanity_checking or loss is None:
             return
@@ -153,33 +121,27 @@ class StabilityMonitor(Callback):
         while self._lrs and self._lrs[0][0] < earliest:
             self._lrs.popleft()
 
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         loss = loss.detach()
         if self._scaler is not None:
             loss = loss / self._scaler.get_scale()
         self._loss = loss if self._loss is None else self._loss + loss
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
         if self._loss is None:  # no backward this step (a training_step that returned None)
-            optimizer.__dict__.pop("found_inf", None)
             return
         start = time.perf_counter()
         loss, self._loss = self._loss.float(), None
-        norm = None
-        if self._scaler is None:
-            norm = torch.linalg.vector_norm(pl_module.grad_norms()).to(loss.device)
-            nonfinite = ~torch.isfinite(norm)
-            if getattr(optimizer, "_step_supports_amp_scaling", False):  # fused AdamW: skipped on the device
-                optimizer.found_inf = nonfinite.float()
-            elif nonfinite:  # an optimizer that cannot skip on the device: read here (one read per step)
-                optimizer.zero_grad(set_to_none=True)
+        # the step's global gradient norm, as the LightningModule measured it (and judged it: a non-finite update
+        # is dropped there, this only records it); under fp16 loss scaling the scaler's skips are routine
+        norm = pl_module.global_grad_norm.to(loss.device) if self._scaler is None else None
         step = trainer.global_step
         self._pending.append((step, optimizer.param_groups[0]["lr"], loss, norm))
         self._elapsed_s += time.perf_counter() - start
         if due(step, trainer.log_every_n_steps):
             self._judge_pending(trainer)
 
-    def _judge_pending(self, trainer: L.Trainer) -> None:
+    def _judge_pending(self, trainer: Trainer) -> None:
         """The verdicts on the steps since the last call, in order: one all-reduce (the loss averaged over ranks)
         and one read for all of them. Every rank calls it at the same steps."""
         if not self._pending:
@@ -205,11 +167,11 @@ class StabilityMonitor(Callback):
         if due(steps[-1], trainer.log_every_n_steps):  # a logging step is always the last: it judges the rest
             self._log_state(trainer, steps[-1])
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._judge_pending(trainer)
         self._write(trainer)
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         # Lightning took state_dict() just before: judge the steps still pending, which the checkpoint has trained,
         # and save that state instead. Every rank saves (save_checkpoint is collective), so all join the all-reduce.
         if self._pending and "callbacks" in checkpoint:  # (not in a weights-only one)
@@ -235,7 +197,7 @@ class StabilityMonitor(Callback):
 
     # ------------------------------------------------------------------------------------------------ checks
 
-    def _on_nonfinite(self, trainer: L.Trainer, step: int, loss: float, grad_norm: list[float]) -> None:
+    def _on_nonfinite(self, trainer: Trainer, step: int, loss: float, grad_norm: list[float]) -> None:
         self.counts["nonfinite_steps"] += 1
         self._nonfinite_run += 1
         what = f"loss {loss:.4g}" + (f", gradient norm {grad_norm[0]:.4g}" if grad_norm else "")
@@ -246,7 +208,7 @@ class StabilityMonitor(Callback):
             onset = step - self._nonfinite_run + 1
             self._fail(trainer, "nonfinite", onset, step, loss, f"{self._nonfinite_run} consecutive non-finite steps")
 
-    def _judge(self, trainer: L.Trainer, step: int, value: float) -> None:
+    def _judge(self, trainer: Trainer, step: int, value: float) -> None:
         """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
         self._best = min(self._best, value)
         self._excess = value - self._best
@@ -286,7 +248,7 @@ class StabilityMonitor(Callback):
     def _lr_at(self, step: int) -> float | None:
         return next((lr for s, lr in self._lrs if s == step), None)
 
-    def _fail(self, trainer: L.Trainer, kind: str, onset: int, step: int, loss: float, message: str,
+    def _fail(self, trainer: Trainer, kind: str, onset: int, step: int, loss: float, message: str,
               stop: bool = False, heldout: bool = False) -> None:
         """heldout: judged on evaluations, each taken after its step's update (the last tolerated update is the
         one before the onset); else on training losses, each computed before its step's update (a loss at the
@@ -304,11 +266,11 @@ class StabilityMonitor(Callback):
             rank_zero_warn(f"stability: {describe(self.failure)}; training goes on (callbacks.stability."
                            "stop_on_failure=false)")
 
-    def _event(self, trainer: L.Trainer, step: int, text: str) -> None:
+    def _event(self, trainer: Trainer, step: int, text: str) -> None:
         log_text(trainer, "stability/events", f"step {step}: {text}", step)
         self._log_state(trainer, step)
 
-    def _log_state(self, trainer: L.Trainer, step: int) -> None:
+    def _log_state(self, trainer: Trainer, step: int) -> None:
         metrics = {f"stability/{name}": float(count) for name, count in self.counts.items()}
         metrics["stability/failed"] = float(self.failure is not None)
         if self._excess is not None:
@@ -320,7 +282,7 @@ class StabilityMonitor(Callback):
             self._elapsed_s, self._timed_steps = 0.0, 0
         log_scalars(trainer, metrics, step)
 
-    def _write(self, trainer: L.Trainer) -> None:
+    def _write(self, trainer: Trainer) -> None:
         if self.run_dir is None or not trainer.is_global_zero:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)

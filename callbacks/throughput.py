@@ -1,25 +1,12 @@
 """Training speed: tokens/s, achieved FLOP/s, MFU and the share of time spent waiting for data.
 
-Logged every trainer.log_every_n_steps, over the last `window` optimizer steps rounded up to whole logging
-intervals (validation time excluded):
+Logged every trainer.log_every_n_steps over the last `window` optimizer steps, rounded up to whole logging
+intervals, validation excluded (the `perf/...` tags: docs/tensorboard.md, "Throughput"). Times are host wall times;
+the device is synchronized at logging steps only, so an interval's time is the device's without a per-step wait.
 
-    perf/tokens_per_s             all ranks together
-    perf/tokens_per_s_per_device
-    perf/flops_per_token          training FLOPs per token, from the config (keel.flops.flops_per_token)
-    perf/flops_per_s              achieved, per device
-    perf/mfu                      flops_per_s / peak FLOP/s of one device (GPU only; see peak_flops())
-    perf/data_wait_frac           time from one step's end to the next step's start, over the total: data
-                                  loading plus anything else between steps (e.g. writing a checkpoint)
-    perf/step_ms                  mean wall time of an optimizer step, waiting included
-    time/throughput_ms            this callback's own time per step
-
-Times are host wall times. Kernels run asynchronously, so the device is synchronized at each logging step, where
-an interval's time is then the device's; only there: a synchronize per step would make the host wait for every
-step before it could queue the next.
-
-The windowed arithmetic is Lightning's `Throughput`. Lightning's own `ThroughputMonitor` callback is not used: it
-needs a `flops_per_batch` attribute on the LightningModule (ours come from the config), does not measure data
-wait, and its peak table does not recognise an H200 and lists with-sparsity peaks for some GPUs (Keel's: keel.flops).
+The windowed arithmetic is Lightning's `Throughput`; its `ThroughputMonitor` callback is not used: it needs a
+`flops_per_batch` attribute on the LightningModule (ours come from the config), does not measure data wait, and
+its peak table misses some GPUs (Keel's: keel.flops).
 """
 
 from __future__ import annotations
@@ -27,20 +14,21 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from keel.callbacks.reporting import due, finished_step, log_scalars
-from keel.callbacks.configs import ThroughputConfig
+from keel.callbacks.cadence import due, finished_step
+from keel.config import ThroughputConfig
+from keel.callbacks.log_writing import log_scalars
 from keel.flops import device_peak_flops
 
 HALF_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
 
-def peak_flops(trainer: L.Trainer, configured: float) -> float | None:
+def peak_flops(trainer: Trainer, configured: float) -> float | None:
     """Peak FLOP/s of one device: `configured` if > 0, else the spec sheet's (keel.flops) for this GPU under a half
     precision; None on CPU, under fp32 (no default) or for an unknown GPU (warned)."""
     device = trainer.strategy.root_device
@@ -62,7 +50,7 @@ class ThroughputMonitor(Callback):
         self.config = config if config is not None else ThroughputConfig()
         self._val_s = 0.0  # validation time since the last training batch (validation also runs outside fit)
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.peak = peak_flops(trainer, self.config.peak_flops)
         self._cuda = trainer.strategy.root_device.type == "cuda"
         intervals = -(-self.config.window // trainer.log_every_n_steps)  # logging intervals covering the window
@@ -76,13 +64,13 @@ class ThroughputMonitor(Callback):
         self._last_end: float | None = None  # end of the previous micro-batch; None before the first
         self._wait = self._busy = self._val_s = self._own_s = 0.0
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_start = time.perf_counter()
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._val_s += time.perf_counter() - self._val_start  # not training time, not data wait
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         now = time.perf_counter()
         if self._last_end is not None:
             self._wait += now - self._last_end - self._val_s
@@ -90,7 +78,7 @@ class ThroughputMonitor(Callback):
         self._batch_start = now
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
     ) -> None:
         step = finished_step(trainer)
         log = step is not None and due(step, trainer.log_every_n_steps)
@@ -119,7 +107,7 @@ class ThroughputMonitor(Callback):
         self._own_s += time.perf_counter() - now
         self._last_end = time.perf_counter()
 
-    def _log(self, trainer: L.Trainer, step: int) -> None:
+    def _log(self, trainer: Trainer, step: int) -> None:
         rates = self._throughput.compute()  # rates appear once the window is full
         metrics = {
             "perf/flops_per_token": self.flops_per_token,

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny real corpus (standard-library source files), its shards, and tiny-model overrides."""
+"""Shared fixtures: a tiny real corpus (standard-library source files), its shards, a trained tiny run and its
+export, the data tests' build, the evaluation tests' data and checkpoint. Constants and helpers: the keeltest package."""
 
 from __future__ import annotations
 
@@ -6,37 +7,12 @@ import itertools
 import os
 import shutil
 import sysconfig
+import types
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-# The full benchmark files and corpora beside the repository, where the project's CI has them (or elsewhere)
-SHARED_DATA = Path(os.environ.get("KEEL_SHARED_DATA", REPO.parent / "shared" / "data"))
-
-# A model small enough that a CPU step takes milliseconds, deep enough to have a first block and others.
-TINY_MODEL = [
-    "model.depth=2",
-    "model.width=32",
-    "model.n_heads=2",
-    "model.seq_len=32",
-    "model.vocab_size=512",
-]
-QUIET_TRAINER = [
-    "trainer.micro_batch_size=4",
-    "trainer.log_every_n_steps=1",
-    "trainer.progress_bar=false",
-    "trainer.threads=1",
-    "trainer.compile=false",  # trainer=cpu compiles by default; tests that are not about compile skip its start-up
-]
-
-
-def shared_data() -> Path:
-    """../shared/data (or $KEEL_SHARED_DATA), or skip: users' clones do not have it; CI does."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (only the project's CI machine has it; "
-                    "KEEL_SHARED_DATA=DIR points elsewhere)")
-    return SHARED_DATA
+from keeltest import QUIET_TRAINER, TINY_MODEL
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +66,7 @@ def tiny_data(corpus_dir, tmp_path_factory) -> list[str]:
     seed = next(seed for seed in itertools.count() if 0.05 * sum(sizes.values()) <= held_out(seed) < sum(sizes.values()))
     overrides = [
         "data.source=text_files",
-        f"data.paths=[{corpus_dir}/*.py]",
+        f"data.text_files.paths=[{corpus_dir}/*.py]",
         f"data.dir={data_dir}",
         "data.vocab_size=512",
         "data.prepare_workers=1",
@@ -114,19 +90,71 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
     return run
 
 
-def write_sharded(checkpoint_file: Path, out: Path) -> Path:
-    """checkpoint_file's weights and metadata laid out as the FSDP strategy writes them (a directory of
-    torch.distributed.checkpoint shards plus meta.pt), by one process standing in for the ranks."""
-    import warnings
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
+    """One `keel data` build of keeltest.data's 40-document corpus, shared by the data tests that only read it."""
+    from keel.data.preparation import prepare
+    from keeltest.data import config, write_corpus
 
-    import torch
-    from torch.distributed.checkpoint import save
+    root = tmp_path_factory.mktemp("built")
+    texts = write_corpus(root / "corpus")
+    cfg = config(root / "shards", corpus=root / "corpus")
+    return types.SimpleNamespace(root=root, dir=root / "shards", cfg=cfg, texts=texts, manifest=prepare(cfg))
 
-    from keel.checkpoint import SHARDED_META
 
-    checkpoint = torch.load(checkpoint_file, weights_only=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=out, no_dist=True)
-    torch.save(checkpoint, out / SHARDED_META)
+@pytest.fixture(scope="session")
+def tokenizer_json(tiny_data) -> str:
+    """The tiny data's tokenizer file, as text."""
+    data_dir = next(o.split("=", 1)[1] for o in tiny_data if o.startswith("data.dir="))
+    return (Path(data_dir) / "tokenizer.json").read_text()
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_run, tmp_path_factory) -> Path:
+    """tiny_run's last checkpoint, `keel export`ed (a Hugging Face directory)."""
+    from keel.checkpoint import LAST
+    from keel.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("export") / "hf"
+    assert cli_main(["export", f"checkpoint={tiny_run / 'checkpoints' / LAST}", "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def eval_data(corpus_dir, tmp_path_factory) -> str:
+    """`keel data` over corpus_dir's 40 standard-library files with a quarter held out: ~12 files, ~8k lines in
+    val_docs.jsonl for the generated tasks."""
+    from keel.data.preparation import main as data_main
+
+    data_dir = tmp_path_factory.mktemp("eval_shards") / "data"
+    overrides = ["data.source=text_files", f"data.text_files.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}",
+                 "data.vocab_size=512", "data.prepare_workers=1", "data.val_fraction=0.25"]
+    assert data_main(overrides) == 0
+    return str(data_dir)
+
+
+@pytest.fixture(scope="session")
+def manager(eval_data):
+    """The one TaskManager of the session (the callback's, too: same include path and metadata)."""
+    from keel.evaluation import task_manager
+
+    return task_manager(corpus_dir=eval_data)
+
+
+@pytest.fixture(scope="session")
+def baseline(eval_data, tmp_path_factory) -> Path:
+    """A short run on eval_data without downstream evaluation; its last.ckpt is the evaluation tests' checkpoint."""
+    from keel.training import train
+    from keeltest.evaluation import SHORT_RUN, config
+
+    run = tmp_path_factory.mktemp("baseline")
+    train(config(eval_data, run, *SHORT_RUN, "eval.enabled=false"))
+    return run
+
+
+@pytest.fixture(scope="session")
+def checkpoint(baseline) -> Path:
+    """The evaluation tests' fixed checkpoint: baseline's last.ckpt."""
+    from keel.checkpoint import LAST
+
+    return baseline / "checkpoints" / LAST

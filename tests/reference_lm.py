@@ -150,7 +150,7 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     from keel.model import KeelLM  # only the side-by-side run needs the project; the reference itself does not
-    from keel.schemes import ModelConfig
+    from keel.config import ModelConfig
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--data", default="data/stdlib", help="a `keel data` directory (tokenizer.json, val_docs.jsonl)")

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.checkpoint import LAST, SHARDED_META, read_checkpoint
+from keel.checkpoint import LAST, read_checkpoint
+from keel.checkpoint_io import SHARDED_META
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.parallel import resolve_async_checkpoint
 
-from test_distributed import _command, _env, pretrain, seen
-from test_pretrain import scalars
+from keeltest.distributed import _command, _env, pretrain, seen
+from keeltest.runs import scalars
 
 ASYNC = ["trainer.async_checkpoint=true", "trainer.max_steps=12"]  # saves at 4, 8, 12: one finished by the next
 

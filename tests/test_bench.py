@@ -16,7 +16,7 @@ from keel.cli import main as cli_main
 from keel.flops import device_peak_flops, flops_per_token
 from keel.model import KeelLM
 from keel.ops.chunked_ce import DEFAULT_CHUNK
-from keel.schemes import ModelConfig
+from keel.config import ModelConfig
 
 TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--seq-len", "32", "--vocab", "512", "--batch", "4",
         "--steps", "2", "--warmup", "1", "--repeats", "2", "--threads", "1"]
@@ -70,17 +70,14 @@ def test_loss_heads_side_by_side(one_thread, tmp_path, capsys):
 def test_each_stacked_member_trains_as_its_own_model_would(one_thread, scheme):
     """MembersStep: member k is the model of seed k trained alone on member k's batches - same losses, same weights
     - with its own gradient-norm clipping (the clip acts: below every member's norm)."""
-    import argparse
-
-    from keel.bench import MembersStep
+    from keel.bench.step import MembersStep
     from keel.config import OptimConfig
     from keel.lit import make_optimizer
     from keel.model import next_token_loss
 
     cfg = ModelConfig(scheme=scheme, depth=3, width=32, n_heads=2, seq_len=16, vocab_size=128)
-    args = argparse.Namespace(vocab=128, batch=2, seq_len=16, dtype="fp32")
     members, steps = 3, 5
-    stacked = MembersStep(lambda: KeelLM(cfg), members, args, torch.device("cpu"))
+    stacked = MembersStep(lambda: KeelLM(cfg), torch.randint(128, (members, 2, 17)))
     stacked_losses = torch.stack([stacked() for _ in range(steps)])  # (steps, members)
     clip = OptimConfig().grad_clip
     for k in range(members):
@@ -174,7 +171,8 @@ def test_a_bench_too_big_for_this_machine_is_refused_before_any_model_is_built(m
     assert cli_main(["bench", "--depth", "100000", "--width", "4096", "--device", "cpu", "--threads", "1,2"]) == 2
     assert re.fullmatch(r"keel bench: config error: keel bench --depth 100000 --width 4096 --batch 8 x --seq-len 256, "
                         r"4 model\(s\) held at once needs about [\d.]+ GiB \([\d,]+ parameters: weights, gradients and "
-                        r"AdamW state, per model; plus activations\), more than the [\d.]+ GiB available here; lower "
-                        r"them, or bench fewer --schemes, --loss-chunk, --compile or --threads values at once",
+                        r"AdamW state, per model; plus activations\), more than the "
+                        r"[\d.]+ GiB available here; lower them, or bench fewer --schemes, --loss-chunk, "
+                        r"--compile or --threads values at once",
                         capsys.readouterr().err.strip())
     assert not built

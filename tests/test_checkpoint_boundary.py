@@ -18,8 +18,8 @@ from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.training import train
 
-from test_distributed import _sharded_checkpoint
-from test_pretrain import tiny_config
+from keeltest.distributed import _sharded_checkpoint
+from keeltest.runs import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # _sharded_checkpoint, dcp_load
 
@@ -123,7 +123,7 @@ READERS = {
 
 def tree(root: Path) -> dict[str, int | None]:
     """Every path under root, with its mtime if a file; not the run dirs' lock files, which train takes before it
-    reads a checkpoint and leaves, released and empty (tests/test_failures.py)."""
+    reads a checkpoint and leaves, released and empty (tests/test_run_dir.py)."""
     return {str(path.relative_to(root)): None if path.is_dir() else path.lstat().st_mtime_ns
             for path in root.rglob("*") if path.name != LOCK}
 

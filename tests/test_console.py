@@ -16,8 +16,8 @@ import torch
 from keel.checkpoint import LAST
 from keel.evaluation.cli import with_defaults
 
-from conftest import QUIET_TRAINER, TINY_MODEL
-from test_distributed import LAUNCHER
+from keeltest import QUIET_TRAINER, TINY_MODEL
+from keeltest.distributed import LAUNCHER
 
 # Each the text of one line the commands printed before; any line that contains one fails the test.
 NOISE = [

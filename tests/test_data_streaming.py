@@ -1,6 +1,5 @@
 """`keel data` reads files a chunk at a time (#34): a plain-text file or a .jsonl record of a gigabyte costs no
-more memory than one of a few megabytes, and gives the documents it gave when it was read whole. And an object-store
-data.dir trains with the in-loop evaluation on (#41)."""
+more memory than one of a few megabytes, and gives the documents it gave when it was read whole."""
 
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ from keel.data.sources.json_stream import LongRecord
 from keel.data.sources.text_files import LONG_LINE_BYTES, cut_chunks, cut_text
 from keel.errors import ConfigError
 
-from test_data import s3_bucket  # noqa: F401 - the fixture
 
 # every kind of character the cutter and the JSON decoder treat apart: line ends, blank lines, whitespace runs,
 # characters json escapes (quotes, backslashes, control characters), and non-ASCII, astral (a surrogate pair) too
@@ -95,7 +93,7 @@ def test_files_read_in_chunks_give_the_documents_they_gave_read_whole(tmp_path, 
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(record) for record in records).replace("\n", "\n\n", 1))
     (tmp_path / "p.txt").write_text(plain, encoding="utf-8", newline="")
     (tmp_path / "p.py").write_text(plain, encoding="utf-8", newline="")
-    cfg = config(tmp_path, f"data.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.*]", "data.doc_chars=50")
+    cfg = config(tmp_path, f"data.text_files.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.*]", "data.text_files.doc_chars=50")
     docs = list(read_documents(cfg.data))
     jsonl, txt, py = f"{tmp_path}/r.jsonl", f"{tmp_path}/p.txt", f"{tmp_path}/p.py"
     expected = [(f"{jsonl}:1", "short"),
@@ -139,9 +137,9 @@ def test_a_malformed_long_record_is_refused_naming_its_path_and_line(tmp_path, m
     monkeypatch.setattr(keel.data.sources.text_files, "LONG_LINE_BYTES", 8)
     monkeypatch.setattr(keel.data.sources.json_stream, "READ_BYTES", 3)
     (tmp_path / "r.jsonl").write_bytes(b'{"text": "fine"}\n' + record)
-    key = "data.paths" if "is not utf-8 JSON" in message else "data.text_field"
+    key = "data.text_files.paths" if "is not utf-8 JSON" in message else "data.text_files.text_field"
     with pytest.raises(ConfigError, match=f"^{re.escape(f'{key}: {tmp_path}/r.jsonl line 2')} ?{re.escape(message)}"):
-        list(read_documents(config(tmp_path, f"data.paths=[{tmp_path}/r.jsonl]").data))
+        list(read_documents(config(tmp_path, f"data.text_files.paths=[{tmp_path}/r.jsonl]").data))
 
 
 def words_text(megabytes: float, seed: int = 0) -> str:
@@ -170,13 +168,15 @@ def test_a_multi_megabyte_line_and_plain_file_build_into_the_documents_read_whol
     assert len(line) > LONG_LINE_BYTES
     (tmp_path / "r.jsonl").write_bytes(line + b'{"text": "short"}\n')
     (tmp_path / "p.txt").write_text(plain, encoding="utf-8")
-    cfg = config(tmp_path, f"data.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.txt]", f"data.tokenizer={word_tokenizer}")
+    cfg = config(tmp_path, f"data.text_files.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.txt]",
+                 f"data.tokenizer={word_tokenizer}")
     docs = list(read_documents(cfg.data))
     jsonl, txt = f"{tmp_path}/r.jsonl", f"{tmp_path}/p.txt"
-    record_pieces, plain_pieces = cut_text(record, cfg.data.doc_chars), cut_text(plain, cfg.data.doc_chars)
+    doc_chars = cfg.data.text_files.doc_chars
+    record_pieces, plain_pieces = cut_text(record, doc_chars), cut_text(plain, doc_chars)
     assert docs == [*((f"{jsonl}:1#{k}", piece) for k, piece in enumerate(record_pieces)), (f"{jsonl}:2", "short"),
                     *((f"{txt}#{k}", piece) for k, piece in enumerate(plain_pieces))]
-    assert max(map(len, record_pieces)) <= 2 * cfg.data.doc_chars and "".join(record_pieces) == record
+    assert max(map(len, record_pieces)) <= 2 * doc_chars and "".join(record_pieces) == record
     manifest = prepare(cfg)
     assert sum(manifest["documents"].values()) == len(docs)
     assert sum(manifest["chars"].values()) == len(record) + len("short") + len(plain)
@@ -201,7 +201,7 @@ def test_the_peak_memory_of_keel_data_does_not_grow_with_a_single_line_record(tm
     for megabytes in (5, 20):
         path = tmp_path / f"r{megabytes}.jsonl"
         path.write_text(json.dumps({"text": words_text(megabytes)}, ensure_ascii=False) + "\n", encoding="utf-8")
-        overrides = overrides_for(tmp_path / f"shards{megabytes}", f"data.paths=[{path}]",
+        overrides = overrides_for(tmp_path / f"shards{megabytes}", f"data.text_files.paths=[{path}]",
                                   f"data.tokenizer={word_tokenizer}")
         done = subprocess.run([sys.executable, "-c", DATA_PEAK, *overrides], capture_output=True, text=True,
                               timeout=300)
@@ -209,43 +209,3 @@ def test_the_peak_memory_of_keel_data_does_not_grow_with_a_single_line_record(tm
         peaks.append([int(peak) for peak in done.stderr.split()[-2:]])
     (own_small, writers_small), (own_large, writers_large) = peaks
     assert own_large <= own_small + 25 * 2**20 and writers_large <= writers_small + 25 * 2**20, peaks
-
-
-@pytest.mark.extended
-@pytest.mark.slow
-def test_s3_data_dir_trains_on_two_processes_with_the_in_loop_evaluation(s3_bucket, corpus_dir, tmp_path):
-    """`keel data` writes the generated tasks beside the shards on s3://; for an older data.dir without them, rank 0
-    of a 2-process FSDP run writes the same tasks under run.dir (the bucket is never written) and the in-loop
-    evaluation runs."""
-    import boto3
-    from conftest import QUIET_TRAINER, TINY_MODEL
-
-    from keel.evaluation.generated import TASKS_SUBDIR, generate_tasks
-
-    data_dir = f"{s3_bucket}/tiny"
-    source = ["data=text_files", f"data.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}", "data.vocab_size=512",
-              "data.prepare_workers=1", "data.val_fraction=0.25", "model.seq_len=32"]
-    prepare(load_config(overrides=source))
-    written = generate_tasks(data_dir)
-    assert sorted(written.values()) == [f"{data_dir}/{TASKS_SUBDIR}/{name}.jsonl"
-                                        for name in ("keel_last_token", "keel_next_line")]
-    s3 = boto3.client("s3")
-    tasks_prefix = f"tiny/{TASKS_SUBDIR.split('/')[0]}/"
-    contents = {}
-    for name, url in written.items():
-        key = url.split("/", 3)[3]
-        contents[name] = s3.get_object(Bucket="keel-shards", Key=key)["Body"].read()
-        s3.delete_object(Bucket="keel-shards", Key=key)  # now a data.dir built before `keel data` wrote them
-
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "keel.cli", "pretrain", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
-           *TINY_MODEL, *QUIET_TRAINER, *source, f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=2",
-           "trainer.val_every_n_steps=2", "trainer.val_batches=1", "eval.every_n_steps=2", "eval.limit=8",
-           f"run.dir={run}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [evaluation] = json.loads((run / "eval_history.json").read_text())["evaluations"]
-    assert set(evaluation["scores"]) == set(contents)
-    for name, content in contents.items():
-        assert (run / TASKS_SUBDIR / f"{name}.jsonl").read_bytes() == content
-    assert not s3.list_objects_v2(Bucket="keel-shards", Prefix=tasks_prefix).get("Contents")

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from keel.config import load_config
 from keel.errors import ConfigError
 
-from conftest import QUIET_TRAINER, TINY_MODEL
+from keeltest import QUIET_TRAINER, TINY_MODEL
 
 WORLD = 2
 
@@ -156,7 +156,7 @@ def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_
     from keel.checkpoint import LAST
     from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
 
-    from test_distributed import pretrain
+    from keeltest.distributed import pretrain
 
     run = tmp_path / "run"
     pretrain(tiny_data, run, "ddp", overrides=["eval.enabled=true", "eval.every_n_steps=4", f"eval.limit={EVAL_LIMIT}",

@@ -20,7 +20,7 @@ from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
 from keel.model import KeelLM
 from keel.parallel import parallelize
 
-from conftest import TINY_MODEL
+from keeltest import TINY_MODEL
 
 WORLD = 2
 TASKS = ["keel_next_line", "keel_last_token"]

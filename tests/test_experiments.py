@@ -23,7 +23,7 @@ from keel.experiments.maxlr_report import hold_steps, judge, ramp_name, sign_tes
 from keel.experiments.paper import init_sensitivity, plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 
-from conftest import QUIET_TRAINER, TINY_MODEL
+from keeltest import QUIET_TRAINER, TINY_MODEL
 
 QUICK = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "callbacks.layer_importance.enabled=false",
          "callbacks.grad_norms.enabled=false"]

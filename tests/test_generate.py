@@ -10,7 +10,7 @@ from keel.cli import main as cli_main
 from keel.data.tokenizer import eos_id_of
 from keel.generate import decoded_pieces
 
-from conftest import write_sharded
+from keeltest import write_sharded
 
 PROMPT = "def "
 

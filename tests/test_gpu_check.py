@@ -10,7 +10,7 @@ import pytest
 
 from keel.cli import main as cli_main
 
-from conftest import REPO
+from keeltest import REPO
 
 
 def test_make_target_runs_the_script():
@@ -81,7 +81,8 @@ def test_thresholds_fail_when_missed_and_say_their_bound():
     the bound's source; a GPU-only row on CPU is skipped, not passed on a made-up figure."""
     import torch
 
-    from keel.gpu_check import MFU_FLOOR, memory_threshold, mfu_threshold, table
+    from keel.gpu_check.paper import MFU_FLOOR, memory_threshold, mfu_threshold
+    from keel.gpu_check.report import table
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     low, high = mfu_threshold({"mfu": MFU_FLOOR - 0.01}, cuda), mfu_threshold({"mfu": MFU_FLOOR + 0.01}, cuda)

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from keel.cli import main
-from keel.config import Config, to_dict
+from keel.config import Config, ModelConfig, to_dict
 from keel.gradflow import measure_model
 from keel.model import KeelLM
 from keel.parallel import apply_activation_checkpointing
-from keel.schemes import ModelConfig
 
 ROW_FIELDS = {"index", "block", "kind", "act_grad", "input_rms", "rel_act_grad", "weight_grad", "gain_grad", "output_rms",
               "input_top_share"}

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import QUIET_TRAINER, TINY_MODEL
+from keeltest import QUIET_TRAINER, TINY_MODEL
 from keel.config import load_config
 from keel.training import train
-from test_callbacks import NaNLossAt, events
+from keeltest.runs import CrashAtStep, NaNLossAt, events
 
 LOG_EVERY = 4
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")  # a tensor's value to the host: waits for the device
@@ -152,15 +152,6 @@ def test_a_failure_between_logging_steps_is_found_at_the_next_one(tiny_data, tmp
     assert all(trainer.optimizers[0].state[p]["step"] == 7 for p in trainer.lightning_module.parameters())
 
 
-class CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("simulated crash")
-
-
 def test_a_checkpoint_between_logging_steps_holds_every_step_judged(tiny_data, tmp_path):
     """A crash before step 6 (logging every 4) saves a checkpoint with steps 4 and 5 still unjudged: the saved
     monitor has judged them, so the resumed run ends with the state of one that never stopped."""
@@ -175,7 +166,7 @@ def test_a_checkpoint_between_logging_steps_holds_every_step_judged(tiny_data, t
 
     straight = monitor(train(config(tmp_path / "straight"))).state_dict()
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(config(tmp_path / "crashed"), extra_callbacks=[CrashAt(6)])
+        train(config(tmp_path / "crashed"), extra_callbacks=[CrashAtStep(6)])
     saved = torch.load(tmp_path / "crashed" / "checkpoints" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 6
     resumed = monitor(train(config(tmp_path / "crashed", "resume=auto"))).state_dict()
@@ -218,7 +209,7 @@ def _sharded_norms_worker(rank: int, port: int, out: str) -> None:
     """FSDP2 gradients (one parameter without a gradient): the norms counted for host data and collectives."""
     import copy
 
-    from test_distributed import WORLD, _batches, _join, _tiny_cfg
+    from keeltest.distributed import WORLD, _batches, _join, _tiny_cfg
 
     from keel.model import KeelLM, next_token_loss
     from keel.parallel import parallelize

@@ -51,7 +51,7 @@ def test_no_import_cycle():
 
 
 def test_every_module_imports_in_dependency_order():
-    order = [name for name in TopologicalSorter(graph()).static_order() if not name.startswith("keel.conf")]
+    order = [name for name in TopologicalSorter(graph()).static_order() if name.split(".")[:2] != ["keel", "conf"]]
     script = "import importlib\nfor name in %r:\n    importlib.import_module(name)\n" % order
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

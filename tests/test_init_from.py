@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from keel.checkpoint import LAST, load_model, read_checkpoint
 from keel.config import load_config
@@ -15,24 +14,15 @@ from keel.lit import KeelLitModule
 from keel.model import KeelLM, next_token_loss
 from keel.training import start_from, train
 
-from conftest import write_sharded
-from test_pretrain import CrashAtStep, scalars, tiny_config
-
-STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4",
-         "trainer.val_batches=1", "optim.warmup_steps=4"]
-
-
-class FirstBatch(Callback):
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == 0:
-            self.batch = batch.clone()
+from keeltest import write_sharded
+from keeltest.runs import FOUR_STEP_RUN, CrashAtStep, FirstBatch, scalars, tiny_config
 
 
 def test_first_step_loss_is_the_source_checkpoints_loss(tiny_data, tiny_run, tmp_path):
     source = tiny_run / "checkpoints" / LAST
     run = tmp_path / "continued"
     first = FirstBatch()
-    cfg = tiny_config(tiny_data, run, *STEPS, f"init_from={source}")
+    cfg = tiny_config(tiny_data, run, *FOUR_STEP_RUN, f"init_from={source}")
     train(cfg, extra_callbacks=[first])
 
     model, _, _ = load_model(source)
@@ -50,10 +40,10 @@ def test_first_step_loss_is_the_source_checkpoints_loss(tiny_data, tiny_run, tmp
 def test_resume_of_a_continued_run_keeps_its_own_progress(tiny_data, tiny_run, tmp_path):
     source = f"init_from={tiny_run / 'checkpoints' / LAST}"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    train(tiny_config(tiny_data, straight, *STEPS, source))
+    train(tiny_config(tiny_data, straight, *FOUR_STEP_RUN, source))
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(tiny_config(tiny_data, crashed, *STEPS, source), extra_callbacks=[CrashAtStep(3)])
-    train(tiny_config(tiny_data, crashed, *STEPS, source, "resume=auto"))  # from its step 2, not the source
+        train(tiny_config(tiny_data, crashed, *FOUR_STEP_RUN, source), extra_callbacks=[CrashAtStep(3)])
+    train(tiny_config(tiny_data, crashed, *FOUR_STEP_RUN, source, "resume=auto"))  # from its step 2, not the source
     assert scalars(crashed, "train/loss") == scalars(straight, "train/loss")
 
 

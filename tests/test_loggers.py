@@ -11,12 +11,14 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from keel.callbacks.reporting import Heatmap, log_text
+import keel.config.trainer
+from keel.callbacks.log_writing import log_text
+from keel.callbacks.per_layer import Heatmap
 from keel.errors import ConfigError
 from keel.loggers import LOGGERS, LoggerKind
 from keel.training import build_loggers, train
 
-from test_pretrain import CrashAtStep, scalars, tiny_config
+from keeltest.runs import CrashAtStep, scalars, tiny_config
 
 STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4", "trainer.val_batches=1",
          "callbacks.grad_norms.every_n_steps=1", "callbacks.grad_norms.heatmap_every_n_steps=2"]
@@ -124,7 +126,7 @@ class ToyLogger(CSVLogger):
 
 
 class Toy(LoggerKind):
-    name, logger_class = "toy", "test_loggers:ToyLogger"
+    name, logger_class = "toy", ToyLogger
 
     def build(self, run_dir, run_name, run_id):
         return ToyLogger(save_dir=run_dir, name="toy")
@@ -136,9 +138,11 @@ class Toy(LoggerKind):
         type(logger).closed = True
 
 
-def test_a_logger_is_one_record(tiny_data, tmp_path, monkeypatch):
-    """Adding a logger is one LOGGERS record: with a toy one registered, trainer.loggers accepts its name, a run
-    sends it scalars and text (the stability monitor's events), and it is closed at the end."""
+def test_a_logger_is_a_name_and_a_record(tiny_data, tmp_path, monkeypatch):
+    """Adding a logger is its name in keel.config.trainer.LOGGERS and its keel.loggers.LOGGERS record: with a toy one
+    registered, trainer.loggers accepts its name, a run sends it scalars and text (the stability monitor's events),
+    and it is closed at the end."""
+    monkeypatch.setattr(keel.config.trainer, "LOGGERS", (*keel.config.trainer.LOGGERS, "toy"))
     monkeypatch.setitem(LOGGERS, "toy", Toy())
     run = tmp_path / "run"
     # an LR of 10 makes the loss rise within the 4 steps whatever the data drawn: the stability events are sure

@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from keel.cli import main as cli_main
-from keel.config import load_config
+from keel.config import ModelConfig, load_config
 from keel.errors import ConfigError
 from keel.lit import lr_factor, make_optimizer
 from keel.model import KeelLM, next_token_loss
-from keel.schemes import ModelConfig
 from keel.training import train
 
-from test_pretrain import CrashAtStep, scalars, tiny_config
+from keeltest.runs import CrashAtStep, scalars, tiny_config
 
 WIDTHS = (32, 64, 128, 256, 512)
 BASE_WIDTH = 32

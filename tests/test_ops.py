@@ -1,6 +1,6 @@
 """keel.ops.chunked_ce: the chunked loss head against the plain head (full logits + F.cross_entropy) on values and
 gradients, alone and in KeelLM (tied embeddings too), under no_grad, autocast and bf16 weights; that it never
-builds a (tokens x vocab) tensor; and the model.loss_chunk key. The FSDP-sharded head: test_distributed.py."""
+builds a (tokens x vocab) tensor; and the model.loss_chunk key. The FSDP-sharded head: test_fsdp_equivalence.py."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from keel.config import load_config, to_dict
+from keel.config import ModelConfig, load_config, to_dict
 from keel.errors import ConfigError
-from keel.lit import check_same_model
 from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import linear_cross_entropy
-from keel.schemes import ModelConfig
+from keel.resume import check_same_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

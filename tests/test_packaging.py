@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from keeltest import REPO
 
 # Top-level entries of a working tree that are not the project: environments, build outputs, runs, data
 NOT_SOURCE = {".git", ".venv", "build", "dist", "keel.egg-info", "runs", "out", "data", ".pytest_cache"}

@@ -20,7 +20,7 @@ from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
 from keel.parallel import build_strategy, parallelize
 
-from conftest import QUIET_TRAINER, TINY_MODEL
+from keeltest import QUIET_TRAINER, TINY_MODEL
 
 DEPTH = 4
 

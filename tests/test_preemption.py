@@ -18,16 +18,17 @@ from pathlib import Path
 import pytest
 
 from keel.callbacks import checkpointing
-from keel.checkpoint import LAST, AtomicCheckpointIO, link_checkpoint, previous_path, read_checkpoint, staging_path
+from keel.checkpoint import LAST, read_checkpoint
+from keel.checkpoint_io import AtomicCheckpointIO, link_checkpoint, previous_path, staging_path
 from keel.config import load_config
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.rundir import RunDirLock
 from keel.training import train
 
-from conftest import QUIET_TRAINER, REPO, TINY_MODEL
-from test_distributed import RUN
-from test_pretrain import CrashAtStep, scalars, tiny_config
+from keeltest import QUIET_TRAINER, REPO, TINY_MODEL
+from keeltest.distributed import RUN
+from keeltest.runs import CrashAtStep, scalars, tiny_config
 
 STEPS = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
          "trainer.val_batches=2"]

@@ -5,44 +5,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from keel.checkpoint import LAST, AtomicCheckpointIO, load_model
+from keel.checkpoint import LAST, load_model
+from keel.checkpoint_io import AtomicCheckpointIO
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.training import train
-
-from conftest import QUIET_TRAINER, TINY_MODEL
-
-NO_EXTRAS = ["eval.enabled=false"]
-
-
-def tiny_config(tiny_data, run_dir: Path, *extra: str):
-    return load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *NO_EXTRAS, *tiny_data, f"run.dir={run_dir}", *extra])
-
-
-def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    """step -> value for a tag, over every event file of the run (a resumed run adds files)."""
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {event.step: event.value for event in acc.Scalars(tag)}
-
-
-class CrashAtStep(Callback):
-    """Simulates a killed process: raises when the given step is about to start."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError("simulated crash")
+from keeltest.runs import CrashAtStep, scalars, tiny_config
 
 
 def test_cli_config_errors_name_the_key(capsys):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from keel.model import KeelLM
-from keel.schemes import ModelConfig
+from keel.config import ModelConfig
 
 from reference_lm import ReferenceLM, train, windows
 
@@ -59,6 +59,7 @@ def test_the_default_init_is_the_references_recipe(scheme):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_from_their_own_inits_both_learn_alike(tiny_data):
     """Each from its own init (seeds 1 and 2) on the same batches of real text (the tiny corpus, 4 x 64 blocks, 150
     steps of AdamW at 3e-3): both learn, and the mean held-out loss of the two seeds is within 0.05 nat of the
@@ -66,7 +67,7 @@ def test_from_their_own_inits_both_learn_alike(tiny_data):
     from tokenizers import Tokenizer
 
     data_dir = next(item.split("=", 1)[1] for item in tiny_data if item.startswith("data.dir="))
-    corpus = next(item.split("=", 1)[1] for item in tiny_data if item.startswith("data.paths="))[1:-1]
+    corpus = next(item.split("=", 1)[1] for item in tiny_data if item.startswith("data.text_files.paths="))[1:-1]
     tokenizer = Tokenizer.from_file(f"{data_dir}/tokenizer.json")
     tokens = torch.tensor([t for path in sorted(glob.glob(corpus)) for t in tokenizer.encode(open(path).read()).ids])
     cut = int(0.9 * len(tokens))

@@ -26,7 +26,7 @@ from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.training import train
 
-from conftest import QUIET_TRAINER, TINY_MODEL
+from keeltest import QUIET_TRAINER, TINY_MODEL
 
 
 def tree(root: Path) -> dict[str, bytes | None]:

@@ -16,12 +16,12 @@ from keel.callbacks.progress import StepProgressBar
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.model import KeelLM
-from keel.schemes import formulas
+from keel.config.model import formulas
 from keel.summary import run_summary
 from keel.training import set_threads, train
 
-from conftest import QUIET_TRAINER, TINY_MODEL
-from test_pretrain import tiny_config
+from keeltest import QUIET_TRAINER, TINY_MODEL
+from keeltest.runs import tiny_config
 
 
 def test_help_lists_the_config_groups_and_print_config_shows_the_new_keys(capsys):

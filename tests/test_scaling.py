@@ -9,7 +9,7 @@ import shlex
 import pytest
 import torch
 
-from conftest import REPO, QUIET_TRAINER, TINY_MODEL
+from keeltest import REPO, QUIET_TRAINER, TINY_MODEL
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.data.loading import batches_per_rank, check_splits_fit, open_dataset, token_loader

@@ -119,6 +119,7 @@ def test_the_cells_statistics_and_verdicts():
                               f"[{min(values):.3g}, {max(values):.3g}] n=3")
     assert spread([4.0]) == "4 ± - [4, 4] n=1" and spread([]) == "-"
     assert apart([1, 2], [2.5, 3]) == "yes" and apart([3, 4], [1, 2]) == "yes" and apart([1, 3], [2, 4]) == "no"
+    assert apart([1], [2, 3]) == "-"  # one seed has no range to be apart
     assert [direction(v) for v in ([1, 2, 2], [3, 1], [1, 1], [1, 3, 2], [1])] == ["rises", "falls", "flat",
                                                                                   "not monotone", "-"]
 

@@ -4,7 +4,7 @@ import importlib
 
 # name -> its module, imported on first access (PEP 562): importing any keel module runs this file, and `keel
 # pretrain` checks its config before torch is loaded (KeelLM's module imports it)
-_EXPORTS = {"KeelLM": "keel.model", "ModelConfig": "keel.schemes"}
+_EXPORTS = {"KeelLM": "keel.model", "ModelConfig": "keel.config"}
 
 __all__ = list(_EXPORTS)
 

@@ -17,13 +17,14 @@ COMMANDS = {
     "eval-data": ("keel.evaluation.offline", "local copies of lm-eval's task datasets: `keel eval-data fetch DIR`"),
     "compare": ("keel.evaluation.compare", "plot runs' loss and task curves side by side"),
     "maxlr": ("keel.experiments.maxlr", "max tolerable learning rate per scheme (paper Table 1)"),
+    "paper-run": ("keel.experiments.grids", "run one of the paper's grids (the data `make paper-<grid>` runs)"),
     "paper-report": ("keel.experiments.paper", "the report of `make paper`'s grids (docs/experiments.md)"),
     "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
     "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),
     "consolidate": ("keel.checkpoint", "turn a sharded (FSDP) checkpoint into one file"),
     "export": ("keel.export", "a checkpoint as a Hugging Face model directory (transformers, lm-eval hf, TRL)"),
-    "bench": ("keel.bench", "training-step throughput, memory and MFU"),
-    "gpu-check": ("keel.gpu_check", "GPU acceptance: throughput, training, resume, depth, precision"),
+    "bench": ("keel.bench.cli", "training-step throughput, memory and MFU"),
+    "gpu-check": ("keel.gpu_check.cli", "GPU acceptance: throughput, training, resume, depth, precision"),
 }
 
 

@@ -1,9 +1,9 @@
 """`keel estimate [--config FILE] [group=choice ...] [key=value ...]`: a run's memory plan, without starting it.
 
 The config is `keel pretrain`'s, composed the same way. Where the accelerator is a GPU (`trainer.accelerator=gpu`,
-or auto with one visible), it prints keel.gpu_memory's estimate per GPU by term, with the allocator margin,
+or auto with one visible), it prints keel.memory's GPU estimate per GPU by term, with the allocator margin,
 against each GPU's memory: the visible GPU's, or `trainer.gpu_memory_gib` on a machine without one (a laptop
-planning a cluster run); and what `trainer.activation_checkpointing=auto` chooses. On CPU, keel.memory's estimate
+planning a cluster run); and what `trainer.activation_checkpointing=auto` chooses. On CPU, its CPU estimate
 against the memory available here. Exit status: 0 when the run fits (or the GPU's memory is not known), 1 when it
 does not (the changes that would make it fit are printed), 2 for a config error.
 
@@ -17,33 +17,19 @@ import argparse
 
 from keel.config import Config, load_config, resolve_accelerator
 from keel.errors import ConfigError
-from keel.gpu_memory import (
+from keel.memory import (
     ALLOCATOR_MARGIN,
+    available_bytes,
+    check_training_fits,
+    cpu_training_bytes,
     gib,
-    gpu_auto_checkpointing,
     gpu_budget_bytes,
     gpu_training_terms,
     remedies,
+    resolve_activation_checkpointing,
     run_shape,
     with_margin,
 )
-from keel.memory import available_bytes, check_training_fits, cpu_auto_checkpointing, cpu_training_bytes
-
-
-def resolve_activation_checkpointing(cfg: Config) -> str | None:
-    """trainer.activation_checkpointing=auto made concrete in cfg (the fewest blocks with which the run fits its
-    GPU, or on CPU the memory available), before anything is allocated; what was chosen, in words, or None when it
-    was not auto. Every process resolves it; keel.parallel makes them agree on the most any one needs."""
-    t = cfg.trainer
-    if t.activation_checkpointing != "auto":
-        return None
-    if resolve_accelerator(t) == "gpu":
-        t.activation_checkpointing = gpu_auto_checkpointing(cfg.model, t, gpu_budget_bytes(t))
-    else:
-        t.activation_checkpointing = cpu_auto_checkpointing(cfg)
-    blocks, depth = t.checkpointed_blocks(cfg.model.depth), cfg.model.depth
-    which = "no block" if blocks == 0 else "every block" if blocks == depth else f"the first {blocks} of {depth} blocks"
-    return f"trainer.activation_checkpointing=auto: {which} ({t.activation_checkpointing})"
 
 
 def gpu_plan(cfg: Config) -> tuple[list[str], bool]:

@@ -1,24 +1,11 @@
 """`keel export checkpoint=CKPT --out DIR [--dtype fp32|bf16] [--max-shard-size SIZE]`
 
-Write a trained model (a single-file or an FSDP sharded checkpoint) as a Hugging Face directory that transformers
-loads offline, `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and
-`AutoTokenizer.from_pretrained(DIR)`, and so lm-eval's `hf` model, TRL and PEFT (docs/export.md):
-
-    config.json                the model as transformers sees it, each sublayer's norms and alpha spelled out, and
-                               the run's whole Keel config under "keel"
-    configuration_keel.py      the config class   } self-contained (torch and transformers only): the directory's
-    modeling_keel.py           the model class    } remote code, from keel/hf/
-    model.safetensors          the weights (sharded, with an index, past --max-shard-size)
-    tokenizer.json, tokenizer_config.json   the run's tokenizer, adding no special tokens (as Keel encodes);
-                               its end-of-document token is EOS, BOS and padding
-    chat_template.jinja        chats for fine-tuning: turns ending in EOS, the assistant's marked as generated
-    generation_config.json     that token as EOS (decoding stops there), BOS and padding
-    README.md                  the model card: hub metadata, usage, the scheme's formulas, training, license
-
-No file holds a path of the machine that trained it: every absolute path in the run's config is cut to its name.
-
-The directory appears whole or not at all (written beside it, then renamed); an existing non-empty --out is
-refused. Keel reads an exported directory back too: `init_from=DIR` starts a run from its weights.
+Writes a trained model (a single-file or an FSDP sharded checkpoint) as a Hugging Face directory that transformers
+loads offline (`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`, `AutoTokenizer`), and so
+lm-eval's `hf` model, TRL and PEFT: config.json (each sublayer's norms and alpha spelled out, the run's Keel config
+under "keel"), the self-contained remote code from keel/hf/, safetensors weights, the tokenizer, a chat template,
+generation_config.json and a model card. No file holds a path of the training machine; the directory appears
+whole or not at all, and `init_from=DIR` reads it back. What each file holds: docs/export.md.
 """
 
 from __future__ import annotations
@@ -38,7 +25,7 @@ from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError
 from keel.export_format import to_hf_names
 from keel.model_card import model_card
-from keel.schemes import needs_final_norm, sublayer_specs
+from keel.config.model import needs_final_norm, sublayer_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # For fine-tuning on chats (TRL): a chat is a document, so it starts after EOS, and every turn ends with EOS, which

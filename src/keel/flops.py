@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from keel.schemes import ModelConfig
+    from keel.config import ModelConfig
 
 # Spec-sheet dense peaks (no sparsity) per device: (substring of torch.cuda.get_device_name(), bf16/fp16 tensor
 # core with fp32 accumulation, as PyTorch's half-precision matmuls use; fp32 without TF32, torch's default matmul

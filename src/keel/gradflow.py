@@ -3,24 +3,11 @@
     keel gradflow --scheme postln,keel --depth 64 --init unit --detach-branches [--plot flow.png]
     keel gradflow --checkpoint runs/x/checkpoints/last.ckpt [--flatten-gains] [--batch 4] [--plot flow.png]
 
-One loss (mean cross-entropy of random targets on random tokens) is backpropagated through a fresh model
-per scheme, or through the checkpoint's model (its config; `--flatten-gains` first replaces every norm gain by
-its mean, one scalar per norm: what the per-channel gains do, apart from the rest of the weights); forward hooks
-record, for every sublayer l with input stream x_l (no model changes):
-
-    act_grad         ||dL/dx_l||                      (Frobenius norm over the whole batch)
-    rel_act_grad     ||dL/dx_l|| * rms(x_l)           (scale-free: raw norms are distorted by stream scale)
-    weight_grad      ||dL/dW|| over the branch's matrices
-    gain_grad        ||dL/dgamma|| over the sublayer's norm gains (norm_in, norm_out, q/k/v norms)
-    output_rms       rms of the sublayer's output
-    input_top_share  the largest channel's share of x_l's energy, sum_t x_tc^2 (1/width: spread over all
-                     channels; 1: the stream has collapsed onto one channel and carries no token information)
-
-`--detach-branches` feeds every branch a detached input, so only the skip path carries gradient to x_l.
-Summary ratios compare *blocks* (docs/schemes.md, "Gradient flow at initialization"): a block's activation gradient
-is that of its input stream (its attention sublayer's x_l), its weight gradient the norm over both branches.
-bottom = the first measured block (block 1 for Keel, whose alpha = 1 block 0 is excluded; block 0 otherwise),
-middle = block depth // 2, top = the last block.
+One loss (random targets on random tokens) is backpropagated through a fresh model per scheme, or the
+checkpoint's; forward hooks record, per sublayer input stream x_l, ||dL/dx_l||, the scale-free ||dL/dx_l|| *
+rms(x_l), the branch-weight and gain gradient norms, the output rms and the largest channel's share of x_l's
+energy, and summarize per block (bottom, middle, top; Keel's alpha = 1 block 0 apart). The fields and ratios:
+docs/model.md, "Gradient flow"; what to expect per scheme: docs/schemes.md.
 """
 
 from __future__ import annotations
@@ -37,7 +24,8 @@ import torch
 from keel import memory
 from keel.errors import ConfigError
 from keel.model import KeelLM, RMSNorm
-from keel.schemes import INIT_KINDS, KEEL_FIRST_BLOCK, SCHEMES, ModelConfig, scheme_of
+from keel.config import ModelConfig
+from keel.config.model import INITS, KEEL_FIRST_BLOCK, SCHEMES, scheme_of
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms", "input_top_share")
 MODEL_OPTIONS = {"scheme": "keel", "depth": 16, "width": 64, "heads": 4, "vocab": 256, "init": "normal", "alpha": None,
@@ -82,7 +70,7 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
                   progress: Progress | None = None) -> dict:
     """Gradient flow of one mean cross-entropy loss through `model`: a KeelLM, activation checkpointing
     allowed, not compiled or sharded (hooks). Uses autograd.grad, so parameters' .grad stay untouched."""
-    sublayers = [sub for block in model.blocks for sub in (block.attn, block.ffn)]
+    sublayers = model.sublayers()
     inputs: list[torch.Tensor] = [None] * len(sublayers)
     input_grads: list[torch.Tensor] = [None] * len(sublayers)
     outputs: list[torch.Tensor] = [None] * len(sublayers)
@@ -230,7 +218,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--width", type=int, help="default 64")
     model.add_argument("--heads", type=int, help="default 4")
     model.add_argument("--vocab", type=int, help="default 256")
-    model.add_argument("--init", choices=INIT_KINDS, help="normal (default): N(0, 0.02^2); unit: N(0, 1/fan_in)")
+    model.add_argument("--init", choices=("auto", *INITS), help="normal (default): N(0, 0.02^2); unit: N(0, 1/fan_in)")
     model.add_argument("--alpha", type=float, help="Keel's alpha (default L = 2 * depth)")
     model.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, help="default v1")
     parser.add_argument("--checkpoint", metavar="CKPT",

@@ -1,7 +1,9 @@
 """The LightningModule: loss, optimizer, schedule and validation around a plain KeelLM.
 
 Parallelism, activation checkpointing and compile are applied to the model from outside
-(`keel.parallel.parallelize`, called in `configure_model`); this module knows nothing of them.
+(`keel.parallel.parallelize`, called in `configure_model`); this module knows nothing of them. Each optimizer step
+measures its gradient norms once, right after backward (`grad_norms`, `global_grad_norm`: what clipping scales by and
+the grad-norm and stability monitors read), and drops an update whose global gradient norm is not finite.
 """
 
 from __future__ import annotations
@@ -9,19 +11,16 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 
-import lightning as L
 import torch
+from lightning.pytorch import LightningModule
 from torchmetrics import SumMetric
 
-from keel.callbacks.reporting import due, finished_step
-from keel.config import Config, OptimConfig, from_dict, to_dict
-from keel.errors import ConfigError
-from keel.model import KeelLM, next_token_loss
 from keel import tensor_norms
+from keel.callbacks.cadence import due, finished_step
+from keel.config import Config, OptimConfig, to_dict
+from keel.model import KeelLM, next_token_loss
 from keel.parallel import parallelize
-
-# model.* keys a resumed run may change: they set how the loss is computed, not what the model is
-FREE_ON_RESUME = ("loss_chunk",)
+from keel.resume import rescale_batch_progress
 
 
 def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
@@ -38,34 +37,26 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
 
 
 def make_optimizer(model: KeelLM, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, weight decay on matrices only (`keel bench` times this same optimizer);
-    under model.parametrization=mup the hidden matrices in a group of their own at LR x mup_base_width / width."""
+    """AdamW over the trainable parameters, weight decay on matrices only. Under model.parametrization=mup the hidden
+    matrices train at optim.lr x mup_base_width / width, in a group named "hidden" whose `lr_scale` says so; LambdaLR
+    multiplies each group's own initial LR, so the scale holds at every step of the schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if model.cfg.parametrization == "sp":
-        return adamw(params, optim)
-    return adamw(params, optim, hidden=frozenset(map(id, model.hidden_matrices())), hidden_lr_scale=model.cfg.mup_ratio)
-
-
-def adamw(params: list[torch.Tensor], optim: OptimConfig, matrix_ndim: int = 2, hidden: frozenset[int] = frozenset(),
-          hidden_lr_scale: float = 1.0) -> torch.optim.AdamW:
-    """make_optimizer's AdamW over params; matrix_ndim: the dims of a weight matrix (3 for models stacked along a
-    leading member axis, `keel bench --members`). hidden: ids of the matrices trained at optim.lr x hidden_lr_scale
-    (muP), in a group named "hidden" whose `lr_scale` says so; LambdaLR multiplies each group's own initial LR, so
-    the scale holds at every step of the schedule."""
-    matrices = [p for p in params if p.ndim >= matrix_ndim]
+    hidden = frozenset(map(id, model.hidden_matrices())) if model.cfg.parametrization == "mup" else frozenset()
+    matrices = [p for p in params if p.ndim >= 2]
     decay = optim.weight_decay
     groups = [
         {"name": "matrices", "params": [p for p in matrices if id(p) not in hidden], "weight_decay": decay},
-        {"name": "gains", "params": [p for p in params if p.ndim < matrix_ndim], "weight_decay": 0.0},  # norm gains
+        {"name": "gains", "params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norm gains
     ]
     if hidden:
+        scale = model.cfg.mup_ratio
         groups.append({"name": "hidden", "params": [p for p in matrices if id(p) in hidden], "weight_decay": decay,
-                       "lr": optim.lr * hidden_lr_scale, "lr_scale": hidden_lr_scale})
-    # fused: one kernel for every tensor (CPU and CUDA); the foreach default cost ~4x more per step here
+                       "lr": optim.lr * scale, "lr_scale": scale})
+    # fused: one kernel for every tensor (CPU and CUDA), cheaper per step than the foreach default (docs/bench.md)
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
 
 
-class KeelLitModule(L.LightningModule):
+class KeelLitModule(LightningModule):
     def __init__(self, cfg: Config, tokenizer_json: str | None = None, empty_init: bool = False) -> None:
         """empty_init: build the model on the meta device (no memory, no values): for a process whose weights
         come from another's when the model is parallelized (configure_model)."""
@@ -77,7 +68,9 @@ class KeelLitModule(L.LightningModule):
         # validation loss summed over tokens, and the tokens, over batches and processes; a NaN loss stays NaN
         # (MeanMetric drops NaNs, and with nan_strategy="disable" ignores its weights: torchmetrics 1.9)
         self.val_loss_sum, self.val_tokens = SumMetric(nan_strategy="disable"), SumMetric(nan_strategy="disable")
-        self._grad_norms: torch.Tensor | None = None  # this step's, once asked for (grad_norms())
+        # this optimizer step's gradient norms, set right after its backward (measure_grad_norms)
+        self.grad_norms: torch.Tensor | None = None
+        self.global_grad_norm: torch.Tensor | None = None
         self.heldout: dict | None = None  # the last validation, {"step", "loss"}: checkpoints keep it (model cards)
 
     def configure_model(self) -> None:
@@ -93,26 +86,35 @@ class KeelLitModule(L.LightningModule):
         self.log("train/loss", loss)
         return loss
 
-    def on_after_backward(self) -> None:
-        self._grad_norms = None  # the gradients changed
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """Lightning's step, with the step's gradients measured and judged as soon as its closure (the last
+        micro-batch's forward and backward) returns: before the on_before_optimizer_step hooks, clipping and the
+        update. fp16 loss scaling: the GradScaler drops a non-finite update itself, and only it knows the scale."""
 
-    def grad_norms(self) -> torch.Tensor:
-        """This step's full gradient norm of each parameter (0 without a gradient), in model.parameters() order:
-        computed once per optimizer step, after backward and AMP unscaling, and shared by the grad-norm logging,
-        the stability monitor (its L2 norm is the global norm) and clipping. A collective under FSDP: every rank
-        asks for it at the same point."""
-        if self._grad_norms is None:
-            self._grad_norms = tensor_norms.grad_norms(list(self.model.parameters()))
-        return self._grad_norms
+        def closure():
+            loss = optimizer_closure()
+            self.measure_grad_norms()
+            if getattr(self.trainer.precision_plugin, "scaler", None) is None:
+                drop_nonfinite_update(self.optimizers(use_pl_optimizer=False), self.global_grad_norm)
+            return loss
+
+        optimizer.step(closure=closure)
+
+    def measure_grad_norms(self) -> torch.Tensor:
+        """Set (and return) `grad_norms`, the full gradient norm of each parameter (0 without a gradient) in
+        model.parameters() order, and `global_grad_norm`, their L2 norm: once per optimizer step, after backward,
+        before clipping. A collective under FSDP: every rank measures at the same point."""
+        self.grad_norms = tensor_norms.grad_norms(list(self.model.parameters()))
+        self.global_grad_norm = torch.linalg.vector_norm(self.grad_norms)
+        return self.grad_norms
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """optim.grad_clip (Lightning's gradient_clip_val; norm clipping), with the global norm the callbacks
-        already computed: Lightning clips after the on_before_optimizer_step hooks."""
+        """optim.grad_clip (Lightning's gradient_clip_val; norm clipping) by this step's global_grad_norm:
+        Lightning clips after the on_before_optimizer_step hooks."""
         if not gradient_clip_val:  # fp16 loss scaling never clips: the config refuses it (fused AdamW, Config)
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = torch.linalg.vector_norm(self.grad_norms())
-        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, total)
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self.global_grad_norm)
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         # After the last optimizer step: Lightning validates when a stop is asked for, so the final model gets its
@@ -150,36 +152,15 @@ class KeelLitModule(L.LightningModule):
                               "heldout": self.heldout}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        check_same_model(self.cfg, checkpoint)
+        # keel.resume.check_resume has checked it (keel.training) before any work
         self.heldout = checkpoint["keel"].get("heldout")
-        saved_accum = from_dict(checkpoint["keel"]["config"]).trainer.grad_accum
-        rescale_batch_progress(checkpoint, saved_accum, self.cfg.trainer.grad_accum)
+        rescale_batch_progress(checkpoint, self.cfg.trainer.grad_accum)
 
 
-def rescale_batch_progress(checkpoint: dict, saved_accum: int, accum: int) -> None:
-    """Lightning counts the fit loop's progress in micro-batches, and measures the validation cadence
-    (val_check_interval = val_every_n_steps x grad_accum) and the epoch's end in them. An elastic resume at another
-    trainer.grad_accum gets, before the loops are restored, the counts this accumulation would have reached after
-    the same optimizer steps; otherwise validation would run at other steps than configured."""
-    if saved_accum == accum:
-        return
-    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
-    for counts in (progress["total"], progress["current"]):
-        shift = counts["ready"] // saved_accum * (accum - saved_accum)  # steps x the change in micro-batches per step
-        for key in counts:
-            counts[key] += shift
+def drop_nonfinite_update(optimizer: torch.optim.Optimizer, global_grad_norm: torch.Tensor) -> None:
+    """Have the fused AdamW skip this step if the global gradient norm is not finite (a NaN or inf loss on any rank
+    makes it so; the norm is the same on every rank, so all skip alike): decided on the device, without a host
+    read, as GradScaler does, through the optimizer's `found_inf`; weights, moments and step count stay as they
+    were, and the LR schedule advances. Set at every step: the flag persists until the next."""
+    optimizer.found_inf = (~torch.isfinite(global_grad_norm)).float()
 
-
-def check_same_model(cfg: Config, checkpoint: dict, key: str = "resume") -> None:
-    """Refuse to resume (or, key="init_from", start from) a checkpoint of another model: name every differing
-    model.* key."""
-    if "keel" not in checkpoint:
-        raise ConfigError(f"{key}: not a keel checkpoint (no 'keel' entry)")
-    saved = from_dict(checkpoint["keel"]["config"]).model
-    diffs = [
-        f"model.{key}: checkpoint {getattr(saved, key)!r} != config {getattr(cfg.model, key)!r}"
-        for key in vars(cfg.model)
-        if key not in FREE_ON_RESUME and getattr(saved, key) != getattr(cfg.model, key)
-    ]
-    if diffs:
-        raise ConfigError(f"{key}: the checkpoint holds a different model; " + "; ".join(diffs))

@@ -1,36 +1,30 @@
 """trainer.loggers: one record per logger name - how the logger is built under the run directory, which id a resumed
-run continues it with, how it shows text and figures, and how it is closed. `keel.config` takes the allowed names
-from LOGGERS without importing Lightning (each record imports its logger class only when used); `keel.training`
-builds and closes them, keel.callbacks.reporting sends them text and figures.
+run continues it with, how it shows text and figures, and how it is closed. `keel.training` builds and closes them,
+keel.callbacks.log_writing sends them text and figures.
 
-Adding a logger = one record here (and its pip extra in pyproject.toml, if it needs a package).
+Adding a logger = its name in keel.config.trainer.LOGGERS and its record here (and its pip extra in pyproject.toml,
+if it needs a package).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
+
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from keel.artifacts import TENSORBOARD
 from keel.errors import ConfigError
 
-if TYPE_CHECKING:
-    from lightning.pytorch.loggers import Logger
-
 
 class LoggerKind:
     name: ClassVar[str]  # its trainer.loggers name (and pip extra, when it needs a package)
-    logger_class: ClassVar[str]  # "module:Class" of Lightning's logger, imported when used
-
-    def cls(self) -> type[Logger]:
-        module, _, name = self.logger_class.partition(":")
-        return getattr(importlib.import_module(module), name)
+    logger_class: ClassVar[type[Logger]]  # Lightning's logger
 
     def owns(self, logger: Logger) -> bool:
-        return type(logger) is self.cls()
+        return type(logger) is self.logger_class
 
     def build(self, run_dir: str, run_name: str, run_id: str | None) -> Logger:
         """The logger of a run; run_id: what run_id() returned when the run started (None: a new run)."""
@@ -85,10 +79,10 @@ LAYOUT = {
 
 
 class TensorBoard(LoggerKind):
-    name, logger_class = "tensorboard", "lightning.pytorch.loggers:TensorBoardLogger"
+    name, logger_class = "tensorboard", TensorBoardLogger
 
     def build(self, run_dir, run_name, run_id):
-        return self.cls()(save_dir=run_dir, name=TENSORBOARD, version="", default_hp_metric=False)
+        return self.logger_class(save_dir=run_dir, name=TENSORBOARD, version="", default_hp_metric=False)
 
     def log_config(self, logger, config):
         super().log_config(logger, config)
@@ -102,20 +96,20 @@ class TensorBoard(LoggerKind):
 
 
 class CSV(LoggerKind):
-    name, logger_class = "csv", "lightning.pytorch.loggers:CSVLogger"
+    name, logger_class = "csv", CSVLogger
 
     def build(self, run_dir, run_name, run_id):
         # a version directory per start: CSVLogger would overwrite the metrics.csv of the run it resumes
-        return self.cls()(save_dir=run_dir, name="csv")
+        return self.logger_class(save_dir=run_dir, name="csv")
 
 
 class WandB(LoggerKind):
     """W&B reads its usual environment (WANDB_MODE=offline, WANDB_PROJECT)."""
 
-    name, logger_class = "wandb", "lightning.pytorch.loggers:WandbLogger"
+    name, logger_class = "wandb", WandbLogger
 
     def build(self, run_dir, run_name, run_id):
-        return self.cls()(save_dir=run_dir, name=run_name, project=os.environ.get("WANDB_PROJECT", "keel"),
+        return self.logger_class(save_dir=run_dir, name=run_name, project=os.environ.get("WANDB_PROJECT", "keel"),
                           id=run_id or uuid.uuid4().hex[:12], resume="allow")
 
     def run_id(self, logger):
@@ -147,16 +141,16 @@ class MLflow(LoggerKind):
     """To MLFLOW_TRACKING_URI if set, else to a SQLite database and artifact folder in the run dir (MLflow 3
     refuses its file store, Lightning's default); the experiment is MLFLOW_EXPERIMENT_NAME (default keel)."""
 
-    name, logger_class = "mlflow", "lightning.pytorch.loggers:MLFlowLogger"
+    name, logger_class = "mlflow", MLFlowLogger
 
     def build(self, run_dir, run_name, run_id):
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel")
         if os.environ.get("MLFLOW_TRACKING_URI"):
-            return self.cls()(experiment_name=experiment, run_name=run_name,
+            return self.logger_class(experiment_name=experiment, run_name=run_name,
                               tracking_uri=os.environ["MLFLOW_TRACKING_URI"], run_id=run_id)
         local = Path(run_dir).resolve()
         local.mkdir(parents=True, exist_ok=True)
-        return self.cls()(experiment_name=experiment, run_name=run_name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
+        return self.logger_class(experiment_name=experiment, run_name=run_name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
                           artifact_location=str(local / "mlartifacts"), run_id=run_id)
 
     def run_id(self, logger):
@@ -173,6 +167,7 @@ class MLflow(LoggerKind):
         logger.experiment.log_figure(logger.run_id, fig, artifact_name(tag, step, ".png"))
 
 
+# trainer.loggers' names (keel.config.trainer.LOGGERS) -> their records
 LOGGERS: dict[str, LoggerKind] = {kind.name: kind() for kind in (TensorBoard, CSV, WandB, MLflow)}
 
 

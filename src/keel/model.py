@@ -1,5 +1,5 @@
 """The Keel language model and its five baselines: a plain decoder-only transformer whose
-normalization / residual scheme is one config value (keel.schemes: the config, and each scheme's sublayers;
+normalization / residual scheme is one config value (keel.config: the config, and each scheme's sublayers;
 definitions: docs/schemes.md). Every sublayer (attention or FFN) computes
 
     out = [Norm_out]( alpha * skip + F( [Norm_in](x) ) )       skip = x, or Norm_in(x) for HybridNorm's FFN
@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from keel.config import ModelConfig
+from keel.config.model import SublayerSpec, deepnorm_beta, needs_final_norm, sublayer_specs
 from keel.errors import ConfigError
 from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
 from keel.ops.rms_norm import rms_norm
-from keel.schemes import ModelConfig, SublayerSpec, deepnorm_beta, needs_final_norm, sublayer_specs
 
 
 @torch.no_grad()
@@ -35,9 +36,36 @@ def _deepnorm_init(model: KeelLM) -> None:
 
 
 @torch.no_grad()
-def _xavier_blocks(model: KeelLM) -> None:
+def _draw(model: KeelLM, embedding_std: float | None = None, fan_in: bool = False, truncated: bool = False) -> None:
+    """Every Linear N(0, init_std^2) (fan_in: N(0, 1/fan_in); truncated: cut at 3 std), in module order, then the
+    embedding N(0, embedding_std^2) (None: init_std)."""
+    cfg = model.cfg
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            std = module.in_features**-0.5 if fan_in else cfg.init_std
+            if truncated:
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+            else:
+                nn.init.normal_(module.weight, std=std)
+    nn.init.normal_(model.embed.weight, std=cfg.init_std if embedding_std is None else embedding_std)
+
+
+@torch.no_grad()
+def _gpt2(model: KeelLM, truncated: bool = False) -> None:
+    """_draw, then the residual branches' last matrices (attention out, FFN down) x 1/sqrt(L), L the number of
+    sublayers: their sum over the depth keeps the stream's scale."""
+    _draw(model, truncated=truncated)
+    for block in model.blocks:
+        for linear in (block.attn.branch.out, block.ffn.branch.down):
+            linear.weight.mul_(model.cfg.n_sublayers ** -0.5)
+
+
+@torch.no_grad()
+def _xavier(model: KeelLM) -> None:
     """model.init=xavier (DeepNet's Fig. 2, gain 1): each of q, k, v, out, FFN up (gate and up apart) and down
-    Xavier-normal with its own fans, std sqrt(2 / (fan_in + fan_out)); DeepNorm's beta then gives the gain beta."""
+    Xavier-normal with its own fans, std sqrt(2 / (fan_in + fan_out)); DeepNorm's beta then gives the gain beta.
+    The embedding and the head: N(0, init_std^2)."""
+    _draw(model)
     for block in model.blocks:
         attn, ffn = block.attn.branch, block.ffn.branch
         qkv_rows = [attn.n_heads * attn.head_dim, attn.kv_heads * attn.head_dim, attn.kv_heads * attn.head_dim]
@@ -47,9 +75,17 @@ def _xavier_blocks(model: KeelLM) -> None:
             nn.init.xavier_normal_(matrix)
 
 
-# The embedding's std by model.init where it is not init_std: unit's N(0, 1); Mix-LN's code draws N(0, 2/5)
-EMBEDDING_STD = {"unit": 1.0, "mixln": 0.4**0.5}
-# Schemes whose init differs from the common one (model.init): adjustments run after it, keyed by keel.schemes.SCHEMES
+# Every init kind (model.init), one entry each: how it draws the weights. Its description and the name the config
+# accepts: keel.config.model.INITS (a test holds the two tables to one set of names).
+INITS: dict[str, Callable[[KeelLM], None]] = {
+    "normal": _draw,
+    "gpt2": _gpt2,
+    "megatron": lambda model: _gpt2(model, truncated=True),
+    "xavier": _xavier,
+    "mixln": lambda model: _draw(model, embedding_std=0.4**0.5),  # Mix-LN's code draws the embedding N(0, 2/5)
+    "unit": lambda model: _draw(model, embedding_std=1.0, fan_in=True),
+}
+# Schemes whose init differs from the common one (model.init): adjustments run after it, keyed by keel.config.SCHEMES
 # name. Kept here, not in the torch-free Scheme, because they are torch code that knows the modules' layout.
 SCHEME_INITS: dict[str, Callable[[KeelLM], None]] = {"deepnorm": _deepnorm_init}
 
@@ -214,29 +250,22 @@ class KeelLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """model.init (docs/schemes.md#initialization): a common draw, then the kind's and the scheme's changes."""
-        cfg, kind = self.cfg, self.cfg.init_kind
+        """model.init (docs/schemes.md#initialization): the norms' gains 1, the init kind's draw (INITS), then the
+        scheme's changes (SCHEME_INITS) and muP's scaling."""
+        cfg = self.cfg
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                std = module.in_features**-0.5 if kind == "unit" else cfg.init_std
-                if kind == "megatron":
-                    nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
-                else:
-                    nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, nn.RMSNorm) and module.weight is not None:
+            if isinstance(module, nn.RMSNorm) and module.weight is not None:
                 nn.init.ones_(module.weight)
-        nn.init.normal_(self.embed.weight, std=EMBEDDING_STD.get(kind, cfg.init_std))
-        if kind in ("gpt2", "megatron"):  # the residual branches' last matrices, scaled down with depth
-            for block in self.blocks:
-                for linear in (block.attn.branch.out, block.ffn.branch.down):
-                    linear.weight.mul_((2 * cfg.depth) ** -0.5)
-        if kind == "xavier":
-            _xavier_blocks(self)
+        INITS[cfg.init_kind](self)
         if (scheme_init := SCHEME_INITS.get(cfg.scheme)) is not None:
             scheme_init(self)
         if cfg.parametrization == "mup":  # muP's fan-in rule: std ~ 1/sqrt(width), equal to sp's at the base width
             for matrix in self.hidden_matrices():
                 matrix.mul_(cfg.mup_ratio**0.5)
+
+    def sublayers(self) -> list[Sublayer]:
+        """Every sublayer in forward order: block 0's attention, its FFN, block 1's attention, ..."""
+        return [sub for block in self.blocks for sub in (block.attn, block.ffn)]
 
     def hidden_matrices(self) -> list[nn.Parameter]:
         """The weights muP calls hidden (both dimensions grow with the width): q, k, v, out, FFN up and down;
@@ -329,3 +358,31 @@ def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:
     the model's loss head (model.loss_chunk): by default without the full (B, T, vocab) logits."""
     return model(batch[:, :-1], targets=batch[:, 1:])
 
+
+def sublayer_update_error(model: KeelLM, idx: torch.Tensor, bf16_stream: bool) -> tuple[float, float]:
+    """What the fp32 stream keeps under bf16 autocast (the module docstring): (relative logits error, median
+    relative error of the per-sublayer stream update out - in) of a bf16 autocast forward against the fp32 forward,
+    on idx's device. bf16_stream rounds every sublayer output and every outer norm's input to bf16: what a model
+    whose residual stream is bf16 computes. Blocks 1 and up (Keel's block 0 is plain Pre-LN)."""
+
+    def run(autocast: bool):
+        updates: list[torch.Tensor] = []
+        handles = []
+        if bf16_stream and autocast:
+            for sub in model.sublayers():
+                handles.append(sub.register_forward_hook(lambda m, args, out: out.bfloat16().float()))
+                if sub.norm_out is not None:
+                    rounded = sub.norm_out.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(),))
+                    handles.append(rounded)
+        for sub in model.sublayers():  # registered last: sees the rounded output
+            handles.append(sub.register_forward_hook(lambda m, args, out: updates.append(out - args[0])))
+        with torch.no_grad(), torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(idx).float()
+        for handle in handles:
+            handle.remove()
+        return logits, updates
+
+    (ref_logits, ref_updates), (logits, updates) = run(False), run(True)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    update_errors = torch.tensor([rel(u, r) for u, r in zip(updates[2:], ref_updates[2:])])
+    return rel(logits, ref_logits), float(update_errors.median())

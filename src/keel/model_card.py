@@ -8,7 +8,7 @@ from pathlib import PurePath
 
 from keel.config import Config
 from keel.model import parameter_counts
-from keel.schemes import formulas, needs_final_norm
+from keel.config.model import formulas, needs_final_norm
 
 PAPER = "https://arxiv.org/abs/2601.19895"
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24"  # what the remote code checks on import (keel/hf/)
@@ -17,10 +17,10 @@ TRANSFORMERS_REQUIREMENT = "transformers>=5.24"  # what the remote code checks o
 def training_data(cfg: Config) -> str:
     data = cfg.data
     if data.source == "hf":
-        return f"the Hugging Face dataset `{data.hf_dataset}` (`{data.hf_name}`, split `{data.hf_split}`)"
+        return f"the Hugging Face dataset `{data.hf.dataset}` (`{data.hf.name}`, split `{data.hf.split}`)"
     if data.source == "stdlib":
         return "the Python standard library's source files"
-    return f"{data.source} ({', '.join(f'`{path}`' for path in data.paths)})"
+    return f"{data.source} ({', '.join(f'`{path}`' for path in data.text_files.paths)})"
 
 
 def heldout_line(heldout: dict | None, cfg: Config) -> str:

@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from keel.checkpoint import SHARDED_META, AsyncShardedWriter, commit_dir, refuse_payloads, staging_path
-from keel.config import resolve_accelerator
+from keel.checkpoint import refuse_payloads
+from keel.checkpoint_io import SHARDED_META, AsyncShardedWriter, commit_dir, staging_path
+from keel.config import resolve_accelerator, resolve_precision
 from keel.errors import ConfigError
 from keel.model import KeelLM
 
@@ -96,7 +97,7 @@ def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
 
     Every rank starts from rank 0's weights, broadcast one tensor at a time into the others' shards: only rank 0
     needs to build the model for real (the others may build it on the meta device, `KeelLitModule(empty_init=
-    True)`), so a node's host holds one full fp32 copy at most, not one per GPU (paper_d512: 26 GB, not 208)."""
+    True)`), so a node's host holds one full fp32 copy at most, not one per GPU (docs/distributed.md)."""
     full = model.state_dict() if dist.get_rank() == 0 else {}  # before sharding replaces the parameters
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
@@ -126,13 +127,6 @@ def mixed_precision_policy(trainer) -> MixedPrecisionPolicy:
     if resolve_precision(trainer) != "bf16-mixed":
         return MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if trainer.reduce_dtype == "bf16" else None)
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-
-
-def resolve_precision(trainer, accelerator: str | None = None) -> str:
-    """trainer.precision, with auto resolved for `accelerator` (default: the one the trainer resolves to)."""
-    if trainer.precision != "auto":
-        return trainer.precision
-    return "bf16-mixed" if (accelerator or resolve_accelerator(trainer)) == "gpu" else "32-true"
 
 
 def resolve_async_checkpoint(trainer) -> bool:
@@ -168,10 +162,10 @@ def check_trainer(trainer) -> None:
     if resolve_accelerator(trainer) == "gpu" and trainer.devices > visible:
         raise ConfigError(f"trainer.devices={trainer.devices}: only {visible} CUDA GPU(s) visible on "
                           "this node; trainer.devices counts GPUs per node")
-    if trainer.strategy == "single" and world > 1:
+    if trainer.resolved_strategy == "single" and world > 1:
         raise ConfigError(f"trainer.strategy=single runs one process, not trainer.devices x trainer.num_nodes = {world}; "
                           "use trainer=ddp or trainer=fsdp")
-    if trainer.strategy == "fsdp" and world < 2 and resolve_accelerator(trainer) == "cpu":
+    if trainer.resolved_strategy == "fsdp" and world < 2 and resolve_accelerator(trainer) == "cpu":
         raise ConfigError("trainer.strategy=fsdp: FSDP shards over >= 2 processes; on CPU use trainer.devices=2 or trainer=cpu")
     if trainer.compile and resolve_accelerator(trainer) == "cpu" and (missing := missing_cpp_compiler()):
         raise ConfigError(f"trainer.compile=true: torch.compile on CPU builds C++ kernels, and no C++ compiler was found "
@@ -273,13 +267,12 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def build_strategy(trainer):
-    """The Lightning strategy for trainer.strategy: auto = one device, or DDP over several; nccl between
-    GPUs, gloo between CPU processes."""
+    """The Lightning strategy for trainer.resolved_strategy; nccl between GPUs, gloo between CPU processes."""
     check_trainer(trainer)
     if trainer.resolved_strategy == "single":
         return "auto"
     backend = "nccl" if resolve_accelerator(trainer) == "gpu" else "gloo"
-    if trainer.strategy == "fsdp":
+    if trainer.resolved_strategy == "fsdp":
         return FSDP2Strategy(
             data_parallel_size=trainer.world_size, tensor_parallel_size=1, save_distributed_checkpoint=True,
             process_group_backend=backend, async_checkpoint=resolve_async_checkpoint(trainer),

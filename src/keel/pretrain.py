@@ -7,7 +7,7 @@ import argparse
 from omegaconf import OmegaConf
 
 from keel.config import GROUPS, Config, conf_dir, load_config, to_dict, to_yaml
-from keel.schemes import init_description
+from keel.config.model import init_description
 
 
 def resolved_comment(cfg: Config) -> str:

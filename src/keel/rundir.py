@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from keel.artifacts import CONFIG
-from keel.checkpoint import remove_path
+from keel.checkpoint_io import remove_path
 from keel.config import Config, from_dict, to_dict, to_yaml
 from keel.dirlock import DirLock
 
@@ -31,7 +31,7 @@ class RunDirLock(DirLock):
 def remove_orphans(checkpoint_dir: Path) -> None:
     """Temporary files and staging directories of saves a kill interrupted (AtomicCheckpointIO's
     .NAME.tmpPID, the FSDP strategy's .NAME.partial); the lock says no save is running. A .NAME.previous is no
-    orphan: resolve_resume falls back to it."""
+    orphan: keel.resume.resolve_resume falls back to it."""
     orphans = sorted([*checkpoint_dir.glob(".*.tmp[0-9]*"), *checkpoint_dir.glob(".*.partial")])
     for orphan in orphans:
         remove_path(orphan)

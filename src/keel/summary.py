@@ -9,12 +9,12 @@ from collections import Counter
 
 import torch
 
-from keel.checkpoint import LAST, batch_layout, checkpoint_dir
-from keel.config import Config, resolve_accelerator
+from keel.checkpoint import LAST, checkpoint_dir
+from keel.config import Config, resolve_accelerator, resolve_precision
 from keel.flops import flops_per_token
 from keel.model import KeelLM
-from keel.parallel import resolve_precision
-from keel.schemes import formulas, init_description, sublayer_specs
+from keel.resume import batch_layout
+from keel.config.model import formulas, init_description, sublayer_specs
 
 
 def alphas(cfg) -> str:
@@ -32,7 +32,7 @@ def model_summary(model: KeelLM) -> list[str]:
     c = model.cfg
     params = model.num_params()
     return [
-        f"model       {c.scheme}: depth {c.depth} blocks (L = {c.L} sublayers), width {c.width}, {c.n_heads} heads "
+        f"model       {c.scheme}: depth {c.depth} blocks (L = {c.n_sublayers} sublayers), width {c.width}, {c.n_heads} heads "
         f"({c.kv_heads} KV), {c.ffn} FFN {c.ffn_hidden}, seq_len {c.seq_len}, vocab {c.vocab_size}",
         f"parameters  {params:,} ({model.num_params(embeddings=False):,} non-embedding)",
         f"alpha       {alphas(c)}",

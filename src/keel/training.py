@@ -9,37 +9,30 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import Logger
 
 from keel.artifacts import LOGGER_RUNS
 from keel.callbacks.checkpointing import SAID, GracefulInterrupt, RunCheckpoint
 from keel.callbacks.progress import StepProgressBar
+from keel.callbacks.registry import configured_callbacks
 from keel.callbacks.stability import StabilityMonitor, describe
-from keel.checkpoint import (
-    LAST,
-    AtomicCheckpointIO,
-    check_resumable,
-    checkpoint_dir,
-    model_state_dict,
-    read_checkpoint,
-    resolve_resume,
-)
-from keel.config import Config, from_dict, resolve_accelerator, to_dict
+from keel.checkpoint import LAST, checkpoint_dir, model_state_dict, read_checkpoint
+from keel.checkpoint_io import AtomicCheckpointIO
+from keel.config import Config, from_dict, resolve_accelerator, resolve_precision, to_dict
 from keel.console import quiet_libraries
-from keel.data.loading import KeelDataModule, check_resumable_data, check_splits_fit, open_dataset
+from keel.data.loading import KeelDataModule, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
-from keel.estimate import resolve_activation_checkpointing
-from keel.gpu_memory import check_gpu_fits, gpu_budget_bytes
-from keel.lit import KeelLitModule, check_same_model
+from keel.lit import KeelLitModule
 from keel.loggers import LOGGERS, kind_of
-from keel.memory import check_training_fits
+from keel.memory import check_gpu_fits, check_training_fits, gpu_budget_bytes, resolve_activation_checkpointing
 from keel.model import check_state_fits
-from keel.parallel import build_strategy, resolve_precision
+from keel.parallel import build_strategy
+from keel.resume import check_resume, check_same_model, resolve_resume
 from keel.rundir import RunDirLock, remove_orphans, say, write_config
 from keel.summary import run_result, run_summary
 
@@ -85,7 +78,7 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     ]
     if cfg.trainer.progress_bar:
         callbacks.append(StepProgressBar())
-    return callbacks + [section.build(cfg) for section in cfg.callback_configs()]
+    return callbacks + configured_callbacks(cfg)
 
 
 def build_loggers(cfg: Config) -> list[Logger]:
@@ -123,9 +116,9 @@ def slurm_environment() -> list[SLURMEnvironment]:
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 
-def build_trainer(cfg: Config, callbacks: list[Callback]) -> L.Trainer:
+def build_trainer(cfg: Config, callbacks: list[Callback]) -> Trainer:
     t = cfg.trainer
-    return L.Trainer(
+    return Trainer(
         accelerator=resolve_accelerator(t),
         devices=t.devices,
         num_nodes=t.num_nodes,
@@ -188,12 +181,12 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
     return f"model weights of {cfg.init_from} (step {checkpoint.get('global_step')}); new optimizer, schedule, data"
 
 
-def close_loggers(trainer: L.Trainer) -> None:
+def close_loggers(trainer: Trainer) -> None:
     for logger in trainer.loggers:
         kind_of(logger).close(logger)
 
 
-def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
+def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer:
     """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. Rank 0 holds
     the run directory's lock throughout, taken before anything is written (the others write nothing before
     rank 0 has joined them)."""
@@ -214,7 +207,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> L.Trainer:
         return _train(cfg, extra_callbacks, owner)
 
 
-def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Trainer:
+def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> Trainer:
     dataset = open_dataset(cfg)
     check_splits_fit(cfg, dataset.chunk_tokens)
     if owner:  # no save runs now: temporary files in checkpoints/ were left by killed ones
@@ -223,10 +216,8 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
     checkpoint = None
     if ckpt_path is not None:  # fail before any work if the checkpoint is unreadable, of another model or layout
         checkpoint = read_checkpoint(ckpt_path, weights=False)
-        check_same_model(cfg, checkpoint)
-        check_resumable(cfg.trainer, ckpt_path, checkpoint)
-        check_resumable_data(cfg, dataset, ckpt_path, checkpoint)
-    L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+        check_resume(cfg, dataset, ckpt_path, checkpoint)
+    seed_everything(cfg.run.seed, workers=True, verbose=False)
     # under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard): they build nothing on the host
     module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
                            empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
@@ -254,7 +245,7 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> L.Train
     return trainer
 
 
-def failure_exit_code(cfg: Config, trainer: L.Trainer) -> int:
+def failure_exit_code(cfg: Config, trainer: Trainer) -> int:
     """1 when the stability monitor recorded a failure, said with its step, kind and max tolerable LR -
     unless callbacks.stability.stop_on_failure=false asked training to go on (said when it happened)."""
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from keel.config import Config, DataConfig
@@ -120,7 +120,7 @@ def check_splits_fit(cfg: Config, chunk_tokens: dict[str, list[int]]) -> None:
     than trainer.val_batches)."""
     t = cfg.trainer
     larger = {"val": "a larger validation split (data.val_fraction",
-              "train": "more training text (data.paths, data.max_chars"}
+              "train": "more training text (data.text_files.paths, data.max_chars"}
     for split, key in (("val", "val_batches"), ("train", "grad_accum")):
         needed = getattr(t, key)
         sequences, batches = batches_per_rank(cfg, chunk_tokens[split])
@@ -197,36 +197,7 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     return loader
 
 
-def check_resumable_data(cfg: Config, dataset: DatasetInfo, path: str, checkpoint: dict) -> None:
-    """A checkpoint's train-loader position is only meaningful on the shards it was saved on and with the same
-    read-time shuffle (litdata would otherwise fail mid-start, or continue on other data)."""
-    saved_build = checkpoint.get("KeelDataModule", {}).get("manifest_sha256")
-    if saved_build is None and "shuffle_documents" in dataset.manifest["settings"]:
-        raise ConfigError(
-            f"resume: {path} was written on shards built before `keel data` shuffled documents, and the shards at "
-            f"{cfg.data.dir} were built since (with data.shuffle_documents): the saved loader position would point "
-            "into other data. Start a new run (resume=null, or another run.dir)"
-        )
-    if saved_build is not None and saved_build != dataset.manifest_sha256:
-        raise ConfigError(
-            f"resume: the shards at {cfg.data.dir} are not the ones {path} was trained on (its manifest differs: "
-            "rebuilt or replaced since): the saved loader position would point into other data. Resume with the "
-            "original shards, or start a new run (resume=null, or another run.dir)"
-        )
-    loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-    for state in loops.get("combined_loader", []):  # litdata's StreamingDataLoader state, one per loader
-        dataset_state = state.get("dataset", {}) if isinstance(state, dict) else {}
-        saved_window = dataset_state.get("item_shuffle_window") if dataset_state.get("shuffle") else None
-        if saved_window is not None and saved_window != cfg.data.shuffle_window:
-            older = " (litdata's default before keel set data.shuffle_window)" if saved_window == 256 else ""
-            raise ConfigError(
-                f"resume: {path} read its training sequences with data.shuffle_window={saved_window}{older}; this "
-                f"config has {cfg.data.shuffle_window}. Resume with data.shuffle_window={saved_window} to continue "
-                "that run exactly, or start a new run (resume=null, or another run.dir)"
-            )
-
-
-class KeelDataModule(L.LightningDataModule):
+class KeelDataModule(LightningDataModule):
     """Batches (micro_batch_size, seq_len + 1) of int64 token ids from the shards `keel data` built; the
     LightningModule takes inputs [:, :-1] and targets [:, 1:].
 

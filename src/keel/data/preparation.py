@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, fields
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -35,14 +36,14 @@ from keel.data.shards import (
     MANIFEST, PUBLISHING, SPLITS, STAGING, TOKENIZER, VAL_DOCS, chunk_digests, data_path, refuse_foreign_files,
     require_sequences, sha256, storage, tokens_per_chunk, writing,
 )
-from keel.data.sources import get_source
+from keel.data.sources import SOURCES
 from keel.data.sources.base import MAX_UNDECODABLE, SkippedFiles
 from keel.data.spooling import remove_stale_spools, spool_corpus, spool_prefix
 from keel.data.tokenizer import eos_id_of, load_tokenizer, train_tokenizer
 from keel.dirlock import DirLock
 from keel.errors import ConfigError
 
-# data.* keys that shape every build, whatever the source (each source adds its own: Source.settings)
+# data.* keys that shape every build, whatever the source (each adds its section's and Source.settings)
 COMMON_SETTINGS = ("source", "max_chars", "val_fraction", "seed", "shuffle_documents", "tokenizer")
 Result = TypeVar("Result")
 
@@ -56,11 +57,12 @@ class DataDirLock(DirLock):
 
 
 def build_settings(data: DataConfig) -> dict[str, Any]:
-    """The data.* values that determine what `keel data` builds: recorded in the manifest, compared on re-runs."""
-    keys = [*COMMON_SETTINGS, *get_source(data.source).settings]
+    """The data.* values that determine what `keel data` builds: recorded in the manifest, compared on re-runs; the
+    keys of data.source's own section under their names in it."""
+    keys = [*COMMON_SETTINGS, *SOURCES[data.source].settings]
     if data.tokenizer is None:
         keys.append("vocab_size")  # shapes only a tokenizer trained here
-    settings = {key: getattr(data, key) for key in keys}
+    settings = {key: getattr(data, key) for key in keys} | asdict(data.source_config)
     if "encoding" in settings:  # by its canonical name: "UTF8" and "utf-8" are one setting
         settings["encoding"] = codecs.lookup(data.encoding).name
     return settings
@@ -100,8 +102,12 @@ def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> 
     settings, built = build_settings(data), manifest.get("settings", {})
     if "encoding" in settings:  # builds made before data.encoding existed read UTF-8
         built = {"encoding": "utf-8", **built}
+    # builds made before data.hf.* recorded data.hf_dataset, data.hf_name, data.hf_split
+    built = {key.removeprefix("hf_"): value for key, value in built.items()}
     changed = sorted(key for key in set(settings) | set(built) if settings.get(key) != built.get(key))
-    changes = [f"data.{key}: {built.get(key)!r} -> {settings.get(key)!r}" for key in changed]
+    own = {f.name for f in fields(data.source_config)}
+    changes = [f"data.{data.source + '.' if key in own else ''}{key}: {built.get(key)!r} -> {settings.get(key)!r}"
+               for key in changed]
     other_tokenizer = not {"tokenizer", "vocab_size"}.isdisjoint(changed)
     if data.tokenizer and os.path.isfile(data.tokenizer):
         if sha256(Path(data.tokenizer).read_bytes()) != manifest.get("tokenizer_sha256"):
@@ -159,7 +165,7 @@ def prepare(cfg: Config, force: bool = False) -> dict:
 
 def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tuple[Tokenizer, bytes] | None) -> dict:
     """A whole build in `staging`, its manifest written last; the manifest."""
-    data, source = cfg.data, get_source(cfg.data.source)
+    data, source = cfg.data, SOURCES[cfg.data.source]
     start = time.perf_counter()
     timings = {}
     with writing(staging):
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML merged over conf/config.yaml (data.* and model.seq_len matter here)")
     parser.add_argument("--force", action="store_true", help="rebuild even if data.dir already holds shards")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="e.g. data=text_files 'data.paths=[docs/*.md]'")
+                        help="e.g. data=text_files 'data.text_files.paths=[docs/*.md]'")
     args = parser.parse_intermixed_args(argv)  # options may follow overrides: `keel data $ARGS --force`
     # Past a file size limit (ulimit -f) the kernel kills the writer with SIGXFSZ, without a word; ignored, the
     # write fails with EFBIG instead, which is reported like a full disk. Shard writers inherit it.

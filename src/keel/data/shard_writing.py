@@ -112,9 +112,9 @@ def _shard_writer(rank: int, spans: list[Any], encoder: SpanEncoder, chunk_dir: 
 
 @contextlib.contextmanager
 def _tokenizers_single_threaded() -> Iterator[None]:
-    # Workers are forked where the platform allows it: spawn re-imports torch in each one (10-20 s on a busy 2-core
-    # box). Forked workers cannot use the thread pool the BPE training started: tokenizers checks this variable as a
-    # process forks, and without it each worker would print that it falls back to one thread. The workers are the
+    # Workers are forked where the platform allows it: spawn re-imports torch in each one (docs/data.md). Forked
+    # workers cannot use the thread pool the BPE training started: tokenizers checks this variable as a process
+    # forks, and without it each worker would print that it falls back to one thread. The workers are the
     # parallelism. Set for the forks only: it would also hold back a later tokenizer in this process.
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

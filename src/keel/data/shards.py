@@ -151,7 +151,7 @@ def chunk_digests(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> d
 
 def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict, checksums: bool = True) -> None:
     """Every chunk the indexes list is there at its full size; unless checksums=False, local chunks also match the
-    manifest's sha256 (data.verify_checksums; hashing ran at 0.18 GB/s on the loaded 2-core dev machine). A shard
+    manifest's sha256 (data.verify_checksums; its cost: docs/data.md). A shard
     truncated or damaged after the build is refused here, at start-up, not when litdata's reader reaches it mid-run."""
     for split in SPLITS:
         for chunk in _chunks(fs, data.dir, split):
@@ -199,6 +199,6 @@ def require_sequences(fs: fsspec.AbstractFileSystem, data_dir: str, seq_len: int
         if sum(tokens // (seq_len + 1) for tokens in chunks) == 0:
             raise ConfigError(
                 f"{data_dir}/{split}: its {sum(chunks)} tokens make no sequence of model.seq_len + 1 = {seq_len + 1} "
-                "tokens; use more text (data.paths, data.max_chars), a larger data.val_fraction, "
+                "tokens; use more text (data.text_files.paths, data.max_chars), a larger data.val_fraction, "
                 "or a smaller model.seq_len"
             )

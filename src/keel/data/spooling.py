@@ -19,7 +19,7 @@ import numpy as np
 
 from keel.config import DataConfig
 from keel.data.shards import SPLITS, writing
-from keel.data.sources import get_source, read_documents
+from keel.data.sources import SOURCES, read_documents
 from keel.data.sources.base import SkippedFiles
 from keel.dirlock import pid_alive
 from keel.errors import ConfigError
@@ -105,7 +105,7 @@ def document_order(count: int, data: DataConfig, split: str) -> np.ndarray:
 
 
 def spool_corpus(data: DataConfig, workdir: str, skipped: SkippedFiles) -> dict[str, Spool]:
-    source = get_source(data.source)
+    source = SOURCES[data.source]
     spools = {split: Spool(os.path.join(workdir, f"{split}.jsonl")) for split in SPLITS}
     with writing(f"the spooled corpus in {workdir}"):
         with open(spools["train"].path, "wb") as train, open(spools["val"].path, "wb") as val:

@@ -16,8 +16,8 @@ from keel.errors import ConfigError
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # looked up, in this order, in a given tokenizer
 # The most characters the tokenizers library is given at once. It holds tens of bytes per character of a text while
-# it pre-tokenizes, trains on or encodes it: one 50 MB document (a file without line breaks, kept whole) peaked at
-# 8.9 GiB of RSS in BPE training and 5.9 GiB in encoding. Longer texts go to it in pieces (tokenizer_pieces).
+# it pre-tokenizes, trains on or encodes it (docs/data.md has the measurement), so longer texts go to it in pieces
+# (tokenizer_pieces).
 PIECE_CHARS = 100_000
 PIECE_SLACK = PIECE_CHARS // 10  # how far before the limit a piece may end to end at whitespace
 

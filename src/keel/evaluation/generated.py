@@ -1,19 +1,13 @@
 """Tasks generated from the training corpus's held-out documents (`<data.dir>/val_docs.jsonl`, written by
 `keel data`): downstream signal that a small model trained for minutes can already show.
 
-    keel_next_line   4-way multiple choice: given the preceding lines of a held-out file, pick the true next
-                     line; the 3 distractors are lines of about its length from *other* held-out files, so
-                     gold line and distractors come from the same distribution of lines (chance is exactly
-                     25%) and only the context (indentation, names in scope, the statement under way) tells
-                     them apart.
-    keel_last_token  LAMBADA-style: predict the identifier that ends a line, one that already occurs in the
-                     preceding lines, so it is recoverable from context (chance ~0: open vocabulary).
+    keel_next_line   4-way multiple choice: the true next line of a held-out file against 3 lines of about its
+                     length from other files (chance exactly 25%; only the context tells them apart)
+    keel_last_token  LAMBADA-style: the identifier that ends a line, one already in the preceding lines
 
-`keel data` writes one jsonl per task beside the shards, under `<data.dir>/eval_tasks/v2/` (build_tasks,
-write_tasks): deterministically (fixed seed, documents in val_docs.jsonl order). For a data.dir built before it did,
-generate_tasks writes them under a local directory it is given (training: run.dir, by rank 0 alone), never into the
-data.dir, which may be an object store or read-only; the task YAMLs load them through `load_next_line` /
-`load_last_token` (lm-eval `custom_dataset`).
+`keel data` writes one jsonl per task under `<data.dir>/eval_tasks/v2/`, deterministically; for a data.dir built
+before it did, generate_tasks writes them under a local directory it is given (training: run.dir), never into
+data.dir. The task YAMLs load them through `load_next_line` / `load_last_token` (docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def write_local_task(config: dict, dataset, out_dir: str | os.PathLike) -> Path:
 
 
 def lm_eval_configs(tasks: Sequence[str]) -> dict[str, dict]:
-    """lm-eval's own config of each task, includes and !functions resolved (indexing its tasks takes ~15 s)."""
+    """lm-eval's own config of each task, includes and !functions resolved (indexing its tasks takes seconds)."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
     index = task_manager(tasks).task_index

@@ -34,7 +34,7 @@ STDERR = "_stderr"
 logging.getLogger("lm_eval.api.task").addFilter(DropMessages("Custom kwargs can be passed to `--metadata`"))
 
 # lm-eval renders prompt templates through jinja2's Environment.from_string, which compiles the template anew
-# for every document and field (5-15 ms on a small CPU: more than a small model's forward pass). A template is
+# for every document and field (more time than a small model's forward pass: docs/evaluation.md). A template is
 # a pure function of its source: compile each source once per process.
 lm_eval.utils.env.from_string = functools.lru_cache(maxsize=1024)(lm_eval.utils.env.from_string)
 
@@ -52,8 +52,8 @@ def task_manager(
     tasks_dir: str | None = None,
 ) -> TaskManager:
     """A TaskManager indexing the bundled tasks (and include_path), built once per process and argument set.
-    lm-eval's own ~15k tasks are indexed too (about 15 s) only when `tasks` names one that is neither bundled
-    nor a YAML path. data_dir (local standard-suite files), corpus_dir (a `keel data` directory, local or an
+    lm-eval's own tasks are indexed too (seconds: docs/evaluation.md) only when `tasks` names one that is neither
+    bundled nor a YAML path. data_dir (local standard-suite files), corpus_dir (a `keel data` directory, local or an
     object-store URL, for the generated tasks) and tasks_dir (where those are written for a corpus_dir built
     without them: keel.evaluation.generated) reach the task loaders as task metadata."""
     paths = (str(TASKS_DIR),) + ((include_path,) if include_path else ())

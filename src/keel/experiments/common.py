@@ -19,10 +19,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from keel.artifacts import CONFIG, read_eval_history, read_scalars, read_stability
-from keel.config import Config, from_dict
+from keel.config import Config, ModelConfig, from_dict
 from keel.errors import ConfigError
 from keel.model import parameter_counts
-from keel.schemes import ModelConfig, scheme_of
+from keel.config.model import scheme_of
 
 
 KINDS = {int: "an integer", float: "a number"}  # what comma_list names a cast, in its error
@@ -63,8 +63,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Pow: operator.pow}
 
 
-def resolve_alpha(expr: str | float, L: int) -> float:
-    """Keel's alpha from a number or an arithmetic expression in L (= 2 * depth sublayers): `1`, `sqrt(L)`,
+def resolve_alpha(expr: str | float, n_sublayers: int) -> float:
+    """Keel's alpha from a number or an arithmetic expression in L, the number of sublayers: `1`, `sqrt(L)`,
     `L/2`, `L`, `2L`, `L**0.75`. Evaluated on a whitelist of AST nodes, never with eval()."""
     text = re.sub(r"(\d)\s*(?=L|sqrt|\()", r"\1*", str(expr).strip())  # implicit product: 2L -> 2*L
 
@@ -72,7 +72,7 @@ def resolve_alpha(expr: str | float, L: int) -> float:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return float(node.value)
         if isinstance(node, ast.Name) and node.id == "L":
-            return float(L)
+            return float(n_sublayers)
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             return _BINARY[type(node.op)](value(node.left), value(node.right))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -87,7 +87,7 @@ def resolve_alpha(expr: str | float, L: int) -> float:
         raise ConfigError(f"alpha {expr!r}: not a number or an expression in L "
                           f"(e.g. 1, sqrt(L), L/2, L, 2L): {err}") from None
     if not alpha > 0:
-        raise ConfigError(f"alpha {expr!r} = {alpha} at L = {L}: must be > 0")
+        raise ConfigError(f"alpha {expr!r} = {alpha} at L = {n_sublayers}: must be > 0")
     return alpha
 
 
@@ -181,7 +181,7 @@ def run_row(run_dir: str | Path) -> dict[str, Any]:
     cfg = load_run_config(run_dir)
     m = cfg.model
     row: dict[str, Any] = {
-        "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.L, "width": m.width,
+        "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.n_sublayers, "width": m.width,
         "alpha": alpha(m) if (alpha := scheme_of(m).alpha) is not None else None,
         "init": m.init_kind, "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr,
         "schedule": cfg.optim.schedule, "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
@@ -204,6 +204,17 @@ def fmt(value: float | None) -> str:
 
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def median_range(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    """The median, min and max of values (three Nones for none)."""
+    return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+
+
+def fmt_median_range(values: Sequence[float]) -> str:
+    """median [min-max] in a report's prose cell, '-' for none."""
+    middle, low, high = median_range(values)
+    return "-" if middle is None else f"{fmt(middle)} [{fmt(low)}-{fmt(high)}]"
 
 
 def _cell(value: Any) -> str:

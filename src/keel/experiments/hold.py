@@ -15,13 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from keel.experiments.common import fmt, median, pyplot
-from keel.experiments.maxlr_report import HOLD_FACTOR, max_lr_value
+from keel.experiments.grids import HOLD_GRIDS
+from keel.experiments.maxlr_report import HOLD_FACTOR, max_lr_value, rows_at
 
-# Per point: the grids whose ramps the map compares, slowest hold last (run as `make paper-<grid>`)
-HOLD_GRIDS = {
-    (16, 64): ("table1-d16", "ramp-2x", "hold-d16-fast", "linear-d16", "hold-d16-slow"),
-    (64, 32): ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"),
-}
 HOLD_SCHEMES = ("keel", "preln")
 WARMUP_STEPS = 5000  # the paper's warm-up of its 64-layer max-LR probe (docs/paper.md, Table 1)
 WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
@@ -29,8 +25,7 @@ WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the
 
 def hold_points(grids: dict[str, list[dict]], point: tuple[int, int], scheme: str) -> list[tuple[str, dict]]:
     """(grid, row) of every run of the scheme at the point in the map's grids."""
-    return [(grid, r) for grid in HOLD_GRIDS[point] for r in grids.get(grid, [])
-            if r["row"] == scheme and (r["depth"], r["width"]) == point]
+    return [(grid, r) for grid in HOLD_GRIDS[point] for r in rows_at(grids.get(grid, []), *point, scheme)]
 
 
 def limits(runs: list[tuple[str, dict]]) -> list[tuple[float, float]]:

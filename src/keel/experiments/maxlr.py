@@ -1,34 +1,14 @@
-"""`keel maxlr [--schemes A,B] [--depths 16,64] [--seeds 1,2,3] [--alphas 1,L] [--variant NAME=KEY=V,...]
-[--peak-lr X] [--start-lr X] [--steps N] [--ramp exp|linear] [--eval-every K] [--margin NATS] [--out DIR]
-[--emit run|commands|slurm] [--only RUN] [--print-config] [--config FILE] [key=value]`, and
-`keel maxlr collect DIR [--margin NATS] [--pairs A:B,...]` (keel.experiments.maxlr_report)
+"""`keel maxlr`: the paper's maximum tolerable learning rate (Table 1, Section 5.1), probed on the model.
 
-The paper's maximum tolerable learning rate (Table 1, Section 5.1): "the highest learning rate a model can
-sustain during the warm-up stage without diverging", judged on the model, not on a batch. The learning rate ramps
-over the whole run (`--ramp exp`, the default: geometrically from --start-lr to --peak-lr, the same number of steps
-per decade - 161 with the defaults; `--ramp linear`: from 0) while a fixed held-out set (trainer.val_batches
-validation batches) is scored every --eval-every steps. A probe stops at a non-finite step (by the next logging
-step, trainer.log_every_n_steps; its update is dropped at once), or once it diverged:
-its held-out loss stayed more than callbacks.stability.spike_margin above its best - or above the unigram loss of
-the same batches (a model knowing only token frequencies), once --margin nats below it - for
-callbacks.stability.spike_patience steps. It never stops for stagnation: a model that stops improving has not
-diverged (the protocol refuses callbacks.stability.stagnation_*). `collect` judges each recorded held-out curve
-with the same criterion (keel.experiments.maxlr_report) and reports the max tolerable LR and the loss-optimal LR
-as separate columns.
+Each probe ramps the LR over the whole run (`--ramp exp`: geometric from --start-lr to --peak-lr; `linear`: from 0)
+while a fixed held-out set is scored every --eval-every steps, and stops at a non-finite step or once the held-out
+loss has diverged (the stability monitor's spike criterion, capped at the unigram loss); a plateau is no failure.
+`keel maxlr collect DIR` (keel.experiments.maxlr_report) judges the recorded curves.
 
-Grid: schemes x depths x seeds (x alphas for keel; each --variant is one more row: a name and overrides, e.g.
---variant noinner=model.scheme=keel,model.keel_inner_norm=false). Runs go to DIR/<row>-d<depth>-s<seed>;
-rerunning the command skips finished runs and resumes interrupted ones (resume=auto, a checkpoint every
---checkpoint-every steps), so a long grid can be stopped and continued at will; `keel maxlr collect DIR` (and
-`keel sweep collect DIR`) tabulates whatever has finished. --emit commands|slurm writes one `keel maxlr --only RUN`
-per run (DIR/commands.sh, or a SLURM array DIR/sweep.sbatch with --sbatch options): each task runs this same
-protocol in-process, so a probe's intended failure is a result, not a failed job.
-
-The CPU miniature (16 blocks of width 64, 4 heads, 128-token sequences, 8 sequences per step, one thread) applies
-only when no model group or model.* key is given (model.init and model.init_std aside): `keel maxlr
-model=paper_d64 trainer=gpu` runs the paper's model. callbacks.stability.* (but spike_ceiling*, set from the unigram loss) and trainer.val_batches override the
-protocol's stopping settings. The ramp's defaults were chosen on the miniature (docs/experiments.md): at another
-scale check that every scheme learns on the ramp before it breaks, and change --start-lr, --peak-lr and --steps.
+Grid: schemes x depths x seeds (x --alphas for keel, one more row per --variant), a run per cell in
+DIR/<row>-d<depth>-s<seed>; rerunning skips finished runs and resumes interrupted ones; --emit commands|slurm
+writes one `keel maxlr --only RUN` per run. The CPU miniature applies unless a model group or model.* key is given.
+The protocol, its defaults and which settings override it: docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -43,15 +23,15 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks.reporting import finished_step
-from keel.config import load_config, to_yaml
 from keel.artifacts import read_stability
+from keel.callbacks.cadence import finished_step
+from keel.config import load_config, to_yaml
 from keel.errors import ConfigError
 from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, train_run, unigram_loss
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
 from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
-from keel.schemes import PAPER_SCHEMES, scheme_named
+from keel.config.model import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
 MINIATURE = [
@@ -144,7 +124,7 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
                 run_overrides = [*overrides, f"model.depth={depth}", f"run.seed={seed}"]
                 if "alpha" in axes:
                     field = scheme_named(axes["scheme"]).alpha_field
-                    run_overrides.append(f"model.{field}={resolve_alpha(axes['alpha'], 2 * depth)!r}")
+                    run_overrides.append(f"model.{field}={resolve_alpha(axes['alpha'], n_sublayers=2 * depth)!r}")
                 runs.append(Run(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
                                 run_overrides))
     if len({run.name for run in runs}) < len(runs):

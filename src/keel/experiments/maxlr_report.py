@@ -1,32 +1,14 @@
 """`keel maxlr collect DIR`: the max-LR probes of a `keel maxlr` directory judged, tabulated and plotted.
 
-The verdict is computed here, from each probe's recorded held-out curve (stability.json: step, LR, loss at every
-evaluation), not taken from the run: the probe only had to run long enough. The paper's criterion is divergence
-(the highest LR "a model can sustain during the warm-up stage without diverging"), so a run fails only by
+The verdict is computed here from each probe's recorded held-out curve (stability.json), not taken from the run.
+A run fails only by a non-finite loss or gradient, or by divergence: its held-out loss stays above its bar (best so
+far + spike_margin, and once it has learned never above the unigram loss) for spike_patience steps, or is still
+above it when the probe ends; a plateau is no failure. The max tolerable LR is the LR at the last evaluation within
+the bar; a run never `margin` nats below the unigram loss is "not resolved". The loss-optimal LR is reported beside
+it. The criterion in full: docs/experiments.md, "The protocol".
 
-    nonfinite    a non-finite loss or gradient (the run stops there)
-    divergence   the held-out loss leaves the range the model had reached and does not come back: it is above
-                 its bar for `patience` steps (the run's callbacks.stability.spike_patience), or still above it
-                 when the probe ends. The bar is best + spike_margin (the best held-out loss so far; margin: the
-                 run's callbacks.stability.spike_margin), and, once the model has learned (its best is `margin`
-                 nats below the unigram loss), never above the unigram loss: a model that falls back to what
-                 token frequencies alone give has diverged, however little it had learned.
-
-A plateau is no failure. The probe stops by the same criterion (the stability monitor with spike_ceiling = the
-unigram loss), so its curve holds everything the verdict needs; the sensitivity table's stricter variants (learned
-0.25, best + 0.5) are judged exactly on it, its looser ones (learned 1, relative only) are lower bounds where the
-probe stopped. The max tolerable LR is the LR at the last evaluation within the bar before the failure
-(resolution: one evaluation interval); a run with no failure tolerates >= the peak of the ramp; a run whose best
-held-out loss up to its max LR was never `margin` below the unigram loss is "not resolved" (it never learned, so
-it had nothing to lose) and is left out of the comparisons.
-
-The loss-optimal LR - where the held-out loss is lowest on the ramp - and that loss are reported beside it, as
-separate columns: where a scheme works best and where it breaks are different questions.
-
-Writes DIR/maxlr.csv (a row per run), DIR/maxlr.md (per row and depth: median and range of the max LR and the
-loss-optimal LR over seeds, failure kinds, resolved count; the max LR under other margins; sign tests between
-row pairs; every run), maxlr.png (held-out loss against LR, a line per run: the primary figure) and
-maxlr_seeds.png (each seed's max LR and loss-optimal LR per row).
+Writes DIR/maxlr.csv, DIR/maxlr.md (medians and ranges over seeds, sign tests between row pairs, the sensitivity
+table), maxlr.png and maxlr_seeds.png.
 """
 
 from __future__ import annotations
@@ -39,11 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from keel.artifacts import CONFIG, read_stability
-from keel.callbacks.configs import divergence_bar
+from keel.config.callbacks import divergence_bar
 from keel.config import Config
 from keel.errors import ConfigError
-from keel.experiments.common import comma_list, load_run_config, markdown_table, pyplot, run_row, unigram_loss, \
-    write_table
+from keel.experiments.common import comma_list, load_run_config, markdown_table, median_range, pyplot, run_row, \
+    unigram_loss, write_table
 from keel.experiments.sweep import MANIFEST
 
 DEFAULT_PAIRS = (("keel", "preln"), ("keel", "postln"))
@@ -117,6 +99,11 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
         loss for step, _, loss in points if step <= good[0] and math.isfinite(loss))
     return Verdict(failure, onset[0] if failure else None, max_lr, at_max_lr, above_best,
                    bool(judged) and min(judged) <= unigram - margin, best_lr, best_loss, leaves)
+
+
+def rows_at(rows: list[dict], depth: int, width: int, scheme: str | None = None) -> list[dict]:
+    """A grid's rows of one size (blocks x width), of one row label (scheme or variant) or all."""
+    return [r for r in rows if (r["depth"], r["width"]) == (depth, width) and scheme in (None, r["row"])]
 
 
 def max_lr_value(row: dict) -> float | None:
@@ -207,16 +194,12 @@ def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None 
                        + (f" ({unresolved} more not resolved)" if unresolved else "")}
 
 
-def _median_range(values: list[float]) -> tuple[float | None, float | None, float | None]:
-    return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
-
-
 def summarize(rows: list[dict]) -> list[dict]:
     table = []
     for label, depth in dict.fromkeys((r["row"], r["depth"]) for r in rows):
         runs = [r for r in rows if (r["row"], r["depth"]) == (label, depth)]
-        median, low, high = _median_range([v for v in map(max_lr_value, runs) if v is not None])
-        best_lr = _median_range([r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None])
+        median, low, high = median_range([v for v in map(max_lr_value, runs) if v is not None])
+        best_lr = median_range([r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None])
         kinds = [r["failure"] for r in runs if r["failure"]]
         table.append({
             "row": label, "depth": depth, "width": runs[0]["width"], "seeds": len(runs),
@@ -225,7 +208,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             ">= peak (no failure)": sum(1 for r in runs if r["resolved"] and not r["failure"]),
             "failures": ", ".join(f"{kind} {kinds.count(kind)}" for kind in dict.fromkeys(kinds)),
             "median loss-optimal LR": best_lr[0], "loss-optimal min": best_lr[1], "loss-optimal max": best_lr[2],
-            "median best held-out": _median_range([r["best_heldout"] for r in runs if r["best_heldout"] is not None])[0],
+            "median best held-out": median_range([r["best_heldout"] for r in runs if r["best_heldout"] is not None])[0],
         })
     return table
 

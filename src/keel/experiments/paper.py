@@ -2,19 +2,13 @@
 (default runs/paper), written to DIR/report.md with its figures.
 
 Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr_report); this puts them side by
-side: Table 1 at 16 and 64 blocks; the Keel / Pre-LN max-LR ratio against depth (width 32: depth-d16, table1-d64,
-depth-d256) and against width (16 blocks: depth-d16, table1-d16, width-w128, width-w256), with the batch point
-(batch-8x); the two-ramp check (ramp-2x against table1-d16, seed by seed); HybridNorm; and the 1,024-block runs
-(deep1024, a `keel sweep`, and deep1024-nogain, Keel with model.out_norm_gain=false): held-out loss, non-finite
-steps and per-block gradient norms against depth; and Keel without its outer norms' gains beside the keel rows
-of table1-d16, table1-d64 and depth-d256 (nogain-d16, nogain-d64, nogain-d256); and the width trend again under
-model.parametrization=mup (mup-width-w32 .. w256) beside sp's, the loss-optimal and max LR per width and how far each
-moves over the widths. Every table names the init in force. The trained-model claims (keel.experiments.trained): the
-LR sweeps lr-d16 and lr-d64 (Table 2, loss against tasks, layer use from <grid>/redundancy/) and Table 3 from
-tuned-depth-d16, lr-d64 and tuned-depth-d256, each a `keel sweep` of complete Keel and Pre-LN runs. --shared-init DIR2
-adds what depends on the init: each scheme whose init differs between DIR (by default each scheme's own recipe) and
-DIR2 (the grids run with one init for all), side by side. A grid not run yet is listed as missing; the rest is
-reported.
+side in the roles keel.experiments.grids gives them: Table 1's seed tables and sign tests, the Keel / Pre-LN max-LR
+ratio against depth and width (with the batch point), the hold map (keel.experiments.hold), the two-ramp check,
+Keel without its outer norms' gains, the width trend under muP against sp, and the 1,024-block runs (held-out loss,
+non-finite steps, per-block gradient norms); then the trained-model claims (keel.experiments.trained). Every table
+names the init in force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between
+DIR (by default each scheme's own recipe) and DIR2 (the grids run with one init for all), side by side. A grid not
+run yet is listed as missing; the rest is reported.
 """
 
 from __future__ import annotations
@@ -26,23 +20,15 @@ from pathlib import Path
 
 from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
-from keel.experiments.common import fmt, load_run_config, markdown_table, median, pyplot, save_figure
+from keel.experiments.common import fmt, fmt_median_range, load_run_config, markdown_table, median, pyplot, save_figure
+from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, LINEAR_DEPTH_TREND, LINEAR_WIDTH_TREND,
+                                    MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
-from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value
+from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value, rows_at
 from keel.experiments.sweep import MANIFEST
 from keel.experiments.trained import load_trained, sections as trained_sections
-from keel.schemes import scheme_of
+from keel.config.model import scheme_of
 
-# a trend's points: value -> (grid, blocks, width) of the runs that make it
-DEPTH_TREND = {16: ("depth-d16", 16, 32), 64: ("table1-d64", 64, 32), 256: ("depth-d256", 256, 32)}
-WIDTH_TREND = {32: ("depth-d16", 16, 32), 64: ("table1-d16", 16, 64), 128: ("width-w128", 16, 128),
-               256: ("width-w256", 16, 256)}
-BATCH_POINT = {64: ("batch-8x", 16, 64)}  # 8x the tokens per step, plotted on the width panel
-LINEAR_DEPTH_TREND = {16: ("linear-depth-d16", 16, 32), 64: ("linear-d64", 64, 32), 256: ("linear-depth-d256", 256, 32)}
-LINEAR_WIDTH_TREND = {32: ("linear-depth-d16", 16, 32), 64: ("linear-d16", 16, 64), 128: ("linear-width-w128", 16, 128),
-                      256: ("linear-width-w256", 16, 256)}
-# the width trend under muP (base width 64), against WIDTH_TREND's sp grids
-MUP_WIDTH_TREND = {width: (f"mup-width-w{width}", 16, width) for width in (32, 64, 128, 256)}
 STRICT = "best + 0.5"  # the sensitivity table's stricter bar, under which Table 1's sign tests are repeated
 
 
@@ -56,12 +42,8 @@ def _cell(row: dict) -> str:
 
 
 def _inits(rows) -> str:
-    """The init in force of these runs (model.init resolved: keel.schemes.ModelConfig.init_kind)."""
+    """The init in force of these runs (model.init resolved: keel.config.ModelConfig.init_kind)."""
     return ", ".join(dict.fromkeys(r["init"] for r in rows))
-
-
-def _median_range(values: list[float]) -> str:
-    return f"{fmt(median(values))} [{fmt(min(values))}-{fmt(max(values))}]" if values else "-"
 
 
 def seed_table(rows: list[dict]) -> list[dict]:
@@ -79,9 +61,9 @@ def seed_table(rows: list[dict]) -> list[dict]:
         entry |= {f"seed {seed}": _cell(runs[seed]) if seed in runs else "" for seed in seeds}
         entry |= {
             "resolved": f"{len(values)}/{len(runs)}",
-            "max LR median [range]": _median_range(values),
-            "held-out at it above the best, median [range]": _median_range(above),
-            "loss-optimal LR median [range]": _median_range(optimal),
+            "max LR median [range]": fmt_median_range(values),
+            "held-out at it above the best, median [range]": fmt_median_range(above),
+            "loss-optimal LR median [range]": fmt_median_range(optimal),
             "best held-out median": fmt(median([r["best_heldout"] for r in runs.values()
                                                   if r["best_heldout"] is not None])),
         }
@@ -118,7 +100,7 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
     """Per point of the axis: each scheme's median max LR and loss-optimal LR, and the Keel / Pre-LN ratio."""
     table, points = [], {}
     for value, (grid, depth, width) in axis.items():
-        rows = [r for r in grids.get(grid, []) if (r["depth"], r["width"]) == (depth, width)]
+        rows = rows_at(grids.get(grid, []), depth, width)
         if not rows:
             continue
         entry = {name: value, "grid": grid}
@@ -136,11 +118,6 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
     return table, points
 
 
-def _trend_runs(grids: dict[str, list[dict]], point: tuple[str, int, int], scheme: str) -> list[dict]:
-    grid, depth, width = point
-    return [r for r in grids.get(grid, []) if (r["depth"], r["width"], r["row"]) == (depth, width, scheme)]
-
-
 def _spread(values: list[float]) -> float | None:
     """max / min of positive values (how far an LR moves over a trend), None with fewer than two."""
     return max(values) / min(values) if len(values) >= 2 else None
@@ -155,14 +132,15 @@ def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
         entry = {"width": width}
         for scheme in ("keel", "preln"):
             for name, axis in (("sp", WIDTH_TREND), ("mup", MUP_WIDTH_TREND)):
-                runs = _trend_runs(grids, axis[width], scheme)
+                grid, depth, _ = axis[width]
+                runs = rows_at(grids.get(grid, []), depth, width, scheme)
                 optimal = [r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None]
                 values = [v for v in map(max_lr_value, runs) if v is not None]
                 points.setdefault((scheme, name), {})[width] = optimal
                 for column, seeds, cell in (
                         (f"{scheme} {name} loss-optimal LR", optimal, f"({len(optimal)} seeds)"),
                         (f"{scheme} {name} max LR", values, f"({len(values)}/{len(runs)} resolved)")):
-                    entry[column] = f"{_median_range(seeds)} {cell}" if runs else "-"
+                    entry[column] = f"{fmt_median_range(seeds)} {cell}" if runs else "-"
                     if seeds:
                         medians.setdefault(column, []).append(median(seeds))
         table.append(entry)
@@ -288,12 +266,6 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     return table
 
 
-MAXLR_GRIDS = ("linear-d16", "linear-d64", "linear-gentle-d16", "hold-d16-fast", "hold-d16-slow", "hold-d64-fast",
-               "hold-d64-slow", "linear-depth-d16", "linear-depth-d256", "linear-width-w128", "linear-width-w256",
-               "table1-d16", "table1-d64", "depth-d16", "depth-d256", "width-w128", "width-w256", "batch-8x",
-               "ramp-2x", "hybridnorm", "nogain-d16", "nogain-d64", "nogain-d256", *(grid for grid, _, _ in MUP_WIDTH_TREND.values()))
-
-
 def collect_grids(out: Path) -> tuple[dict[str, list[dict]], list[str]]:
     """Every max-LR grid of out judged (keel maxlr collect), and the ones missing or with no finished run."""
     grids: dict[str, list[dict]] = {}
@@ -339,10 +311,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
     text += ["Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
              "loss-optimal LR (best held-out loss).", ""]
-    for grid, title in (("linear-d16", "Table 1, 16 blocks x 64"), ("linear-d64", "Table 1, 64 blocks x 32"),
-                        ("linear-gentle-d16", "Table 1's Post-LN family, 16 blocks x 64, a 4x gentler slope"),
-                        ("table1-d16", "Table 1, 16 blocks x 64"), ("table1-d64", "Table 1, 64 blocks x 32"),
-                        ("hybridnorm", "HybridNorm, ramp from 1e-4 over 720 steps")):
+    for grid, title in TABLE1.items():
         if grid in grids:
             ramps = ", ".join(dict.fromkeys(r["ramp"] for r in grids[grid]))
             text += [f"## {title} ({grid}; {ramps})", "", markdown_table(seed_table(grids[grid])), ""]
@@ -378,21 +347,19 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
                  markdown_table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
         plot_transfer(points, out / "transfer.png")
-    if "ramp-2x" in grids and "table1-d16" in grids:
-        table = ramp_check(grids["table1-d16"], grids["ramp-2x"])
-        if table:
-            text += ["## Two ramp lengths (16 x 64)", "", markdown_table(table), ""]
-    for table1, nogain, title in (("table1-d16", "nogain-d16", "16 x 64"), ("table1-d64", "nogain-d64", "64 x 32"),
-                                  ("depth-d256", "nogain-d256", "256 x 32")):
+    short, long = RAMP_CHECK
+    if short in grids and long in grids and (table := ramp_check(grids[short], grids[long])):
+        text += ["## Two ramp lengths ({} x {})".format(*GRIDS[short].point), "", markdown_table(table), ""]
+    for table1, nogain in NOGAIN_PAIRS:
         if nogain in grids and table1 in grids:
+            title = "{} x {}".format(*GRIDS[nogain].point)
             rows = [r for r in grids[table1] if r["row"] == "keel"] + grids[nogain]
             tests = sign_tests(rows, [("keel-nogain", "keel")])
             text += [f"## Keel without its outer norms' gains, {title} ({nogain} beside {table1}'s keel rows)", "",
                      markdown_table(seed_table(rows)), ""]
             if tests:
                 text += [markdown_table(tests), ""]
-    sweeps = [(out / grid, suffix) for grid, suffix in (("deep1024", ""), ("deep1024-nogain", " (out_norm_gain=false)"))
-              if (out / grid / MANIFEST).is_file()]
+    sweeps = [(out / grid, suffix) for grid, suffix in DEEP_RUNS.items() if (out / grid / MANIFEST).is_file()]
     if sweeps:
         table = deep_runs(sweeps, out / "deep1024.png")
         if table:

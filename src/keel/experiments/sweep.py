@@ -1,24 +1,11 @@
-"""Grids of training runs, and one table of what they gave.
+"""`keel sweep`: grids of complete training runs, and `keel sweep collect DIR`: one table of what they gave.
 
-    keel sweep [--schemes A,B] [--depths 8,16] [--lrs 1e-3,3e-3] [--alphas 1,sqrt(L),L/2,L,2L] [--fixed-params]
-               [--seeds 0,1] [--out DIR] [--emit run|commands|slurm] [--sbatch OPTION ...] [--config FILE] [key=value]
-    keel sweep collect DIR
-
-The grid is the product of the axes given (an axis left out keeps the configured value). Alphas are Keel's
-(numbers or expressions in L = 2 * depth, resolved per depth) and apply to keel runs only: every other scheme
-runs once per point of the remaining axes. --fixed-params is deeper-vs-wider: each depth gets the width (a
-multiple of 2 * n_heads) that keeps the non-embedding parameter count closest to the configured model's.
-
---emit run (default) trains the runs one after another here, then collects. --emit commands writes
-DIR/commands.sh, one `keel pretrain ...` per run; --emit slurm writes DIR/sweep.sbatch, a SLURM array with one
-task per run (add cluster options with --sbatch, e.g. --sbatch=--gres=gpu:8 --sbatch=--time=24:00:00).
-Every mode writes DIR/sweep.json, the grid. Runs go to DIR/<name>; with the default resume=auto, rerunning a
-sweep continues unfinished runs and skips finished ones.
-
-`collect` reads every run of DIR (those sweep.json lists, or else every subdirectory with a config.yaml):
-its last validation loss, last in-loop task scores (eval_history.json) and stability verdict with the max
-tolerable LR (stability.json), into DIR/sweep.csv and DIR/sweep.md, and plots each metric against each axis
-that varies (DIR/sweep_<metric>_vs_<axis>.png, a line per combination of the other axes).
+The grid is the product of the axes given (an axis left out keeps the configured value); --alphas apply to keel
+runs only, resolved per depth; --fixed-params gives each depth the width closest to the configured model's
+non-embedding parameter count. --emit run trains the runs here, then collects; commands|slurm write them out.
+Runs go to DIR/<name> and resume (resume=auto). `collect` tabulates each run's last validation loss, task scores
+and stability verdict into DIR/sweep.csv and sweep.md and plots each metric against each axis that varies
+(docs/experiments.md, "Grids of complete runs").
 """
 
 from __future__ import annotations
@@ -45,7 +32,7 @@ from keel.experiments.common import (
     write_table,
 )
 from keel.errors import ConfigError
-from keel.schemes import scheme_named
+from keel.config.model import scheme_named
 
 MANIFEST = "sweep.json"
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
@@ -82,7 +69,7 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
             axes = {axis: str(value) for axis, value in values.items() if value is not None}
             overrides = [f"{AXIS_KEYS[axis]}={value}" for axis, value in axes.items() if axis != "alpha"]
             if alpha is not None:
-                overrides.append(f"model.{alpha_field}={resolve_alpha(alpha, 2 * (depth or base.depth))!r}")
+                overrides.append(f"model.{alpha_field}={resolve_alpha(alpha, n_sublayers=2 * (depth or base.depth))!r}")
             name = "-".join(AXIS_PREFIX[axis] + slug(value) for axis, value in axes.items()) or "base"
             runs.append(Run(name, axes, overrides))
     return runs

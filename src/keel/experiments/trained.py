@@ -25,13 +25,10 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.common import fmt, load_run_config, markdown_table, pyplot, save_figure
+from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY_DIR, TUNED_GRIDS
 from keel.experiments.sweep import MANIFEST
 
-LR_GRIDS = ("lr-d16", "lr-d64")  # 16 blocks x 64, 64 x 32 (make paper-lr-d16, paper-lr-d64)
-TUNED_GRIDS = ("tuned-depth-d16", "tuned-depth-d256")
-# Table 3's depths at width 32: 16, 64 (the LR sweep at 64 x 32 serves) and 256 blocks
-DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")
-REDUNDANCY = "redundancy/redundancy.csv"  # under an LR grid
+REDUNDANCY = f"{REDUNDANCY_DIR}/redundancy.csv"  # under an LR grid (make paper-redundancy-<grid>)
 PAIR = ("keel", "preln")
 LOSS = "held-out loss"
 LEVELS = 3  # held-out-loss levels compared, spread evenly over the range every run of an LR passes through
@@ -123,8 +120,9 @@ def spread(values: list[float]) -> str:
 
 
 def apart(a: list[float], b: list[float]) -> str:
-    """Whether the two seed ranges do not overlap: every seed of one beyond every seed of the other."""
-    if not a or not b:
+    """Whether the two seed ranges do not overlap: every seed of one beyond every seed of the other; "-" below two
+    seeds a side (one seed has no range)."""
+    if len(a) < 2 or len(b) < 2:
         return "-"
     return "yes" if min(a) > max(b) or max(a) < min(b) else "no"
 

@@ -1,20 +1,14 @@
 """A model trained with Keel (https://arxiv.org/abs/2601.19895 and its baselines) as a transformers causal LM, for
-`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` on a directory `keel export` wrote
-(docs/export.md). Self-contained: torch and transformers only. It computes what keel.model.KeelLM computes, and
-tests hold the two to each other (logits, loss, greedy decoding) for every scheme.
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` on a directory `keel export` wrote.
+Self-contained: torch and transformers only; tests hold it to keel.model.KeelLM (logits, loss, greedy decoding).
 
 Every sublayer (attention or FFN) is
 
     out = [Norm_out]( alpha * skip + F( [Norm_in](x) ) )       skip = x, or Norm_in(x) (skip_from_norm_in)
 
-with its choices read from config.sublayers (configuration_keel.py). The residual stream, every sum and every
-norm are fp32 whatever the weights' dtype (Keel's branch is ~1/L of alpha * x + F, which bf16 cannot resolve), and
-the norms' gains load in fp32 even into a bf16 model; only the branches' matmuls and the head run in the weights'
-dtype.
-
-Around the blocks it works as transformers' Llama does: the attention mask from create_causal_mask (padding, the
-cache, packed sequences), the attention from the config's attn_implementation (sdpa, or eager with its weights),
-and hidden states and attentions recorded by capture_outputs.
+with its choices read from config.sublayers. The residual stream, sums and norms (gains included) are fp32 in any
+weight dtype: Keel's branch is ~1/L of alpha * x + F, which bf16 cannot resolve. Around the blocks it works as
+transformers' Llama does (causal mask, attn_implementation, capture_outputs).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What every data source is: its documents, a description, and the data.* keys that shape them."""
+"""What every data source is: its documents and a description, read from its section of the data config
+(`data.<name>.*`, keel.config.data)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
+from keel.config import DataConfig
 from keel.errors import ConfigError
 
 # A plain-text file with a NUL, or with more than this share of its characters undecodable in data.encoding, is
@@ -19,21 +21,6 @@ SHOWN_SKIPPED = 5  # paths of skipped files printed and recorded in the manifest
 READ_BYTES = 1 << 20  # files are read this much at a time: memory holds a chunk, not a file, whatever its size
 BYTE_ORDER_MARKS = {"utf-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE),
                     "utf-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)}
-
-
-class DataSettings(Protocol):
-    """The data.* values the sources read: keel.config.DataConfig's, named by their shape, not imported (keel.config
-    imports the source registry)."""
-
-    source: str
-    paths: list[str]
-    text_field: str
-    encoding: str
-    hf_dataset: str
-    hf_name: str | None
-    hf_split: str
-    max_chars: int
-    doc_chars: int
 
 
 @dataclass
@@ -95,30 +82,32 @@ def decoded_chunks(path: Path, encoding: str) -> Iterator[str]:
     yield decoder.decode(b"", final=True)
 
 
-def text_of(record: Any, text_field: str, where: str) -> str:
+def text_of(record: Any, key: str, text_field: str, where: str) -> str:
+    """record[text_field] as text; a ConfigError naming `key` (the source's text_field key) when it has none."""
     if not isinstance(record, dict) or text_field not in record:
         found = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-        raise ConfigError(f"data.text_field: {where} has no field {text_field!r} (found: {found})")
+        raise ConfigError(f"{key}: {where} has no field {text_field!r} (found: {found})")
     return str(record[text_field] or "")
 
 
 class Source(ABC):
-    """A kind of corpus, selected by `data.source=<name>`. Subclasses set `name` and `settings` and define
-    `documents` and `describe`; registering an instance in keel.data.sources.SOURCES makes the name valid."""
+    """A kind of corpus, selected by `data.source=<name>`: its keys are the section keel.config.data.DataConfig
+    has under that name. Subclasses set `name` and define `documents` and `describe`; keel.data.sources.SOURCES
+    maps the name to an instance."""
 
     name: ClassVar[str]
-    # data.* keys (beyond those common to every source) that change what it yields: recorded in the manifest,
-    # and a re-run of `keel data` with other values rebuilds
+    # data.* keys besides its own section's that change what it yields (its section's always do): recorded in the
+    # manifest with those common to every source, and a re-run of `keel data` with other values rebuilds
     settings: ClassVar[tuple[str, ...]] = ()
     # how else the same text makes more documents, for the error on a split left empty (e.g. ", a smaller data.x")
     more_documents: ClassVar[str] = ""
 
     @abstractmethod
-    def documents(self, data: DataSettings, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+    def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
         """(id, text) of each document, in a fixed order; the id alone decides its split, so it must be stable.
         Plain-text files are read through `skipped.read_text` (or `read_chunks`), which decodes them in data.encoding
         and leaves out binary or undecodable ones."""
 
     @abstractmethod
-    def describe(self, data: DataSettings) -> str:
+    def describe(self, data: DataConfig) -> str:
         """What is read, in words: printed by `keel data` and recorded in the manifest."""

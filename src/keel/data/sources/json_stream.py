@@ -58,7 +58,8 @@ class LongRecord:
         if self._next() != "{":
             self._skip_value()
             self._refuse_remainder()
-            raise ConfigError(f"data.text_field: {self._where} has no field {field!r} (it is not a JSON object)")
+            raise ConfigError(f"data.text_files.text_field: {self._where} has no field {field!r} (it is not a JSON "
+                              "object)")
         self._at += 1
         seen, found = False, []  # found: the first SHOWN_KEYS other keys, for a record without `field`
         if self._next() != "}":
@@ -71,7 +72,7 @@ class LongRecord:
                 self._expect(":")
                 if key == field:
                     if seen:
-                        raise ConfigError(f"data.text_field: {self._where} has field {field!r} twice")
+                        raise ConfigError(f"data.text_files.text_field: {self._where} has field {field!r} twice")
                     seen = True
                     yield from self._text_value(field)
                 else:
@@ -83,14 +84,15 @@ class LongRecord:
         self._expect("}")
         self._refuse_remainder()
         if not seen:
-            raise ConfigError(f"data.text_field: {self._where} has no field {field!r} (found: {', '.join(found)})")
+            raise ConfigError(f"data.text_files.text_field: {self._where} has no field {field!r} (found: "
+                              f"{', '.join(found)})")
 
     def _text_value(self, field: str) -> Iterator[str]:
         if (start := self._next()) == '"':
             yield from self._string()
         elif start != "n" or self._scalar() != "null":
-            raise ConfigError(f"data.text_field: {self._where}: {field!r} is not a string or null (a line this long is "
-                              "read as a stream, which takes the text field's string alone)")
+            raise ConfigError(f"data.text_files.text_field: {self._where}: {field!r} is not a string or null (a line "
+                              "this long is read as a stream, which takes the text field's string alone)")
 
     def _more(self) -> bool:
         """Decodes the next chunk onto the text not yet read; False at the end of the line."""
@@ -192,5 +194,5 @@ class LongRecord:
         return f"character {self._dropped + index:,}"
 
     def _not_json(self, what: str, position: str) -> ConfigError:
-        return ConfigError(f"data.paths: {self._where} is not {self._encoding} JSON ({what} at {position}); another "
-                           "encoding is read with data.encoding=CODEC")
+        return ConfigError(f"data.text_files.paths: {self._where} is not {self._encoding} JSON ({what} at {position}); "
+                           "another encoding is read with data.encoding=CODEC")

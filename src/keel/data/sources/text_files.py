@@ -1,7 +1,8 @@
-"""data.source=text_files: files matched by the data.paths globs; .jsonl and .parquet records are documents,
-plain-text files are cut into documents of about data.doc_chars characters (source files stay whole), and so is a
-.jsonl record too long to read whole. Files are read a chunk at a time: no document is ever held whole but a
-.py file, a .parquet row, a .jsonl record under LONG_LINE_BYTES, or anything with data.doc_chars=0."""
+"""data.source=text_files: files matched by the data.text_files.paths globs; .jsonl and .parquet records are
+documents, plain-text files are cut into documents of about data.text_files.doc_chars characters (source files stay
+whole), and so is a .jsonl record too long to read whole. Files are read a chunk at a time: no document is ever held
+whole but a .py file, a .parquet row, a .jsonl record under LONG_LINE_BYTES, or anything with
+data.text_files.doc_chars=0."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from keel.data.sources.base import DataSettings, SkippedFiles, Source, text_of
+from keel.config import DataConfig
+from keel.data.sources.base import SkippedFiles, Source, text_of
 from keel.data.sources.json_stream import LongRecord
 from keel.errors import ConfigError
 
 PLAIN_TEXT_SUFFIXES = frozenset({".txt", ".md", ".py", ".rst", ".text", ""})
-# Source files stay whole documents whatever data.doc_chars says: a module is code's natural unit (its imports and
-# definitions are the context of the rest), a code corpus comes as many files anyway, and text_files then reads
-# .py files exactly as the stdlib source does.
+# Source files stay whole documents whatever data.text_files.doc_chars says: a module is code's natural unit (its
+# imports and definitions are the context of the rest), a code corpus comes as many files anyway, and text_files
+# then reads .py files exactly as the stdlib source does.
 WHOLE_FILE_SUFFIXES = frozenset({".py"})
 PARAGRAPH_END = re.compile(r"\n(?:[^\S\n]*\n)+")  # a line end followed by blank lines (spaces, \r allowed in them)
 WHITESPACE_START = re.compile(r"(?<=\S)\s")  # where a run of whitespace begins
@@ -31,7 +33,8 @@ LONG_LINE_BYTES = 4 << 20
 
 
 def matched_files(patterns: list[str]) -> list[str]:
-    """The files the data.paths globs match, each once, in glob order; a ConfigError names any glob matching none."""
+    """The files the data.text_files.paths globs match, each once, in glob order; a ConfigError names any glob
+    matching none."""
     files: dict[str, None] = {}  # an ordered set: a file matched by two globs is read once
     unmatched = []
     for pattern in patterns:
@@ -41,13 +44,14 @@ def matched_files(patterns: list[str]) -> list[str]:
         files.update(dict.fromkeys(matched))
     if unmatched:
         raise ConfigError(
-            f"data.paths: no files match {', '.join(repr(p) for p in unmatched)} (relative to {os.getcwd()}); "
+            f"data.text_files.paths: no files match {', '.join(repr(p) for p in unmatched)} (relative to "
+            f"{os.getcwd()}); "
             "fix or drop the glob"
         )
     return list(files)
 
 
-def _jsonl_documents(path: str, data: DataSettings) -> Iterator[tuple[str, str]]:
+def _jsonl_documents(path: str, data: DataConfig) -> Iterator[tuple[str, str]]:
     utf8 = codecs.lookup(data.encoding).name == "utf-8"
     with open(path, "rb") as lines:
         for number in itertools.count(1):
@@ -55,18 +59,18 @@ def _jsonl_documents(path: str, data: DataSettings) -> Iterator[tuple[str, str]]
                 return
             where = f"{path} line {number}"
             if len(line) == LONG_LINE_BYTES and not line.endswith(b"\n"):
-                pieces = LongRecord(line, lines, data.encoding, where).text_pieces(data.text_field)
+                pieces = LongRecord(line, lines, data.encoding, where).text_pieces(data.text_files.text_field)
                 del line  # the record holds it only until it has been read
-                yield from numbered(f"{path}:{number}", cut_chunks(pieces, data.doc_chars))
+                yield from numbered(f"{path}:{number}", cut_chunks(pieces, data.text_files.doc_chars))
                 continue
             if not line.strip():
                 continue
             try:  # json reads UTF-8 bytes itself, a byte-order mark too; a decoding error is a ValueError
                 record = json.loads(line if utf8 else line.decode(data.encoding))
             except ValueError as err:
-                raise ConfigError(f"data.paths: {where} is not {data.encoding} JSON ({err}); "
+                raise ConfigError(f"data.text_files.paths: {where} is not {data.encoding} JSON ({err}); "
                                   "another encoding is read with data.encoding=CODEC") from None
-            yield f"{path}:{number}", text_of(record, data.text_field, where)
+            yield f"{path}:{number}", text_of(record, "data.text_files.text_field", data.text_files.text_field, where)
 
 
 def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -75,7 +79,7 @@ def _parquet_documents(path: str, text_field: str) -> Iterator[tuple[str, str]]:
     parquet = pq.ParquetFile(path)
     if text_field not in parquet.schema_arrow.names:
         found = ", ".join(parquet.schema_arrow.names)
-        raise ConfigError(f"data.text_field: {path} has no column {text_field!r} (found: {found})")
+        raise ConfigError(f"data.text_files.text_field: {path} has no column {text_field!r} (found: {found})")
     row = 0
     for batch in parquet.iter_batches(columns=[text_field]):
         for text in batch.column(0).to_pylist():
@@ -116,7 +120,7 @@ def cut_chunks(chunks: Iterable[str], doc_chars: int) -> Iterator[str]:
 
 def numbered(doc_id: str, pieces: Iterator[str]) -> Iterator[tuple[str, str]]:
     """(id, piece) of a text's pieces: `doc_id` for an uncut text, so that its split does not depend on
-    data.doc_chars; `doc_id#k` for the k-th piece, from 0, of a cut one."""
+    data.text_files.doc_chars; `doc_id#k` for the k-th piece, from 0, of a cut one."""
     first, second = next(pieces), next(pieces, None)
     if second is None:
         yield doc_id, first
@@ -150,27 +154,27 @@ def _plain_text_documents(path: str, doc_chars: int, skipped: SkippedFiles) -> I
 
 class TextFiles(Source):
     name = "text_files"
-    settings = ("paths", "text_field", "doc_chars", "encoding")
-    more_documents = ", a smaller data.doc_chars"
+    settings = ("encoding",)
+    more_documents = ", a smaller data.text_files.doc_chars"
 
-    def documents(self, data: DataSettings, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
-        for path in matched_files(data.paths):
+    def documents(self, data: DataConfig, skipped: SkippedFiles) -> Iterator[tuple[str, str]]:
+        for path in matched_files(data.text_files.paths):
             suffix = Path(path).suffix.lower()
             if suffix == ".jsonl":
                 yield from _jsonl_documents(path, data)
             elif suffix == ".parquet":
-                yield from _parquet_documents(path, data.text_field)
+                yield from _parquet_documents(path, data.text_files.text_field)
             elif suffix in PLAIN_TEXT_SUFFIXES:
-                yield from _plain_text_documents(path, data.doc_chars, skipped)
+                yield from _plain_text_documents(path, data.text_files.doc_chars, skipped)
             else:
                 plain = ", ".join(sorted(s for s in PLAIN_TEXT_SUFFIXES if s))
                 raise ConfigError(
-                    f"data.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}"
+                    f"data.text_files.paths: {path}: unsupported file type {suffix!r}; use .jsonl, .parquet or {plain}"
                 )
 
-    def describe(self, data: DataSettings) -> str:
-        whole = "/".join(sorted(WHOLE_FILE_SUFFIXES))
-        plain = (f"other plain-text files cut into documents of about {data.doc_chars:,} characters" if data.doc_chars
-                 else "other plain-text files whole")
-        return (f"files matching {', '.join(data.paths)} (field {data.text_field!r} of .jsonl / .parquet, "
+    def describe(self, data: DataConfig) -> str:
+        options, whole = data.text_files, "/".join(sorted(WHOLE_FILE_SUFFIXES))
+        plain = (f"other plain-text files cut into documents of about {options.doc_chars:,} characters"
+                 if options.doc_chars else "other plain-text files whole")
+        return (f"files matching {', '.join(options.paths)} (field {options.text_field!r} of .jsonl / .parquet, "
                 f"{whole} files whole, {plain})")

@@ -1,0 +1,285 @@
+"""The paper's grids as data, in one place: what each `make paper-<grid>` runs (`keel paper-run GRID`), which grids
+`make paper`, `make paper-linear` and `make paper-trained` run, and the roles `keel paper-report` reads them in.
+docs/experiments.md's table of the grids is `keel paper-run --table`.
+
+A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTINGS: `make paper SEEDS=1,2`, or
+`keel paper-run --set SEEDS=1,2`), {OUT} the grid's directory under PAPER_OUT; a Scaled part differs at paper scale
+(PAPER_SCALE=1: --paper-scale). Rerunning a grid skips its finished runs. Torch-free: the Makefile lists it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import shlex
+from dataclasses import dataclass
+
+from keel.errors import ConfigError
+
+SETTINGS = {  # name -> default; the Makefile's variables of the same names override them
+    "SEEDS": "1,2,3,4,5",  # Table 1's
+    "TREND_SEEDS": "1,2,3",  # the trends', the hold map's, the Post-LN family's
+    "WIDE_SEEDS": "1,2",  # the costliest points' (256 blocks; width 256)
+    "TRAINED_SEEDS": "1,2,3",  # the trained models' (complete runs)
+    "TRAINED_STEPS": "2000",  # a pilot (Keel 16 x 64, LR 0.02) still fell at 2,000 (docs/experiments.md)
+    "TRAINED_STEPS_D256": "500",
+    "TRAINED_WARMUP": "200",
+    # the trained models' peak LRs: from about half Pre-LN's loss-optimal LR on the linear ramp to above its max LR
+    "LRS_D16": "0.01,0.02,0.04,0.08",
+    "LRS_D64": "0.0125,0.025,0.05,0.1",
+    "TUNED_LRS": "0.01,0.02,0.04",
+}
+SETS = ("paper", "paper-linear", "paper-trained")  # the make targets that run several grids, then the report
+SBATCH = "{SBATCH}"  # at paper scale: one --sbatch=OPTION per #SBATCH option given
+CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the grid a redundancy grid is over, once it has run
+REDUNDANCY_DIR = "redundancy"  # a redundancy grid's directory, under the grid it is over
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """Arguments that differ at paper scale."""
+
+    miniature: tuple[str, ...]
+    paper: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Grid:
+    command: str  # the keel command that runs it (keel.experiments.<command>): maxlr, sweep or redundancy
+    args: tuple[str | Scaled, ...]
+    point: tuple[int, int] | None  # (blocks, width) of its runs at miniature scale: the rows the report reads
+    sets: tuple[str, ...] = ("paper",)  # of SETS
+    only: tuple[tuple[tuple[str, ...], str], ...] = ()  # (schemes, a seeds setting): only these runs of the grid
+    cluster: bool = False  # written as a SLURM array at paper scale: all `make paper PAPER_SCALE=1` runs
+    over: str | None = None  # redundancy: the grid whose final checkpoints it measures
+
+
+NARROW = ("model.n_heads=4", "model.seq_len=128", "trainer.micro_batch_size=8", "trainer.threads=1")
+
+
+def size(blocks: int, width: int) -> tuple[str, ...]:
+    return ("--depths", str(blocks), f"model.width={width}", *NARROW)
+
+
+def slope(peak: str, steps: str) -> tuple[str, ...]:
+    """The paper's protocol: a linear warm-up from 0 to peak over steps, the held-out loss every 5 steps."""
+    return ("--ramp", "linear", "--eval-every", "5", "--peak-lr", peak, "--steps", steps)
+
+
+def maxlr(point: tuple[int, int], *args: str | Scaled, **fields) -> Grid:
+    return Grid("maxlr", ("--out", "{OUT}", *args), point, **fields)
+
+
+SHALLOW = Scaled((), ("model=paper_d64", "trainer=gpu"))  # 16 x 64 is the miniature's own size
+DEEP = Scaled(size(64, 32), ("--depths", "256", "model=paper_d64", "trainer=gpu"))
+EMIT = Scaled((), ("--emit", "slurm", SBATCH))
+SLOPE_1E4 = slope("0.4", "4000")  # 1e-4 per step, LR resolution 5e-4: Table 1's
+SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000"), slope("0.4", "8000")  # the hold map's other two
+SLOPE_2E5 = slope("0.1", "4000")  # 4x gentler: at 1e-4 per step HybridNorm passes its limit before it has learned
+PAIR = ("--schemes", "keel,preln")
+TRIO = ("--schemes", "keel,preln,postln")
+NOGAIN = ("--schemes=", "--variant", "keel-nogain=model.scheme=keel,model.out_norm_gain=false")
+MUP = ("model.parametrization=mup", "model.mup_base_width=64")  # base width 64: the miniature's, there mup is sp
+MUP_WIDTHS = (32, 64, 128, 256)
+# Keel and Pre-LN over SEEDS, the Post-LN family over TREND_SEEDS (its limits are far below; HybridNorm, which does
+# not learn at this slope, in linear-gentle-d16)
+LINEAR_ONLY = ((("keel", "preln"), "SEEDS"), (("postln", "deepnorm", "mixln"), "TREND_SEEDS"))
+LINEAR = ("paper", "paper-linear")
+# 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks
+DEEP1024 = ("--depths", "1024", "--lrs", "0.01", "--out", "{OUT}", "model.width=32", "model.n_heads=4",
+            "model.seq_len=64", "trainer.micro_batch_size=8", "trainer.threads=1", "trainer.max_steps=200",
+            "trainer.val_every_n_steps=25", "trainer.val_batches=8", "trainer.checkpoint_every_n_steps=50",
+            "eval.enabled=false", "callbacks.grad_norms.every_n_steps=25",
+            "callbacks.grad_norms.heatmap_every_n_steps=50", "callbacks.stability.stop_on_failure=false",
+            "trainer.progress_bar=false")
+# Complete runs (linear warm-up, then cosine to 10% at the last step) of Keel and Pre-LN, each from its own init,
+# with the in-loop generated tasks (400 documents each); a run the stability monitor flags trains on to the end
+TRAINED = ("--schemes", "keel,preln", "--seeds", "{TRAINED_SEEDS}", "--out", "{OUT}", *NARROW,
+           "trainer.max_steps={TRAINED_STEPS}", "optim.warmup_steps={TRAINED_WARMUP}", "optim.schedule=cosine",
+           "optim.min_lr_ratio=0.1", "trainer.val_every_n_steps=100", "eval.every_n_steps=200", "eval.limit=400",
+           "trainer.checkpoint_every_n_steps=500", "trainer.progress_bar=false",
+           "callbacks.stability.stop_on_failure=false")
+
+
+def trained(point: tuple[int, int], lrs: str, *args: str) -> Grid:
+    blocks, width = point
+    return Grid("sweep", (*TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args), point,
+                ("paper-trained",))
+
+
+def redundancy(grid: str) -> Grid:
+    """keel redundancy over a grid's final checkpoints, into <grid>/redundancy/."""
+    return Grid("redundancy", (CHECKPOINTS, "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
+                ("paper-trained",), over=grid)
+
+
+GRIDS = {
+    # Table 1 on the paper's protocol (the primary one): every scheme at 16 blocks x 64 and at 64 x 32
+    "linear-d16": maxlr((16, 64), "--seeds", "{SEEDS}", *SLOPE_1E4, only=LINEAR_ONLY, sets=LINEAR),
+    "linear-d64": maxlr((64, 32), "--seeds", "{SEEDS}", *SLOPE_1E4, *size(64, 32), only=LINEAR_ONLY, sets=LINEAR),
+    "linear-gentle-d16": maxlr((16, 64), "--schemes", "postln,deepnorm,hybridnorm,mixln", "--seeds", "{TREND_SEEDS}",
+                               *SLOPE_2E5, sets=LINEAR),
+    # the hold map: the same probes at twice and half the slope, Keel and Pre-LN
+    "hold-d16-fast": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_2E4, sets=LINEAR),
+    "hold-d16-slow": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, sets=LINEAR),
+    "hold-d64-fast": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_2E4, *size(64, 32), sets=LINEAR),
+    "hold-d64-slow": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(64, 32), sets=LINEAR),
+    # the trends on the paper's protocol
+    "linear-depth-d16": maxlr((16, 32), *TRIO, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 32), sets=LINEAR),
+    "linear-depth-d256": maxlr((256, 32), *TRIO, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(256, 32), sets=LINEAR),
+    "linear-width-w128": maxlr((16, 128), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 128), sets=LINEAR),
+    "linear-width-w256": maxlr((16, 256), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(16, 256), sets=LINEAR),
+    # Table 1 on the geometric ramp (the second protocol): every scheme at 16 x 64, the four the paper runs deep at
+    # 64 x 32; at paper scale SLURM arrays (gather each with `keel maxlr collect DIR`)
+    "table1-d16": maxlr((16, 64), "--seeds", "{SEEDS}", EMIT, SHALLOW, cluster=True),
+    "table1-d64": maxlr((64, 32), "--schemes", "keel,preln,postln,deepnorm", "--seeds", "{SEEDS}", EMIT, DEEP,
+                        cluster=True),
+    # trends: depth at width 32 (64 blocks: table1-d64), width at 16 blocks (64: table1-d16, 32: depth-d16), 8x the
+    # tokens per step at 16 x 64
+    "depth-d16": maxlr((16, 32), *TRIO, "--seeds", "{TREND_SEEDS}", *size(16, 32)),
+    "depth-d256": maxlr((256, 32), *TRIO, "--seeds", "{WIDE_SEEDS}", *size(256, 32)),
+    "width-w128": maxlr((16, 128), *PAIR, "--seeds", "{TREND_SEEDS}", *size(16, 128)),
+    "width-w256": maxlr((16, 256), *PAIR, "--seeds", "{WIDE_SEEDS}", *size(16, 256)),
+    "batch-8x": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *size(16, 64), "trainer.micro_batch_size=64"),
+    # the criterion's check: the ramp twice as slow (a real LR limit stays at its LR, an artefact moves with the step)
+    "ramp-2x": maxlr((16, 64), *PAIR, "--seeds", "1,2", "--steps", "1120", "--eval-every", "40",
+                     "callbacks.stability.spike_patience=80"),
+    # HybridNorm with the shared init and with its authors' (Megatron-scaled output projections), on a ramp from 1e-4
+    "hybridnorm": maxlr((16, 64), "--schemes", "hybridnorm", "--variant",
+                        "hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron", "--seeds", "{TREND_SEEDS}",
+                        "--start-lr", "1e-4", "--steps", "720", "model.init=normal"),
+    # past 1000 layers: three schemes, then Keel without the outer norms' per-channel gains
+    "deep1024": Grid("sweep", (*DEEP1024, "--schemes", "keel,preln,postln"), (1024, 32)),
+    "deep1024-nogain": Grid("sweep", (*DEEP1024, "--schemes", "keel", "model.out_norm_gain=false"), (1024, 32)),
+    # what dropping the gains costs where Keel trains with them: Table 1's two sizes and 256 blocks
+    "nogain-d16": maxlr((16, 64), *NOGAIN, "--seeds", "{TREND_SEEDS}", SHALLOW),
+    "nogain-d64": maxlr((64, 32), *NOGAIN, "--seeds", "{TREND_SEEDS}", DEEP),
+    "nogain-d256": maxlr((256, 32), *NOGAIN, "--seeds", "{WIDE_SEEDS}", *size(256, 32)),
+    # LR transfer across width under muP (docs/model.md#mup-modelparametrization): the width trend's grids again
+    **{f"mup-width-w{width}": maxlr((16, width), *PAIR, "--seeds", "{WIDE_SEEDS}" if width == 256 else "{TREND_SEEDS}",
+                                    *size(16, width), *MUP) for width in MUP_WIDTHS},
+    # the trained models: LR sweeps at 16 x 64 and 64 x 32, 3-point sweeps at 16 and 256 blocks of width 32, the
+    # layer use of the LR sweeps' final checkpoints (after their grid)
+    "lr-d16": trained((16, 64), "{LRS_D16}"),
+    "lr-d64": trained((64, 32), "{LRS_D64}"),
+    "tuned-depth-d16": trained((16, 32), "{TUNED_LRS}"),
+    "tuned-depth-d256": trained((256, 32), "{TUNED_LRS}", "trainer.max_steps={TRAINED_STEPS_D256}",
+                                "optim.warmup_steps=50"),
+    "redundancy-lr-d16": redundancy("lr-d16"),
+    "redundancy-lr-d64": redundancy("lr-d64"),
+}
+
+# ------------------------------------------------------------------------------- the roles in keel paper-report
+
+
+def axis(index: int, *names: str) -> dict[int, tuple[str, int, int]]:
+    """A trend: its value (the point's blocks, index 0, or width, 1) -> (grid, blocks, width)."""
+    return {GRIDS[name].point[index]: (name, *GRIDS[name].point) for name in names}
+
+
+TABLE1 = {  # grid -> the title of its seed table, in report order
+    "linear-d16": "Table 1, 16 blocks x 64", "linear-d64": "Table 1, 64 blocks x 32",
+    "linear-gentle-d16": "Table 1's Post-LN family, 16 blocks x 64, a 4x gentler slope",
+    "table1-d16": "Table 1, 16 blocks x 64", "table1-d64": "Table 1, 64 blocks x 32",
+    "hybridnorm": "HybridNorm, ramp from 1e-4 over 720 steps",
+}
+DEPTH_TREND = axis(0, "depth-d16", "table1-d64", "depth-d256")
+WIDTH_TREND = axis(1, "depth-d16", "table1-d16", "width-w128", "width-w256")
+BATCH_POINT = axis(1, "batch-8x")  # 8x the tokens per step, plotted on the width panel
+LINEAR_DEPTH_TREND = axis(0, "linear-depth-d16", "linear-d64", "linear-depth-d256")
+LINEAR_WIDTH_TREND = axis(1, "linear-depth-d16", "linear-d16", "linear-width-w128", "linear-width-w256")
+MUP_WIDTH_TREND = axis(1, *(f"mup-width-w{width}" for width in MUP_WIDTHS))  # against WIDTH_TREND's sp grids
+# the hold map, per point: the grids whose ramps it compares, slowest hold last
+HOLD_GRIDS = {GRIDS[names[0]].point: names for names in (
+    ("table1-d16", "ramp-2x", "hold-d16-fast", "linear-d16", "hold-d16-slow"),
+    ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"))}
+RAMP_CHECK = ("table1-d16", "ramp-2x")  # the same seeds on the ramp and on one twice as slow
+NOGAIN_PAIRS = (("table1-d16", "nogain-d16"), ("table1-d64", "nogain-d64"), ("depth-d256", "nogain-d256"))
+DEEP_RUNS = {"deep1024": "", "deep1024-nogain": " (out_norm_gain=false)"}  # grid -> its runs' label suffix
+MAXLR_GRIDS = tuple(name for name, grid in GRIDS.items() if grid.command == "maxlr")
+LR_GRIDS = ("lr-d16", "lr-d64")  # Table 2, Sections 8 and 9
+TUNED_GRIDS = ("tuned-depth-d16", "tuned-depth-d256")
+DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's depths at width 32
+
+# ---------------------------------------------------------------------------------------------- keel paper-run
+
+
+def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch: tuple[str, ...] = (),
+            checkpoints=lambda pattern: sorted(glob.glob(pattern))) -> list[str]:
+    """The grid's keel command line (after `keel`); values: each setting's, OUT's and PAPER_OUT's."""
+    grid = GRIDS[name]
+    values = {**values, "OUT": f"{values['PAPER_OUT']}/{name}"}
+    argv = [grid.command]
+    for part in grid.args:
+        for token in (part.paper if paper_scale else part.miniature) if isinstance(part, Scaled) else (part,):
+            if token == SBATCH:
+                argv += [f"--sbatch={option}" for option in sbatch]
+            elif token == CHECKPOINTS:
+                argv += checkpoints(f"{values['PAPER_OUT']}/{grid.over}/*/checkpoints/last.ckpt")
+            else:  # split as the shell splits the Makefile's words
+                argv += token.format_map(values).split()
+    for schemes, seeds in grid.only:
+        argv += [word for scheme in schemes for seed in values[seeds].replace(",", " ").split()
+                 for word in ("--only", f"{scheme}-d{grid.point[0]}-s{seed}")]
+    return argv
+
+
+def grid_set(name: str, paper_scale: bool = False) -> list[str]:
+    """The grids `make <name>` runs, in order; at paper scale `make paper` runs only those written for a cluster."""
+    return [grid for grid, g in GRIDS.items() if name in g.sets and (g.cluster or not paper_scale or name != "paper")]
+
+
+def table() -> str:
+    """docs/experiments.md's table of the grids: each one's command with its settings named ($SEEDS, ...)."""
+    values = {key: f"${key}" for key in (*SETTINGS, "PAPER_OUT")}
+    lines = ["| `make` | also run by | command |", "|---|---|---|"]
+    for name, grid in GRIDS.items():
+        scales = (False, True) if any(isinstance(part, Scaled) for part in grid.args) else (False,)
+        for paper_scale in scales:
+            argv = command(name, values, paper_scale, ("$PAPER_SBATCH",), lambda pattern: [pattern])
+            target = f"`paper-{name}`" + (" PAPER_SCALE=1" if paper_scale else "")
+            lines.append(f"| {target} | {', '.join(f'`{s}`' for s in grid.sets)} | `keel {' '.join(argv)}` |")
+    lines += ["", "| setting | default |", "|---|---|"]
+    lines += [f"| `{key}` | `{value}` |" for key, value in SETTINGS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="keel paper-run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="keel paper-run GRID... [options] [-- ARGS...] | --list SET | --table")
+    parser.add_argument("grids", nargs="*", metavar="GRID", help="run these, in order (`--list paper` names them)")
+    parser.add_argument("--out", default="runs/paper", help="PAPER_OUT: each grid goes to OUT/GRID")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
+                        help=f"a setting instead of its default (repeatable): {', '.join(SETTINGS)}")
+    parser.add_argument("--paper-scale", action="store_true", help="PAPER_SCALE=1: the paper's model")
+    parser.add_argument("--sbatch", action="append", default=[], help="at paper scale, an #SBATCH option (repeatable)")
+    parser.add_argument("--dry-run", action="store_true", help="print each grid's command, run nothing")
+    parser.add_argument("--list", metavar="SET", choices=SETS, help="print the grids `make SET` runs")
+    parser.add_argument("--table", action="store_true", help="print docs/experiments.md's table of the grids")
+    args = parser.parse_args(argv)
+    if args.list or args.table:
+        print(" ".join(grid_set(args.list, args.paper_scale)) if args.list else table())
+        return 0
+    unknown = [grid for grid in args.grids if grid not in GRIDS]
+    if unknown or not args.grids:
+        raise ConfigError(f"paper-run: {'unknown grid ' + ', '.join(unknown) if unknown else 'no grid given'}; the "
+                          f"grids: {', '.join(GRIDS)}")
+    values = {**SETTINGS, "PAPER_OUT": args.out}
+    for item in args.settings:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SETTINGS:
+            raise ConfigError(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(SETTINGS)}")
+        values[key] = value
+    if args.sbatch and not args.paper_scale:
+        raise ConfigError("--sbatch: only at paper scale (--paper-scale), where Table 1 is written as SLURM arrays")
+    for grid in args.grids:
+        command_line = [*command(grid, values, args.paper_scale, tuple(args.sbatch)), *extra]
+        print(f"keel {shlex.join(command_line)}", flush=True)
+        if not args.dry_run:
+            status = importlib.import_module(f"keel.experiments.{command_line[0]}").main(command_line[1:])
+            if status:
+                return status
+    return 0

@@ -1,0 +1,52 @@
+"""The pretrain section: `keel pretrain trainer=gpu` and `trainer=fsdp trainer.devices=1 trainer.compile=true`
+(FSDP2 on one GPU: bf16 compute copies, fp32 reduce, fused AdamW on DTensor parameters, compile under FSDP hooks,
+an NCCL process group): PRETRAIN_STEPS steps, loss finite and decreasing, then resumed from the checkpoint for
+RESUME_STEPS more, starting where it stopped."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from keel.artifacts import read_scalars
+from keel.gpu_check.common import Sizes, failed, keel
+
+PRETRAIN_STEPS, RESUME_STEPS = 50, 5
+# constant LR after warm-up: the resumed run's longer trainer.max_steps leaves the schedule unchanged
+PRETRAIN_RECIPE = ["optim.schedule=linear_warmup", "optim.warmup_steps=10", "optim.lr=1e-3", "eval.enabled=false",
+                   "trainer.log_every_n_steps=1", "trainer.progress_bar=false", "trainer.val_every_n_steps=25",
+                   "trainer.val_batches=2", f"trainer.checkpoint_every_n_steps={PRETRAIN_STEPS}"]
+
+
+def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
+    """Each trainer config: PRETRAIN_STEPS steps, then resume=auto for RESUME_STEPS more."""
+    if error := failed(keel("data", *data, timeout=600)):
+        return {"ok": False, "error": f"keel data: {error}"}
+    runs = {}
+    for label, trainer in sizes.pretrain_runs.items():
+        run_dir = out / f"run-{len(runs)}"
+        common = [*sizes.pretrain_model, *trainer, *PRETRAIN_RECIPE, *data, f"run.dir={run_dir}", "resume=auto"]
+        start = time.perf_counter()
+        error = failed(keel("pretrain", *common, f"trainer.max_steps={PRETRAIN_STEPS}", timeout=600))
+        seconds = time.perf_counter() - start
+        error = error or failed(keel("pretrain", *common, f"trainer.max_steps={PRETRAIN_STEPS + RESUME_STEPS}",
+                                     timeout=300))
+        if error:
+            runs[label] = {"ok": False, "error": error}
+            continue
+        losses = dict(read_scalars(run_dir, ["train/loss"]).get("train/loss", []))
+        ordered = [losses[step] for step in sorted(losses)]
+        first, last = sum(ordered[:10]) / 10, sum(ordered[PRETRAIN_STEPS - 10 : PRETRAIN_STEPS]) / 10
+        checks = {
+            "every step logged": sorted(losses) == list(range(PRETRAIN_STEPS + RESUME_STEPS)),
+            "loss finite": all(map(math.isfinite, ordered)),
+            "loss decreasing": last < first,
+            # the resumed steps continue the curve: no jump back to an untrained loss
+            "resumed where it stopped": max(ordered[PRETRAIN_STEPS:]) < first,
+        }
+        speed = dict(read_scalars(run_dir, ["perf/tokens_per_s"]).get("perf/tokens_per_s", []))
+        runs[label] = {"ok": all(checks.values()), "checks": checks, "loss_first10": first, "loss_last10": last,
+                       "loss_resumed": ordered[PRETRAIN_STEPS:], "seconds_50_steps": seconds,
+                       "tokens_per_s": speed[max(speed)] if speed else None}
+    return {"ok": all(r["ok"] for r in runs.values()), "runs": runs}

@@ -7,7 +7,8 @@ sublayer saves (block_bytes_per_token), with activation checkpointing's peak (pe
     CPU    weights, gradients and AdamW state; activations with CPU_ACTIVATION_SLACK; each block's Python objects
            and autograd graph (BLOCK_BYTES); the process itself (PROCESS_BYTES); against MemAvailable
     GPU    model state by precision and strategy (STATE_BYTES, DDP buckets, FSDP's unsharded units, autocast's
-           weight copies); the loss head's logits; CUDA's runtime; against the GPU's memory, with ALLOCATOR_MARGIN
+           weight copies); the loss head's logits; the gradients, less what backward frees before making them
+           (GRADIENTS_IN_PLACE); CUDA's runtime; against the GPU's memory, with ALLOCATOR_MARGIN
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PROCESS_BYTES = 2**30  # CPU: a process before its model (torch, Lightning, the 
 # gradient (bf16 under bf16-mixed, then fp32 for the reduce-scatter): ~8 bytes per parameter of those units
 FSDP_UNSHARDED_BYTES = 8
 RUNTIME_BYTES = 2 * 2**30  # GPU: CUDA context, cuBLAS workspaces, NCCL buffers: an allowance
+GRADIENTS_IN_PLACE = "gradients made in freed activations' place"  # a negative GPU term
 # PyTorch's caching allocator reserves more than the tensors it hands out (cached blocks split for smaller tensors,
 # freed memory of one size not reused for another): a run must fit its estimate plus this fraction. This project's
 # choice until a GPU measures torch.cuda.max_memory_reserved() against max_memory_allocated() for these runs.
@@ -56,8 +58,8 @@ def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerS
     """What autograd keeps per token for one block's backward, eager, in bytes; compute_bytes: 2 under bf16 autocast
     (or bf16 weights), 4 in fp32. Counted from the distinct storages saved (saved_tensors_hooks) on CPU, which this
     reproduces exactly for every scheme, GELU and SwiGLU, in fp32 and bf16 (tests/test_memory_activations.py), and
-    issue #35's figures at width 1024 (docs/model.md). Unmeasured on CUDA, where F.rms_norm and CUDA's SDPA kernels
-    take their place; torch.compile saves less."""
+    issue #35's figures at width 1024 (docs/model.md); on an H200 (CUDA's F.rms_norm and cuDNN attention), an eager
+    paper_d64 step peaked within 1% of the estimate. Compiled blocks save less for most schemes (docs/model.md)."""
     c, kv, hidden = cfg.width, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
     norms = sum(spec.norm_in + spec.norm_out for spec in specs)
     fp32 = norms * (4 * c + 4)  # each norm's fp32 input (or normalized output) and its 1/rms
@@ -252,6 +254,10 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
         terms["autocast weight copies"] = 2 * counts["blocks"] * (model.depth - checkpointed) // model.depth
     terms["activations"] = activation_bytes(model, tokens, compute_bytes(precision), checkpointed)
     terms["loss head"] = loss_head_bytes(model, tokens)
+    if trainer.grad_accum == 1:  # the gradients are made as backward frees what forward kept (zero_grad set them
+        # to None): the two never peak together. Accumulated gradients stay through the next micro-batch's forward.
+        kept = terms["activations"] + terms["loss head"] + terms.get("autocast weight copies", 0)
+        terms[GRADIENTS_IN_PLACE] = -min(terms["gradients"], kept)
     terms["runtime"] = RUNTIME_BYTES
     return terms
 

@@ -2,10 +2,11 @@
 
 depth: the deepest Keel model of width 1024 (paper_d64's block) whose training step fits with activation
 checkpointing, found by doubling the depth from 64, with its peak memory. paper: model=paper_d64 (seq 2,048)
-trained for sizes.paper_steps steps, bf16 autocast, compiled blocks, activation checkpointing off and on: step time,
-tokens/s, MFU, peak memory against keel.memory's estimate of the same run, the SDPA kernel used, compiled graphs and
-graph breaks, the time to write its checkpoint; thresholds: MFU (checkpointing off) >= MFU_FLOOR, peak memory within
-MEMORY_TOLERANCE of the estimate."""
+trained for sizes.paper_steps steps, bf16 autocast, compiled blocks with activation checkpointing off and on and eager
+blocks with it off: step time, tokens/s, MFU, peak memory against keel.memory's estimate of the same run, the SDPA
+kernel used, compiled graphs and graph breaks, the time to write its checkpoint; thresholds: MFU (compiled,
+checkpointing off) >= MFU_FLOOR, peak memory within MEMORY_TOLERANCE of the estimate (compiled with checkpointing
+off: at most that above it, as compiled blocks save less than the eager tensors it counts)."""
 
 from __future__ import annotations
 
@@ -37,17 +38,21 @@ def mfu_threshold(run: dict, dev: torch.device) -> dict:
                      "a floor, this project's choice: docs/distributed.md estimates 40-55%, unmeasured")
 
 
-def memory_threshold(run: dict, dev: torch.device) -> dict:
+def memory_threshold(run: dict, dev: torch.device, bound_only: bool = False) -> dict:
     """max_memory_allocated against the estimate's terms that the caching allocator holds (all but its runtime
-    allowance: the CUDA context and what lies outside the allocator are not in max_memory_allocated)."""
+    allowance: the CUDA context and what lies outside the allocator are not in max_memory_allocated). bound_only:
+    at most the estimate plus the tolerance (compiled blocks save less than the eager tensors the estimate counts)."""
     if dev.type != "cuda":
         return skipped("cpu")
     if run.get("peak_memory_bytes") is None:
         return skipped("did not run")
     measured, estimate = run["peak_memory_bytes"], run["allocated_estimate_bytes"]
     ratio = measured / estimate
-    return threshold(ratio, abs(ratio - 1) <= MEMORY_TOLERANCE, f"{mb(measured)} = {ratio:.2f} x the estimate {mb(estimate)}",
-                     f"within {MEMORY_TOLERANCE:.0%}", "issue #41; keel.memory's GPU estimate less its runtime allowance")
+    ok = ratio <= 1 + MEMORY_TOLERANCE if bound_only else abs(ratio - 1) <= MEMORY_TOLERANCE
+    return threshold(ratio, ok, f"{mb(measured)} = {ratio:.2f} x the estimate {mb(estimate)}",
+                     f"at most {1 + MEMORY_TOLERANCE:.2f} x" if bound_only else f"within {MEMORY_TOLERANCE:.0%}",
+                     "issue #41; keel.memory's GPU estimate less its runtime allowance" +
+                     ("; an upper bound for compiled blocks" if bound_only else ""))
 
 
 def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, int]:
@@ -160,15 +165,23 @@ def paper_overrides(device: str, sizes: Sizes) -> list[str]:
             "trainer.precision=bf16-mixed"]
 
 
+PAPER_RUNS = {  # label -> overrides; eager where the estimate counts the saved tensors exactly (keel.memory)
+    "activation checkpointing off": ["trainer.activation_checkpointing=false"],
+    "activation checkpointing off, eager": ["trainer.activation_checkpointing=false", "trainer.compile=false"],
+    "activation checkpointing on": ["trainer.activation_checkpointing=true"],
+}
+
+
 def paper(device: str, sizes: Sizes, out: Path) -> dict:
-    """The paper's model on one GPU, activation checkpointing off and on (sizes.paper_* on CPU)."""
+    """The paper's model on one GPU: compiled with activation checkpointing off and on, and eager with it off (on
+    CPU, eager: sizes.paper_* without the eager twin)."""
     from keel.config import load_config
 
     dev, runs = torch.device(device), {}
-    for checkpointing in (False, True):
-        cfg = load_config(overrides=[*paper_overrides(device, sizes),
-                                     f"trainer.activation_checkpointing={str(checkpointing).lower()}"])
-        label = f"activation checkpointing {'on' if checkpointing else 'off'}"
+    for label, overrides in PAPER_RUNS.items():
+        if label.endswith("eager") and device != "cuda":
+            continue
+        cfg = load_config(overrides=[*paper_overrides(device, sizes), *overrides])
         try:
             runs[label] = _paper_run(cfg, dev, sizes.paper_steps, out)
         except torch.OutOfMemoryError as err:
@@ -176,8 +189,10 @@ def paper(device: str, sizes: Sizes, out: Path) -> dict:
         finally:
             free_memory(dev)
     off, on = runs["activation checkpointing off"], runs["activation checkpointing on"]
+    eager = runs.get("activation checkpointing off, eager", {})
     thresholds = {"MFU, compiled, checkpointing off": mfu_threshold(off, dev),
-                  "peak memory, checkpointing off": memory_threshold(off, dev),
-                  "peak memory, checkpointing on": memory_threshold(on, dev)}
+                  "peak memory, compiled, checkpointing off": memory_threshold(off, dev, bound_only=True),
+                  "peak memory, eager, checkpointing off": memory_threshold(eager, dev),
+                  "peak memory, compiled, checkpointing on": memory_threshold(on, dev)}
     return {"ok": all(r["ok"] for r in (*runs.values(), *thresholds.values())), "paper_runs": runs,
             "thresholds": thresholds}

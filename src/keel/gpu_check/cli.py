@@ -23,6 +23,13 @@ from keel.gpu_check.precision import precision
 from keel.gpu_check.pretrain import pretrain
 from keel.gpu_check.report import table
 
+def torch_floor() -> str | None:
+    """The lowest torch keel declares (its installed metadata), e.g. "2.13"; None where it declares none."""
+    from importlib.metadata import requires
+
+    return next((r.removeprefix("torch>=") for r in requires("keel") or () if r.startswith("torch>=")), None)
+
+
 SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "callbacks": callbacks,
             "multi": multi, "fsdp": fsdp, "checkpoint": checkpoint, "precision": precision}
 WITH_DATA = ("pretrain", "callbacks", "multi", "fsdp", "checkpoint")  # the sections that train on the data
@@ -55,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             sections[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
         sections[name]["seconds"] = time.perf_counter() - section_start
         print(f"keel gpu-check: {name} {'ok' if sections[name]['ok'] else 'FAILED'}", file=sys.stderr)
+    floor = torch_floor()
     result = {"device": args.device, "device_name": device_name(torch.device(args.device)), "torch": torch.__version__,
+              # a torch below keel's floor (installed without its dependencies): a failure may be that torch's
+              "torch_below_floor": floor if floor and torch.__version__ < floor else None,
               "seconds": time.perf_counter() - start, "ok": all(s["ok"] for s in sections.values()),
               "sections": sections}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -10,6 +10,9 @@ from keel.gpu_check.common import mb
 def table(result: dict) -> str:
     lines = [f"keel gpu-check: {result['device_name']}, torch {result['torch']}, {result['seconds']:.0f} s: "
              f"{'PASS' if result['ok'] else 'FAIL'}", ""]
+    if floor := result.get("torch_below_floor"):
+        lines[1:1] = [f"warning: torch {result['torch']} is below the torch>={floor} keel declares; a failure here may "
+                      "be that torch's, not keel's", ""]
     for name, section in result["sections"].items():
         lines.append(f"[{'ok' if section['ok'] else 'FAIL'}] {name} ({section['seconds']:.0f} s)")
         if "error" in section:

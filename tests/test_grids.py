@@ -1,5 +1,5 @@
 """The paper's grids as data (keel.experiments.grids): the Makefile runs exactly them, the report reads every one,
-each grid's runs are what its data says, and docs/experiments.md's table is the data's."""
+each grid's runs are what its data says, and docs/grids.md's table is the data's."""
 
 from __future__ import annotations
 
@@ -153,6 +153,6 @@ def test_paper_run_runs_the_grids_command_into_its_directory(tmp_path, capsys):
 
 
 def test_the_docs_table_of_the_grids_is_the_data():
-    docs = (REPO / "docs" / "experiments.md").read_text()
+    docs = (REPO / "docs" / "grids.md").read_text()
     table = docs.split("<!-- keel paper-run --table -->\n")[1].split("\n<!-- end of keel paper-run --table -->")[0]
     assert table == grids.table()

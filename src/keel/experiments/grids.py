@@ -1,6 +1,6 @@
 """The paper's grids as data, in one place: what each `make paper-<grid>` runs (`keel paper-run GRID`), which grids
 `make paper`, `make paper-linear` and `make paper-trained` run, and the roles `keel paper-report` reads them in.
-docs/experiments.md's table of the grids is `keel paper-run --table`.
+docs/grids.md's table of the grids is `keel paper-run --table`.
 
 A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTINGS: `make paper SEEDS=1,2`, or
 `keel paper-run --set SEEDS=1,2`), {OUT} the grid's directory under PAPER_OUT; a Scaled part differs at paper scale
@@ -231,7 +231,7 @@ def grid_set(name: str, paper_scale: bool = False) -> list[str]:
 
 
 def table() -> str:
-    """docs/experiments.md's table of the grids: each one's command with its settings named ($SEEDS, ...)."""
+    """docs/grids.md's table of the grids: each one's command with its settings named ($SEEDS, ...)."""
     values = {key: f"${key}" for key in (*SETTINGS, "PAPER_OUT")}
     lines = ["| `make` | also run by | command |", "|---|---|---|"]
     for name, grid in GRIDS.items():
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sbatch", action="append", default=[], help="at paper scale, an #SBATCH option (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print each grid's command, run nothing")
     parser.add_argument("--list", metavar="SET", choices=SETS, help="print the grids `make SET` runs")
-    parser.add_argument("--table", action="store_true", help="print docs/experiments.md's table of the grids")
+    parser.add_argument("--table", action="store_true", help="print docs/grids.md's table of the grids")
     args = parser.parse_args(argv)
     if args.list or args.table:
         print(" ".join(grid_set(args.list, args.paper_scale)) if args.list else table())

@@ -23,6 +23,7 @@ from keel.gpu_check.precision import precision
 from keel.gpu_check.pretrain import pretrain
 from keel.gpu_check.report import table
 
+
 def torch_floor() -> str | None:
     """The lowest torch keel declares (its installed metadata), e.g. "2.13"; None where it declares none."""
     from importlib.metadata import requires

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny real corpus (standard-library source files), its shards, a trained tiny run and its
-export, the data tests' build, the evaluation tests' data and checkpoint. Constants and helpers: the keeltest package."""
+export, 2-process reference runs, the data tests' build, the evaluation tests' data and checkpoint. Constants and
+helpers: the keeltest package."""
 
 from __future__ import annotations
 
@@ -87,6 +88,23 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
     overrides = [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false", "trainer.max_steps=30",
                  "trainer.val_every_n_steps=30", "trainer.val_batches=1", "optim.warmup_steps=5", f"run.dir={run}"]
     train(load_config(overrides=overrides))
+    return run
+
+
+@pytest.fixture(scope="session")
+def straight_run(tiny_data, tmp_path_factory):
+    """straight_run(strategy): the run dir of an uninterrupted 8-step `keel pretrain` on 2 CPU processes
+    (keeltest.distributed.RUN) under that strategy, made on first use; the reference resumed runs are held to."""
+    from keeltest.distributed import pretrain
+
+    runs: dict[str, Path] = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in runs:
+            runs[strategy] = tmp_path_factory.mktemp(strategy) / "run"
+            pretrain(tiny_data, runs[strategy], strategy)
+        return runs[strategy]
+
     return run
 
 

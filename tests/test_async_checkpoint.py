@@ -20,7 +20,7 @@ from keel.parallel import resolve_async_checkpoint
 from keeltest.distributed import _command, _env, pretrain, seen
 from keeltest.runs import scalars
 
-ASYNC = ["trainer.async_checkpoint=true", "trainer.max_steps=12"]  # saves at 4, 8, 12: one finished by the next
+ASYNC = ["trainer.async_checkpoint=true"]  # the 8 steps of keeltest.distributed.RUN: saves at 4 and 8
 
 
 @pytest.mark.parametrize("overrides, cuda, on", [
@@ -47,34 +47,26 @@ def test_bad_async_checkpoint_values_say_what_is_allowed(value, message):
     assert str(err.value) == message
 
 
-@pytest.fixture(scope="module")
-def async_straight(tiny_data, tmp_path_factory) -> Path:
-    """An uninterrupted 12-step FSDP run on 2 processes, saving in the background every 4 steps."""
-    run = tmp_path_factory.mktemp("async") / "run"
-    pretrain(tiny_data, run, "fsdp", overrides=ASYNC)
-    return run
-
-
 @pytest.mark.slow
-def test_async_saves_resume_exactly_and_show_whole_checkpoints_only(tiny_data, async_straight, tmp_path):
-    checkpoints = async_straight / "checkpoints"
+def test_async_saves_resume_exactly_and_show_whole_checkpoints_only(tiny_data, straight_run, tmp_path):
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, "fsdp", crash_at=6, overrides=ASYNC)
+    # the save of step 4, started two steps before the crash, was made visible once written (at a logging step)
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4
+    pretrain(tiny_data, run, "fsdp", overrides=ASYNC)  # resume=auto: from step 4
+    checkpoints = run / "checkpoints"
     # waited for at the end: the last one in place, the history pruned to keep_last_k=2, no staging left
-    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000008.ckpt", "step000012.ckpt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000004.ckpt", "step000008.ckpt"]
     assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                       SHARDED_META]
-    assert read_checkpoint(checkpoints / LAST, weights=False)["global_step"] == 12
-
-    run = tmp_path / "run"
-    pretrain(tiny_data, run, "fsdp", crash_at=10, overrides=ASYNC)
-    # the save of step 8, started two steps before the crash, was made visible once written (at a logging step)
-    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 8
-    pretrain(tiny_data, run, "fsdp", overrides=ASYNC)  # resume=auto: from step 8
-    assert sorted(scalars(run, "train/loss")) == list(range(12))
-    assert scalars(run, "train/loss") == scalars(async_straight, "train/loss")  # bit for bit, every step
-    resumed = read_checkpoint(run / "checkpoints" / LAST)["state_dict"]
-    straight = read_checkpoint(checkpoints / LAST)["state_dict"]
-    assert resumed.keys() == straight.keys()
-    for name, weight in straight.items():
+    # bit for bit the uninterrupted run that saved synchronously: writing in the background changes no step
+    straight = straight_run("fsdp")
+    assert sorted(scalars(run, "train/loss")) == list(range(8))
+    assert scalars(run, "train/loss") == scalars(straight, "train/loss")
+    resumed = read_checkpoint(checkpoints / LAST)["state_dict"]
+    uninterrupted = read_checkpoint(straight / "checkpoints" / LAST)["state_dict"]
+    assert resumed.keys() == uninterrupted.keys()
+    for name, weight in uninterrupted.items():
         assert torch.equal(resumed[name], weight), name
 
 
@@ -95,7 +87,7 @@ FileSystemWriter.write_data = fail_at_step_8
 @pytest.mark.slow
 def test_a_failed_background_write_stops_the_run_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
     run = tmp_path / "run"
-    command = _command(tiny_data, run, "fsdp", ASYNC)
+    command = _command(tiny_data, run, "fsdp", [*ASYNC, "trainer.max_steps=12"])  # step 8's save fails mid-run
     launcher = Path(command[1])
     launcher.write_text(FULL_DISK + launcher.read_text())
     done = subprocess.run(command, env=_env(run, "run"), capture_output=True, text=True, timeout=900)

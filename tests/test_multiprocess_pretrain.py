@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,18 +18,9 @@ from keeltest.runs import scalars
 from keeltest.distributed import LAUNCHER, RUN, _command, _env, pretrain, seen
 
 
-@pytest.fixture(scope="module")
-def straight_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """Uninterrupted 8-step runs under FSDP and DDP, on the same data."""
-    runs = {strategy: tmp_path_factory.mktemp(strategy) / "run" for strategy in ("fsdp", "ddp")}
-    for strategy, run_dir in runs.items():
-        pretrain(tiny_data, run_dir, strategy)
-    return runs
-
-
 @pytest.mark.slow
-def test_fsdp_trains_like_ddp(straight_runs, tmp_path):
-    fsdp, ddp = straight_runs["fsdp"], straight_runs["ddp"]
+def test_fsdp_trains_like_ddp(straight_run, tmp_path):
+    fsdp, ddp = straight_run("fsdp"), straight_run("ddp")
     losses = scalars(fsdp, "train/loss")
     assert sorted(losses) == list(range(8))
     assert losses == pytest.approx(scalars(ddp, "train/loss"), rel=1e-5)
@@ -57,20 +47,20 @@ def test_fsdp_trains_like_ddp(straight_runs, tmp_path):
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_runs, tmp_path, strategy):
+def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_run, tmp_path, strategy):
     run = tmp_path / "run"
     pretrain(tiny_data, run, strategy, crash_at=6)
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4
     pretrain(tiny_data, run, strategy)  # resume=auto: from step 4, replaying steps 4 and 5
-    resumed, straight = scalars(run, "train/loss"), scalars(straight_runs[strategy], "train/loss")
+    resumed, straight = scalars(run, "train/loss"), scalars(straight_run(strategy), "train/loss")
     assert sorted(resumed) == list(range(8))
     assert resumed == straight  # bit for bit, every step
-    assert scalars(run, "grad/global") == scalars(straight_runs[strategy], "grad/global")
+    assert scalars(run, "grad/global") == scalars(straight_run(strategy), "grad/global")
 
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_exactly(tiny_data, straight_runs,
+def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_exactly(tiny_data, straight_run,
                                                                                     tmp_path):
     run = tmp_path / "run"
     launcher = run.parent / "launch.py"
@@ -81,7 +71,7 @@ def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_ex
     assert done.returncode == 130 and "interrupted: saved step 6 to " in done.stderr, done.stderr[-3000:]
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 6
     pretrain(tiny_data, run, "ddp")  # resume=auto
-    assert scalars(run, "train/loss") == scalars(straight_runs["ddp"], "train/loss")
+    assert scalars(run, "train/loss") == scalars(straight_run("ddp"), "train/loss")
 
 
 @pytest.mark.extended
@@ -101,7 +91,7 @@ def test_init_from_under_fsdp_reaches_every_shard(tiny_data, tiny_run, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp",
                                       pytest.param("hsdp", marks=pytest.mark.extended)])
-def test_two_nodes_train_like_one(tiny_data, straight_runs, tmp_path, strategy):
+def test_two_nodes_train_like_one(tiny_data, straight_run, tmp_path, strategy):
     """One process per "node", each node started by its own torchrun (static rendezvous on 127.0.0.1), as on a
     cluster: the same losses and sequences as one node running 2 processes. hsdp: trainer=fsdp trainer.hsdp=true,
     each node's one process holding whole parameters, replicated across the nodes (sharded checkpoints written)."""
@@ -119,7 +109,7 @@ def test_two_nodes_train_like_one(tiny_data, straight_runs, tmp_path, strategy):
                                       text=True))
     errors = [node.communicate(timeout=900)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(error[-3000:] for error in errors)
-    straight = straight_runs[trainer]
+    straight = straight_run(trainer)
     assert sorted(seen(run)) == sorted(seen(straight))  # every rank, every step, the same sequences
     for tag in ("train/loss", "grad/global", "val/loss"):  # HSDP: all-reduced gradients, not reduce-scattered
         assert scalars(run, tag) == (scalars(straight, tag) if strategy != "hsdp"
@@ -137,21 +127,21 @@ ELASTIC = {  # the straight runs' global batch of 8 sequences, split another way
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_runs, tmp_path, strategy):
+def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_run, tmp_path, strategy):
     run = tmp_path / "run"
     pretrain(tiny_data, run, strategy, crash_at=6, attempt="before")  # checkpoint at step 4, on 2 processes
     pretrain(tiny_data, run, strategy, overrides=ELASTIC[strategy], attempt="after")
     before = [(step, sequence) for step, sequence in seen(run, "before") if step < 4]  # steps 4, 5 are redone
-    after, straight = seen(run, "after"), seen(straight_runs[strategy])
+    after, straight = seen(run, "after"), seen(straight_run(strategy))
     processes = int(ELASTIC[strategy][0].split("=")[1])
     assert len(list((tmp_path / "seen").glob("after-rank*.pt"))) == processes
     assert {step for step, _ in after} == {4, 5, 6, 7}  # resumed from step 4
     for step in range(8):  # each step trains on the uninterrupted run's global batch, sequence for sequence
         ours = sorted(sequence for s, sequence in before + after if s == step)
         assert len(ours) == 8 and ours == sorted(sequence for s, sequence in straight if s == step), step
-    resumed, uninterrupted = scalars(run, "grad/global"), scalars(straight_runs[strategy], "grad/global")
+    resumed, uninterrupted = scalars(run, "grad/global"), scalars(straight_run(strategy), "grad/global")
     assert sorted(resumed) == list(range(8))
     # the global gradient is the same sum in another order: equal to float rounding (bit-equal for DDP here)
     assert [resumed[s] for s in range(4, 8)] == pytest.approx([uninterrupted[s] for s in range(4, 8)], rel=1e-5)
     # validation at the configured steps, though a step is now another number of Lightning batches
-    assert scalars(run, "val/loss").keys() == scalars(straight_runs[strategy], "val/loss").keys() == {3, 7}
+    assert scalars(run, "val/loss").keys() == scalars(straight_run(strategy), "val/loss").keys() == {3, 7}

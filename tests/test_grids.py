@@ -109,11 +109,11 @@ def test_each_grids_runs_are_the_size_its_data_says(name, tmp_path, capsys):
 
 
 def test_settings_scale_and_args_change_only_what_they_name(tmp_path, capsys):
-    (linear,) = dry_run(capsys, "linear-d64", "--set", "SEEDS=7", "--set", "TREND_SEEDS=8,9", "--", "data=x")
-    assert linear[:7] == ["maxlr", "--out", "runs/paper/linear-d64", "--seeds", "7", "--ramp", "linear"]
+    (linear,) = dry_run(capsys, "linear-d16", "--set", "SEEDS=7", "--set", "TREND_SEEDS=8,9", "--", "data=x")
+    assert linear[:7] == ["maxlr", "--out", "runs/paper/linear-d16", "--seeds", "7", "--ramp", "linear"]
     only = [linear[i + 1] for i, word in enumerate(linear) if word == "--only"]
-    assert only == ["keel-d64-s7", "preln-d64-s7", "postln-d64-s8", "postln-d64-s9", "deepnorm-d64-s8",
-                    "deepnorm-d64-s9", "mixln-d64-s8", "mixln-d64-s9"]
+    assert only == ["keel-d16-s7", "preln-d16-s7", "postln-d16-s8", "postln-d16-s9", "deepnorm-d16-s8",
+                    "deepnorm-d16-s9", "mixln-d16-s8", "mixln-d16-s9"]
     assert linear[-1] == "data=x"
     miniature, paper = (dry_run(capsys, "table1-d64", *scale)[0] for scale in
                         ([], ["--paper-scale", "--sbatch=--gres=gpu:8", "--sbatch=--time=1:00:00"]))

@@ -5,6 +5,9 @@ LR on the default geometric ramp, x / (3 * slope) on a linear warm-up from 0. Ev
 width) gives each scheme's limit at the hold its ramp had there; a straight line through log(max LR) against
 log(hold), over every resolved seed, says whether the limit depends on the hold (its exponent, with a 95% interval)
 and where it would be under a 5,000-step linear warm-up that peaks at the limit (a hold of 5,000 / 3 steps there).
+The line is fitted twice: over every ramp, and over the linear ramps alone - the geometric ramps differ from a
+warm-up in more than the hold (a model reaches x after fewer steps of training), so the second is the one that
+extrapolates like for like.
 """
 
 from __future__ import annotations
@@ -19,19 +22,26 @@ from keel.experiments.grids import HOLD_GRIDS
 from keel.experiments.maxlr_report import HOLD_FACTOR, max_lr_value, rows_at
 
 HOLD_SCHEMES = ("keel", "preln")
+RAMP_SETS = {"every ramp": lambda ramp: True, "linear ramps": lambda ramp: ramp.startswith("linear")}
 WARMUP_STEPS = 5000  # the paper's warm-up of its 64-layer max-LR probe (docs/paper.md, Table 1)
 WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
 
 
-def hold_points(grids: dict[str, list[dict]], point: tuple[int, int], scheme: str) -> list[tuple[str, dict]]:
-    """(grid, row) of every run of the scheme at the point in the map's grids."""
-    return [(grid, r) for grid in HOLD_GRIDS[point] for r in rows_at(grids.get(grid, []), *point, scheme)]
+def hold_points(grids: dict[str, list[dict]], point: tuple[int, int], scheme: str,
+                ramps: str = "every ramp") -> list[tuple[str, dict]]:
+    """(grid, row) of every run of the scheme at the point in the map's grids, on the ramps of RAMP_SETS[ramps]."""
+    return [(grid, r) for grid in HOLD_GRIDS[point] for r in rows_at(grids.get(grid, []), *point, scheme)
+            if RAMP_SETS[ramps](r["ramp"])]
 
 
 def limits(runs: list[tuple[str, dict]]) -> list[tuple[float, float]]:
-    """(hold, max LR) of the runs that learned and then diverged: a run with no failure up to the peak gives only a
-    lower bound, kept out of the fit."""
-    return [(r["hold_steps"], v) for _, r in runs if r["failure"] and (v := max_lr_value(r)) is not None]
+    """(hold, max LR) of the runs that learned and then diverged (a run with no failure up to the peak gives only a
+    lower bound, kept out of the fit), the hold being its grid's median. On a linear ramp a run's own hold is its
+    max LR over 3 x slope: seed by seed it would rise with the max LR by construction (an exponent of +1 within one
+    slope), so the seeds of a grid share one hold and only the grids' holds differ."""
+    diverged = [(grid, r["hold_steps"], v) for grid, r in runs if r["failure"] and (v := max_lr_value(r)) is not None]
+    grid_hold = {grid: median([h for g, h, _ in diverged if g == grid]) for grid, _, _ in diverged}
+    return [(grid_hold[grid], v) for grid, _, v in diverged]
 
 
 def hold_table(grids: dict[str, list[dict]]) -> list[dict]:
@@ -82,25 +92,28 @@ def fit(points: list[tuple[float, float]], at: float = WARMUP_HOLD) -> dict | No
 
 
 def hold_fits(grids: dict[str, list[dict]]) -> list[dict]:
-    """Per point and scheme: does the max LR depend on the hold, and where would a 5,000-step warm-up put it."""
+    """Per point, scheme and set of ramps: does the max LR depend on the hold, and where would a 5,000-step warm-up
+    put it."""
     table = []
     for point in HOLD_GRIDS:
         for scheme in HOLD_SCHEMES:
-            points = limits(hold_points(grids, point, scheme))
-            result = fit(points)
-            if result is None:
-                continue
-            depends = not result["exponent low"] <= 0 <= result["exponent high"]
-            table.append({
-                "blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme,
-                "seeds x ramps": f"{result['points']} ({result['holds']} holds)",
-                "exponent [95%]": f"{result['exponent']:.2f} [{result['exponent low']:.2f}, "
-                                  f"{result['exponent high']:.2f}]",
-                "limit depends on the hold": "yes" if depends else "not measurably",
-                f"max LR at a {WARMUP_STEPS:,}-step warm-up (hold {WARMUP_HOLD:.0f}) [95%]":
-                    f"{result['value']:.3g} [{result['value low']:.3g}, {result['value high']:.3g}]",
-            })
+            for ramps in RAMP_SETS:
+                result = fit(limits(hold_points(grids, point, scheme, ramps)))
+                if result is not None:
+                    table.append(fit_row(point, scheme, ramps, result))
     return table
+
+
+def fit_row(point: tuple[int, int], scheme: str, ramps: str, result: dict) -> dict:
+    depends = not result["exponent low"] <= 0 <= result["exponent high"]
+    return {
+        "blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "ramps": ramps,
+        "seeds x ramps": f"{result['points']} ({result['holds']} holds)",
+        "exponent [95%]": f"{result['exponent']:.2f} [{result['exponent low']:.2f}, {result['exponent high']:.2f}]",
+        "limit depends on the hold": "yes" if depends else "not measurably",
+        f"max LR at a {WARMUP_STEPS:,}-step warm-up (hold {WARMUP_HOLD:.0f}) [95%]":
+            f"{result['value']:.3g} [{result['value low']:.3g}, {result['value high']:.3g}]",
+    }
 
 
 def plot_hold_map(grids: dict[str, list[dict]], path: Path) -> None:
@@ -114,18 +127,21 @@ def plot_hold_map(grids: dict[str, list[dict]], path: Path) -> None:
             if not points:
                 continue
             ax.plot(*zip(*points), "o", color=color, alpha=0.6, label=scheme)
-            if (result := fit(points)) is not None:
-                xs = np.geomspace(min(h for h, _ in points), WARMUP_HOLD, 20)
+            for ramps, style, marker in zip(RAMP_SETS, ("--", ":"), ("s", "D")):
+                fitted = limits(hold_points(grids, point, scheme, ramps))
+                if (result := fit(fitted)) is None:
+                    continue
+                xs = np.geomspace(min(h for h, _ in fitted), WARMUP_HOLD, 20)
                 ys = result["value"] * (xs / WARMUP_HOLD) ** result["exponent"]
-                ax.plot(xs, ys, "--", color=color, linewidth=1)
-                ax.errorbar([WARMUP_HOLD], [result["value"]], fmt="s", color=color,
+                ax.plot(xs, ys, style, color=color, linewidth=1, label=f"{scheme}: the line through {ramps}")
+                ax.errorbar([WARMUP_HOLD], [result["value"]], fmt=marker, color=color,
                             yerr=[[result["value"] - result["value low"]], [result["value high"] - result["value"]]])
         ax.set(xscale="log", yscale="log", xlabel="steps between the max LR x and 4/3 x (hold)",
                ylabel="max tolerable LR", title=f"{point[0]} blocks x {point[1]}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"The hold map: max LR against the ramp's hold at the limit (square: a {WARMUP_STEPS:,}-step "
-                 "warm-up, 95%)", fontsize=9)
+    fig.suptitle(f"The hold map: max LR against the ramp's hold at the limit (at a {WARMUP_STEPS:,}-step warm-up, "
+                 "95%: square, every ramp's fit; diamond, the linear ramps')", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

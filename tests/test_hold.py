@@ -1,0 +1,53 @@
+"""The hold map's fit (keel.experiments.hold): a power law of the max LR in the hold, recovered with its interval,
+fitted over every ramp and over the linear ramps alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from keel.experiments.grids import HOLD_GRIDS
+from keel.experiments.hold import WARMUP_HOLD, fit, hold_fits
+
+HOLDS = (20, 40, 240, 380, 600)  # the geometric ramp, the ramp twice as slow and three linear slopes
+
+
+def law(hold: float, scale: float, exponent: float) -> float:
+    return scale * hold ** exponent
+
+
+def test_the_fit_recovers_a_power_law_and_its_value_at_the_warmup():
+    wobble = (1.03, 0.97, 1.0)  # three seeds per hold, +-3% around the law
+    points = [(h, law(h, 0.9, -0.3) * w) for h in HOLDS for w in wobble]
+    result = fit(points)
+    assert result["exponent"] == pytest.approx(-0.3, abs=0.02)
+    assert result["exponent low"] < -0.3 < result["exponent high"] < 0
+    assert result["value"] == pytest.approx(law(WARMUP_HOLD, 0.9, -0.3), rel=0.05)
+    assert result["value low"] < law(WARMUP_HOLD, 0.9, -0.3) < result["value high"]
+    assert (result["points"], result["holds"]) == (15, 5)
+    assert fit([(240, 0.1), (240, 0.11), (240, 0.12)]) is None  # one hold: no line
+
+
+def row(point: tuple[int, int], scheme: str, hold: float, value: float, linear: bool) -> dict:
+    """A collected probe row, as keel.experiments.maxlr_report writes it, of a run that learned and diverged."""
+    ramp = "linear from 0, 0.0001 per step" if linear else "geometric from 0.001, 161 steps per decade"
+    return {"row": scheme, "depth": point[0], "width": point[1], "ramp": ramp, "hold_steps": hold,
+            "failure": "divergence", "resolved": True, "max_tolerable_lr": value, "max_lr_seen": value * 1.05}
+
+
+def test_the_linear_ramps_are_fitted_apart_from_the_geometric_ones():
+    """Geometric ramps off the linear ramps' line (twice the linear line at a 20-step hold) steepen the
+    fit over every ramp; the linear ramps' own fit keeps their exponent."""
+    point = next(iter(HOLD_GRIDS))
+    geometric, *linear = HOLD_GRIDS[point][:1] + HOLD_GRIDS[point][2:]
+    rows: dict[str, list[dict]] = {geometric: [], **{grid: [] for grid in linear}}
+    for seed_wobble in (1.02, 0.98):
+        rows[geometric].append(row(point, "preln", 20, 0.6 * seed_wobble, linear=False))
+        for grid, hold in zip(linear, (240, 380, 600)):
+            rows[grid].append(row(point, "preln", hold, law(hold, 0.5, -0.2) * seed_wobble, linear=True))
+    fits = {r["ramps"]: r for r in hold_fits(rows) if r["scheme"] == "preln"}
+    assert set(fits) == {"every ramp", "linear ramps"}
+    exponent = {ramps: float(r["exponent [95%]"].split()[0]) for ramps, r in fits.items()}
+    assert exponent["linear ramps"] == pytest.approx(-0.2, abs=0.03)
+    assert exponent["every ramp"] < exponent["linear ramps"] - 0.05
+    assert fits["linear ramps"]["seeds x ramps"] == "6 (3 holds)"
+    assert not any(r["scheme"] == "keel" for r in hold_fits(rows))  # no runs, no line

@@ -1,5 +1,5 @@
-"""The hold map's fit (keel.experiments.hold): a power law of the max LR in the hold, recovered with its interval,
-fitted over every ramp and over the linear ramps alone."""
+"""The hold map (keel.experiments.hold): a power law of the max LR in the hold, recovered with its interval, fitted
+over every ramp and over the linear ramps alone; Keel against Pre-LN seed by seed on each ramp."""
 
 from __future__ import annotations
 
@@ -51,3 +51,16 @@ def test_the_linear_ramps_are_fitted_apart_from_the_geometric_ones():
     assert exponent["every ramp"] < exponent["linear ramps"] - 0.05
     assert fits["linear ramps"]["seeds x ramps"] == "6 (3 holds)"
     assert not any(r["scheme"] == "keel" for r in hold_fits(rows))  # no runs, no line
+
+
+def test_each_ramp_of_the_map_compares_keel_with_preln_seed_by_seed():
+    from keel.experiments.paper import hold_pairs
+
+    point = next(iter(HOLD_GRIDS))
+    grid = HOLD_GRIDS[point][-1]
+    rows = {grid: [{**row(point, scheme, 400, value, linear=True), "seed": seed, "resolved": resolved}
+                   for scheme, seed, value, resolved in (("keel", "1", 0.09, True), ("preln", "1", 0.06, True),
+                                                         ("keel", "2", 0.08, True), ("preln", "2", 0.05, False))]}
+    (pair,) = hold_pairs(rows)
+    assert pair["grid"] == grid and pair["keel / preln (per seed)"] == "1.5; Pre-LN unresolved in 1"
+    assert pair["verdict"] == "keel higher in 1 of 1 seeds (1 more not resolved)"

@@ -21,8 +21,8 @@ from pathlib import Path
 from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import fmt, fmt_median_range, load_run_config, markdown_table, median, pyplot, save_figure
-from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, LINEAR_DEPTH_TREND, LINEAR_WIDTH_TREND,
-                                    MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
+from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND,
+                                    LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value, rows_at
 from keel.experiments.sweep import MANIFEST
@@ -94,6 +94,19 @@ def _ratio_cell(values: list[float | None]) -> str:
     known = ", ".join(f"{x:.2g}" for x in values if x is not None)
     unresolved = sum(x is None for x in values)
     return "; ".join(filter(None, (known, unresolved and f"Pre-LN unresolved in {unresolved}"))) or "-"
+
+
+def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
+    """Per point and ramp of the hold map: Keel / Pre-LN seed by seed, and the sign test's verdict."""
+    table = []
+    for point, names in HOLD_GRIDS.items():
+        for grid in names:
+            rows = rows_at(grids.get(grid, []), *point)
+            if (test := compare(rows, "keel", "preln", point[0])) is not None:
+                table.append({"blocks x width": f"{point[0]} x {point[1]}", "grid": grid, "ramp": rows[0]["ramp"],
+                              "keel / preln (per seed)": _ratio_cell(ratios(rows)), "verdict": test["verdict"],
+                              "sign test p": test["sign test p"]})
+    return table
 
 
 def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], name: str) -> tuple[list[dict], dict]:
@@ -322,6 +335,8 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                 text += [markdown_table(tests), ""]
     if table := hold_table(grids):
         text += ["## The hold map: max LR against the steps the ramp holds each LR", "", markdown_table(table), ""]
+        if pairs := hold_pairs(grids):
+            text += [markdown_table(pairs), ""]
         if fits := hold_fits(grids):
             text += [markdown_table(fits), ""]
         plot_hold_map(grids, out / "hold.png")

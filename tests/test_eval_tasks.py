@@ -233,7 +233,6 @@ def test_keel_eval_reads_lm_evals_task_from_its_local_copy(local_copies, checkpo
     assert 0 <= results["results"]["arc_easy"]["acc,none"] <= 1
 
 
-@pytest.mark.extended  # indexes lm-eval's own tasks seven times (~5 s each)
 def test_without_local_copy_or_hub_the_error_names_both(checkpoint, eval_data, tmp_path, monkeypatch, capsys):
     import datasets
 

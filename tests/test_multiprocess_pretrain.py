@@ -125,8 +125,7 @@ ELASTIC = {  # the straight runs' global batch of 8 sequences, split another way
 
 
 @pytest.mark.slow
-@pytest.mark.extended
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp"])
 def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_run, tmp_path, strategy):
     run = tmp_path / "run"
     pretrain(tiny_data, run, strategy, crash_at=6, attempt="before")  # checkpoint at step 4, on 2 processes

@@ -59,7 +59,6 @@ def test_the_default_init_is_the_references_recipe(scheme):
 
 
 @pytest.mark.slow
-@pytest.mark.extended
 def test_from_their_own_inits_both_learn_alike(tiny_data):
     """Each from its own init (seeds 1 and 2) on the same batches of real text (the tiny corpus, 4 x 64 blocks, 150
     steps of AdamW at 3e-3): both learn, and the mean held-out loss of the two seeds is within 0.05 nat of the

@@ -86,7 +86,6 @@ MUP_WIDTHS = (32, 64, 128, 256)
 # not learn at this slope, in linear-gentle-d16); at 64 x 32 Post-LN did not learn at this slope (seed 1, not by
 # LR 0.089, an hour of CPU per run climbing the ramp): there the family runs at the gentle slope (linear-gentle-d64)
 LINEAR_ONLY = ((("keel", "preln"), "SEEDS"), (("postln", "deepnorm", "mixln"), "TREND_SEEDS"))
-PAIR_ONLY = ((("keel", "preln"), "SEEDS"),)
 FAMILY = ("--schemes", "postln,deepnorm,hybridnorm,mixln", "--seeds", "{TREND_SEEDS}")
 LINEAR = ("paper", "paper-linear")
 # 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks
@@ -120,7 +119,7 @@ def redundancy(grid: str) -> Grid:
 GRIDS = {
     # Table 1 on the paper's protocol (the primary one): every scheme at 16 blocks x 64 and at 64 x 32
     "linear-d16": maxlr((16, 64), "--seeds", "{SEEDS}", *SLOPE_1E4, only=LINEAR_ONLY, sets=LINEAR),
-    "linear-d64": maxlr((64, 32), "--seeds", "{SEEDS}", *SLOPE_1E4, *size(64, 32), only=PAIR_ONLY, sets=LINEAR),
+    "linear-d64": maxlr((64, 32), *PAIR, "--seeds", "{SEEDS}", *SLOPE_1E4, *size(64, 32), sets=LINEAR),
     "linear-gentle-d16": maxlr((16, 64), *FAMILY, *SLOPE_2E5, sets=LINEAR),
     "linear-gentle-d64": maxlr((64, 32), *FAMILY, *SLOPE_2E5, *size(64, 32), sets=LINEAR),
     # the hold map: the same probes at twice and half the slope, Keel and Pre-LN

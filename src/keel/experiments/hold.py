@@ -123,15 +123,14 @@ def plot_hold_map(grids: dict[str, list[dict]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(HOLD_GRIDS), figsize=(5.5 * len(HOLD_GRIDS), 4.2), squeeze=False)
     for ax, point in zip(axes[0], HOLD_GRIDS):
         for color, scheme in zip(("tab:blue", "tab:orange"), HOLD_SCHEMES):
-            points = limits(hold_points(grids, point, scheme))
-            if not points:
+            fitted = {ramps: limits(hold_points(grids, point, scheme, ramps)) for ramps in RAMP_SETS}
+            if not fitted["every ramp"]:
                 continue
-            ax.plot(*zip(*points), "o", color=color, alpha=0.6, label=scheme)
-            for ramps, style, marker in zip(RAMP_SETS, ("--", ":"), ("s", "D")):
-                fitted = limits(hold_points(grids, point, scheme, ramps))
-                if (result := fit(fitted)) is None:
+            ax.plot(*zip(*fitted["every ramp"]), "o", color=color, alpha=0.6, label=scheme)
+            for (ramps, points), style, marker in zip(fitted.items(), ("--", ":"), ("s", "D")):
+                if (result := fit(points)) is None:
                     continue
-                xs = np.geomspace(min(h for h, _ in fitted), WARMUP_HOLD, 20)
+                xs = np.geomspace(min(h for h, _ in points), WARMUP_HOLD, 20)
                 ys = result["value"] * (xs / WARMUP_HOLD) ** result["exponent"]
                 ax.plot(xs, ys, style, color=color, linewidth=1, label=f"{scheme}: the line through {ramps}")
                 ax.errorbar([WARMUP_HOLD], [result["value"]], fmt=marker, color=color,

@@ -22,7 +22,8 @@ from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import fmt, fmt_median_range, load_run_config, markdown_table, median, pyplot, save_figure
 from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND,
-                                    LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
+                                    LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1,
+                                    WIDTH_TREND)
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value, rows_at
 from keel.experiments.sweep import MANIFEST

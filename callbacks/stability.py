@@ -6,9 +6,11 @@ the LightningModule drops a non-finite one itself, monitor or not).
     spike        the judged loss stays spike_margin nats above its running minimum (or above spike_ceiling) for
                  spike_patience steps
     stagnation   it has not improved by stagnation_min_delta for stagnation_window steps (0 = off)
+    unlearned    at learn_by_step it has not yet been spike_ceiling_margin below spike_ceiling (0 = off): a model
+                 still at the unigram loss is never judged, so a max-LR probe need not climb the rest of its ramp
 
-Spikes and stagnation judge `signal`: train (the EMA of the training losses) or val (each validation's held-out
-loss). The first failure and its max tolerable LR (of the last update the model sustained) go to `failure` and
+Spikes, stagnation and learning judge `signal`: train (the EMA of the training losses) or val (each validation's
+held-out loss). The first failure and its max tolerable LR (of the last update the model sustained) go to `failure` and
 <run.dir>/stability.json; with stop_on_failure (or a non-finite step under on_nonfinite=stop) the run then stops.
 Steps are judged at logging steps, all pending ones at once, from values equal on every rank: docs/tensorboard.md.
 """
@@ -37,11 +39,12 @@ SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are j
 
 @dataclass
 class Failure:
-    kind: str  # nonfinite | spike | stagnation
+    kind: str  # nonfinite | spike | stagnation | unlearned
     step: int  # onset: the first step of the failure
     detected_step: int
     lr: float | None  # learning rate at the onset
-    max_tolerable_lr: float | None  # learning rate of the step before the onset (None: failed from the first step)
+    # learning rate of the step before the onset (None: failed from the first step, or never learned)
+    max_tolerable_lr: float | None
     loss: float  # step loss (signal val: held-out loss) when detected
     message: str
     detected_lr: float | None = None  # learning rate at the detection
@@ -49,6 +52,8 @@ class Failure:
 
 def describe(failure: Failure) -> str:
     """One line for the console: kind, onset step and the max tolerable LR."""
+    if failure.kind == "unlearned":
+        return f"the run had not learned by step {failure.step} ({failure.message}); no max tolerable LR"
     lr = "none (it failed from the first step)" if failure.max_tolerable_lr is None else f"{failure.max_tolerable_lr:.4g}"
     return (f"the run failed at step {failure.step} ({failure.kind}: {failure.message}; detected at step "
             f"{failure.detected_step}); max tolerable LR {lr}")
@@ -230,6 +235,10 @@ class StabilityMonitor(Callback):
             if self._over:
                 self._event(trainer, step, f"loss spike recovered after {self._over} steps")
             self._over, self._good_step = 0, step
+        learn_by, ceiling_margin = self.config.learn_by_step, self.config.spike_ceiling_margin
+        if learn_by and step >= learn_by and self.failure is None and self._best > ceiling - ceiling_margin:
+            self._fail(trainer, "unlearned", step, step, value, f"{self.config.signal} loss at best {self._best:.3f}, "
+                       f"not yet {ceiling_margin} below {ceiling:.3f}")
         below = self.config.stagnation_below
         if not self.config.stagnation_window or (below is not None and self._best > below):
             return
@@ -255,7 +264,7 @@ class StabilityMonitor(Callback):
         onset comes from the update before it, so the last tolerated one is two steps back; none at onset 1)."""
         first = self.failure is None
         if first:
-            tolerated = self._lr_at(onset - (1 if heldout else 2))
+            tolerated = None if kind == "unlearned" else self._lr_at(onset - (1 if heldout else 2))
             self.failure = Failure(kind, onset, step, self._lr_at(onset), tolerated, loss, message, self._lr_at(step))
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")

@@ -160,6 +160,27 @@ def test_held_out_signal_judges_validation_and_reports_the_onset(tiny_data, tmp_
     assert not json.loads((tmp_path / "plateau" / "stability.json").read_text())["failed"]
 
 
+def test_a_run_not_learned_by_learn_by_step_fails_and_stays_stopped(tiny_data, tmp_path):
+    """learn_by_step=5 with validation every 3 steps: a ceiling no tiny model gets 0.5 below (1.0) stops the run at
+    the first evaluation from step 5 on, with no max tolerable LR; one it is below from the start (100) never does."""
+    learn = ["trainer.val_every_n_steps=3", "trainer.val_batches=2", "callbacks.stability.signal=val",
+             "callbacks.stability.learn_by_step=5", "callbacks.stability.stop_on_failure=true",
+             "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false"]
+    run = tmp_path / "run"
+    trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=20", *learn, "callbacks.stability.spike_ceiling=1.0"))
+    assert trainer.global_step == 6
+    report = json.loads((run / "stability.json").read_text())
+    assert (report["kind"], report["step"], report["max_tolerable_lr"]) == ("unlearned", 5, None)
+    assert report["message"].startswith("val loss at best ") and "not yet 0.5 below 1.000" in report["message"]
+    again = train(tiny_config(tiny_data, run, "trainer.max_steps=20", "resume=auto", *learn,
+                              "callbacks.stability.spike_ceiling=1.0"))
+    assert again.global_step == 6  # resumed after it: stopped at once
+    learned = train(tiny_config(tiny_data, tmp_path / "learned", "trainer.max_steps=9", *learn,
+                                "callbacks.stability.spike_ceiling=100"))
+    assert learned.global_step == 9
+    assert not json.loads((tmp_path / "learned" / "stability.json").read_text())["failed"]
+
+
 def test_exponential_warmup_is_geometric_then_constant():
     optim = load_config(overrides=["optim.schedule=exp_warmup", "optim.min_lr_ratio=0.001",
                                    "optim.warmup_steps=31"]).optim
@@ -196,6 +217,8 @@ def test_layer_importance_is_zero_for_an_identity_block():
          "eval.every_n_steps: must be a multiple of trainer.val_every_n_steps=30, got 40"),
         (["callbacks.stability.on_nonfinite=ignore"], "callbacks.stability.on_nonfinite: allowed: skip, stop"),
         (["callbacks.throughput.window=1"], "callbacks.throughput.window: must be >= 2"),
+        (["callbacks.stability.learn_by_step=100"],
+         "callbacks.stability.learn_by_step: needs callbacks.stability.spike_ceiling (the loss of a model that has"),
     ],
 )
 def test_callback_options_are_checked_when_the_config_loads(overrides, message):

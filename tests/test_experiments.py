@@ -186,6 +186,29 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path, capsys):
                                        "directory; give the DIR `make paper` wrote (PAPER_OUT, by default runs/paper)\n")
 
 
+def test_maxlr_stops_a_probe_not_learned_by_learn_by_lr(tiny_data, tmp_path):
+    """A 2-block model is nowhere near 0.5 nat below the unigram loss after a dozen steps: with --learn-by-lr at half
+    the peak, the probe stops at the first evaluation from the step the ramp reaches it (step 11: LR 12/24 of the
+    peak), is never judged, and counts as finished on a rerun; the emitted commands carry the option."""
+    out = tmp_path / "maxlr"
+    argv = ["maxlr", "--schemes", "keel", "--depths", "2", "--steps", "24", "--peak-lr", "0.02", "--ramp", "linear",
+            "--eval-every", "4", "--learn-by-lr", "0.01", "--out", str(out), *QUICK, *tiny_data]
+    assert cli_main(argv) == 0
+    stability = json.loads((out / "keel-d2-s1337" / "stability.json").read_text())
+    assert (stability["kind"], stability["step"], stability["steps"]) == ("unlearned", 11, 12)
+    assert stability["max_lr_seen"] == pytest.approx(0.01)
+    [row] = read_csv(out / "maxlr.csv")
+    assert (row["stop"], row["resolved"], row["max_tolerable_lr"]) == ("unlearned", "False", "")
+    assert "a probe not learned by LR 0.01 stopped" in json.loads((out / "sweep.json").read_text())["protocol"]
+    mtime = (out / "keel-d2-s1337" / "stability.json").stat().st_mtime
+    assert cli_main(argv) == 0  # finished: not trained again
+    assert (out / "keel-d2-s1337" / "stability.json").stat().st_mtime == mtime
+    assert cli_main([*argv, "--emit", "commands"]) == 0
+    assert "--learn-by-lr 0.01" in (out / "commands.sh").read_text()
+    with pytest.raises(ConfigError, match=r"--learn-by-lr 0.03: must be > 0 and at most --peak-lr 0.02"):
+        maxlr_main([*argv[1:], "--learn-by-lr", "0.03"])
+
+
 def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     out = tmp_path / "g"
     grid = ["maxlr", "--schemes", "keel,preln", "--alphas", "1,L", "--seeds", "1,2", "--out", str(out),
@@ -294,7 +317,8 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
 
 
 def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
-    """Where Keel resolves and Pre-LN never learns there is no ratio, but the report and the plot say so."""
+    """Where Keel resolves and Pre-LN never learns there is no ratio, but the report and the plot say so; a point's
+    grids are read together."""
     def row(scheme, seed, lr):
         return {"row": scheme, "seed": seed, "depth": 16, "width": 32, "resolved": lr is not None,
                 "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01,
@@ -303,8 +327,11 @@ def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
     rows = [row("keel", 1, 0.2), row("preln", 1, 0.4), row("keel", 2, 0.1), row("preln", 2, None),
             row("keel", 3, None), row("preln", 3, 0.3)]
     assert ratios(rows) == [0.5, None]  # seed 3: Keel unresolved, nothing to compare
-    table, points = trend({"depth-d16": rows}, {16: ("depth-d16", 16, 32)}, "blocks")
+    gentle = [{**row("postln", 1, 0.02), "init": "normal"}]  # a point's second grid (Post-LN's slope) is read too
+    table, points = trend({"depth-d16": rows, "gentle-d16": gentle}, {16: (("depth-d16", "gentle-d16"), 16, 32)},
+                          "blocks")
     assert table[0]["keel / preln (per seed)"] == "0.5; Pre-LN unresolved in 1"
+    assert (table[0]["grid"], table[0]["postln max LR"]) == ("depth-d16, gentle-d16", "0.02 (1/1)")
     plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
     assert (tmp_path / "ratio.png").stat().st_size > 0
 

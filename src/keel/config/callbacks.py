@@ -89,6 +89,9 @@ class StabilityConfig(CallbackConfig):
     # (keel maxlr: the unigram loss - a model that falls back to token frequencies has diverged); null = none
     spike_ceiling: float | None = None
     spike_ceiling_margin: float = 0.5
+    # a run whose judged loss is not yet spike_ceiling_margin below spike_ceiling at this step has not learned: a
+    # failure (kind unlearned), so a probe that will never be judged stops climbing its ramp; 0 = off
+    learn_by_step: int = 0
     stagnation_window: int = 0  # no improvement of the smoothed loss for this many steps = stagnation; 0 = off
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
     stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
@@ -104,6 +107,10 @@ class StabilityConfig(CallbackConfig):
             require(getattr(self, key) >= 1, self.key(key), "must be >= 1")
         require(self.spike_margin > 0, self.key("spike_margin"), "must be > 0")
         require(self.spike_ceiling_margin >= 0, self.key("spike_ceiling_margin"), "must be >= 0")
+        require(self.learn_by_step >= 0, self.key("learn_by_step"), "must be >= 0 (0 = off)")
+        require(not self.learn_by_step or self.spike_ceiling is not None, self.key("learn_by_step"),
+                f"needs {self.key('spike_ceiling')} (the loss of a model that has learned nothing, e.g. the unigram "
+                "loss): set it, or set learn_by_step=0")
         require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
         require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
 

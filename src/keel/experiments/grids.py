@@ -62,9 +62,10 @@ def size(blocks: int, width: int) -> tuple[str, ...]:
     return ("--depths", str(blocks), f"model.width={width}", *NARROW)
 
 
-def slope(peak: str, steps: str) -> tuple[str, ...]:
-    """The paper's protocol: a linear warm-up from 0 to peak over steps, the held-out loss every 5 steps."""
-    return ("--ramp", "linear", "--eval-every", "5", "--peak-lr", peak, "--steps", steps)
+def slope(peak: str, steps: str, learn_by: str) -> tuple[str, ...]:
+    """The paper's protocol: a linear warm-up from 0 to peak over steps, the held-out loss every 5 steps; a probe
+    that has not learned by LR learn_by stops (no run of these grids learned later than LR 0.055)."""
+    return ("--ramp", "linear", "--eval-every", "5", "--peak-lr", peak, "--steps", steps, "--learn-by-lr", learn_by)
 
 
 def maxlr(point: tuple[int, int], *args: str | Scaled, **fields) -> Grid:
@@ -74,11 +75,13 @@ def maxlr(point: tuple[int, int], *args: str | Scaled, **fields) -> Grid:
 SHALLOW = Scaled((), ("model=paper_d64", "trainer=gpu"))  # 16 x 64 is the miniature's own size
 DEEP = Scaled(size(64, 32), ("--depths", "256", "model=paper_d64", "trainer=gpu"))
 EMIT = Scaled((), ("--emit", "slurm", SBATCH))
-SLOPE_1E4 = slope("0.4", "4000")  # 1e-4 per step, LR resolution 5e-4: Table 1's
-SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000"), slope("0.4", "8000")  # the hold map's other two
-SLOPE_2E5 = slope("0.1", "4000")  # 4x gentler: at 1e-4 per step HybridNorm passes its limit before it has learned
+SLOPE_1E4 = slope("0.4", "4000", "0.1")  # 1e-4 per step, LR resolution 5e-4: Table 1's
+SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000", "0.1"), slope("0.4", "8000", "0.1")  # the hold map's other two
+# 4x gentler: at 1e-4 per step HybridNorm passes its limit before it has learned, Post-LN at 64 x 32 never learns
+SLOPE_2E5 = slope("0.1", "4000", "0.05")
 PAIR = ("--schemes", "keel,preln")
 TRIO = ("--schemes", "keel,preln,postln")
+POSTLN = ("--schemes", "postln")
 NOGAIN = ("--schemes=", "--variant", "keel-nogain=model.scheme=keel,model.out_norm_gain=false")
 MUP = ("model.parametrization=mup", "model.mup_base_width=64")  # base width 64: the miniature's, there mup is sp
 MUP_WIDTHS = (32, 64, 128, 256)
@@ -127,9 +130,13 @@ GRIDS = {
     "hold-d16-slow": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, sets=LINEAR),
     "hold-d64-fast": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_2E4, *size(64, 32), sets=LINEAR),
     "hold-d64-slow": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(64, 32), sets=LINEAR),
-    # the trends on the paper's protocol
-    "linear-depth-d16": maxlr((16, 32), *TRIO, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 32), sets=LINEAR),
-    "linear-depth-d256": maxlr((256, 32), *TRIO, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(256, 32), sets=LINEAR),
+    # the trends on the paper's protocol; Post-LN's depth row at the gentle slope, as at 64 x 32
+    "linear-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 32), sets=LINEAR),
+    "linear-depth-d256": maxlr((256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(256, 32), sets=LINEAR),
+    "linear-gentle-depth-d16": maxlr((16, 32), *POSTLN, "--seeds", "{TREND_SEEDS}", *SLOPE_2E5, *size(16, 32),
+                                     sets=LINEAR),
+    "linear-gentle-depth-d256": maxlr((256, 32), *POSTLN, "--seeds", "{WIDE_SEEDS}", *SLOPE_2E5, *size(256, 32),
+                                      sets=LINEAR),
     "linear-width-w128": maxlr((16, 128), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 128), sets=LINEAR),
     "linear-width-w256": maxlr((16, 256), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(16, 256), sets=LINEAR),
     # Table 1 on the geometric ramp (the second protocol): every scheme at 16 x 64, the four the paper runs deep at
@@ -175,9 +182,17 @@ GRIDS = {
 # ------------------------------------------------------------------------------- the roles in keel paper-report
 
 
-def axis(index: int, *names: str) -> dict[int, tuple[str, int, int]]:
-    """A trend: its value (the point's blocks, index 0, or width, 1) -> (grid, blocks, width)."""
-    return {GRIDS[name].point[index]: (name, *GRIDS[name].point) for name in names}
+def axis(index: int, *points: str | tuple[str, ...]) -> dict[int, tuple[tuple[str, ...], int, int]]:
+    """A trend: its value (the point's blocks, index 0, or width, 1) -> (the point's grids, blocks, width); a point's
+    grids are read together (Keel's and Pre-LN's beside the Post-LN family's at its gentler slope)."""
+    trend = {}
+    for names in points:
+        names = (names,) if isinstance(names, str) else names
+        point = GRIDS[names[0]].point
+        if any(GRIDS[name].point != point for name in names):
+            raise ValueError(f"{names}: one point of a trend, but their grids' sizes differ")
+        trend[point[index]] = (names, *point)
+    return trend
 
 
 TABLE1 = {  # grid -> the title of its seed table, in report order
@@ -190,7 +205,8 @@ TABLE1 = {  # grid -> the title of its seed table, in report order
 DEPTH_TREND = axis(0, "depth-d16", "table1-d64", "depth-d256")
 WIDTH_TREND = axis(1, "depth-d16", "table1-d16", "width-w128", "width-w256")
 BATCH_POINT = axis(1, "batch-8x")  # 8x the tokens per step, plotted on the width panel
-LINEAR_DEPTH_TREND = axis(0, "linear-depth-d16", "linear-d64", "linear-depth-d256")
+LINEAR_DEPTH_TREND = axis(0, ("linear-depth-d16", "linear-gentle-depth-d16"), ("linear-d64", "linear-gentle-d64"),
+                          ("linear-depth-d256", "linear-gentle-depth-d256"))
 LINEAR_WIDTH_TREND = axis(1, "linear-depth-d16", "linear-d16", "linear-width-w128", "linear-width-w256")
 MUP_WIDTH_TREND = axis(1, *(f"mup-width-w{width}" for width in MUP_WIDTHS))  # against WIDTH_TREND's sp grids
 # the hold map, per point: the grids whose ramps it compares, slowest hold last

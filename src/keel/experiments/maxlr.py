@@ -31,6 +31,7 @@ from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alph
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
 from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
+from keel.lit import lr_factor
 from keel.config.model import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
@@ -148,6 +149,12 @@ def protocol(args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
 
 
+def step_reaching(cfg, lr: float) -> int:
+    """The first step of the probe's ramp whose LR is at least lr (an LR it reaches: checked at start-up)."""
+    steps = cfg.trainer.max_steps
+    return next(step for step in range(steps) if cfg.optim.lr * lr_factor(step, cfg.optim, steps) >= lr * (1 - 1e-9))
+
+
 def run_configs(args: argparse.Namespace, runs: list[Run], out: Path) -> list:
     base = MINIATURE if uses_miniature(args.overrides) else []
     return [load_config(args.config, [*base, *CRITERION, *args.overrides, *run.overrides,
@@ -177,6 +184,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=560, help="steps of the ramp (= the whole run)")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (resume)")
+    parser.add_argument("--learn-by-lr", type=float,
+                        help="stop a probe that has not learned (held-out loss --margin below the unigram loss) by "
+                             "the step the ramp reaches this LR: it is never judged, so the rest of its ramp is spent "
+                             "for nothing (default: climb the whole ramp)")
     parser.add_argument("--margin", type=float, default=MARGIN,
                         help="nats below the unigram loss that count as learned (the report's criterion)")
     parser.add_argument("--out", default="runs/maxlr")
@@ -205,6 +216,9 @@ def main(argv: list[str]) -> int:
     if stagnation := [item for item in args.overrides if item.startswith("callbacks.stability.stagnation")]:
         raise ConfigError(f"{stagnation[0]}: keel maxlr judges divergence only (the paper's criterion: a model "
                           "that stops improving has not failed); drop the override")
+    if args.learn_by_lr is not None and not 0 < args.learn_by_lr <= args.peak_lr:
+        raise ConfigError(f"--learn-by-lr {args.learn_by_lr}: must be > 0 and at most --peak-lr {args.peak_lr}, an "
+                          "LR the ramp reaches")
     out = Path(args.out)
     runs = build_grid(args)
     if unknown := [name for name in args.only if name not in {run.name for run in runs}]:
@@ -219,7 +233,8 @@ def main(argv: list[str]) -> int:
             else f"0 -> {args.peak_lr:g} linearly")
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).write_text(json.dumps({
-        "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps",
+        "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps"
+                    + (f", a probe not learned by LR {args.learn_by_lr:g} stopped" if args.learn_by_lr else ""),
         "peak_lr": args.peak_lr, "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
     if args.emit != "run":
         commands = [shlex.join(["keel", "maxlr", *grid_argv(args), "--only", run.name]) for run in runs]
@@ -242,6 +257,8 @@ def main(argv: list[str]) -> int:
         # the report's criterion (keel.experiments.maxlr_report): never above the unigram loss once learned
         cfg.callbacks.stability.spike_ceiling = unigrams[key]
         cfg.callbacks.stability.spike_ceiling_margin = args.margin
+        if args.learn_by_lr is not None:
+            cfg.callbacks.stability.learn_by_step = step_reaching(cfg, args.learn_by_lr)
         wall_s = train_run(cfg, [LossByLR(cfg.run.dir)])
         cpu_s = time.process_time() - cpu_start  # this process's CPU, all threads: the cost on a shared machine
         (run_dir / COST).write_text(json.dumps({"wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1)}) + "\n")
@@ -263,8 +280,8 @@ def grid_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--depths", ",".join(map(str, args.depths))] if args.depths else []
     argv += ["--alphas", ",".join(args.alphas)] if args.alphas else []
     argv += [f"--variant={variant}" for variant in args.variants]
-    for key in ("peak_lr", "start_lr", "ramp", "steps", "eval_every", "checkpoint_every", "margin", "out",
-                "config"):
+    for key in ("peak_lr", "start_lr", "ramp", "steps", "eval_every", "checkpoint_every", "learn_by_lr", "margin",
+                "out", "config"):
         if getattr(args, key) is not None:
             argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return [*argv, *args.overrides]

@@ -113,11 +113,11 @@ def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
 def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], name: str) -> tuple[list[dict], dict]:
     """Per point of the axis: each scheme's median max LR and loss-optimal LR, and the Keel / Pre-LN ratio."""
     table, points = [], {}
-    for value, (grid, depth, width) in axis.items():
-        rows = rows_at(grids.get(grid, []), depth, width)
+    for value, (names, depth, width) in axis.items():
+        rows = [r for grid in names for r in rows_at(grids.get(grid, []), depth, width)]
         if not rows:
             continue
-        entry = {name: value, "grid": grid}
+        entry = {name: value, "grid": ", ".join(grid for grid in names if grid in grids)}
         for scheme in ("keel", "preln", "postln"):
             runs = [r for r in rows if r["row"] == scheme]
             if runs:
@@ -146,7 +146,7 @@ def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
         entry = {"width": width}
         for scheme in ("keel", "preln"):
             for name, axis in (("sp", WIDTH_TREND), ("mup", MUP_WIDTH_TREND)):
-                grid, depth, _ = axis[width]
+                (grid,), depth, _ = axis[width]
                 runs = rows_at(grids.get(grid, []), depth, width, scheme)
                 optimal = [r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None]
                 values = [v for v in map(max_lr_value, runs) if v is not None]
@@ -358,7 +358,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     if any(depth_points.values()) or any(width_points.values()):
         plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
         text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
-    if any(grid in grids for grid, _, _ in MUP_WIDTH_TREND.values()):
+    if any(grid in grids for names, _, _ in MUP_WIDTH_TREND.values() for grid in names):
         table, points = transfer(grids)
         text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
                  markdown_table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]

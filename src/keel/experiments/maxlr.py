@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.artifacts import read_stability
 from keel.callbacks.cadence import finished_step
-from keel.config import load_config, to_yaml
+from keel.config import Config, load_config, to_yaml
 from keel.errors import ConfigError
 from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, train_run, unigram_loss
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
@@ -149,7 +149,7 @@ def protocol(args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
 
 
-def step_reaching(cfg, lr: float) -> int:
+def step_reaching(cfg: Config, lr: float) -> int:
     """The first step of the probe's ramp whose LR is at least lr (an LR it reaches: checked at start-up)."""
     steps = cfg.trainer.max_steps
     return next(step for step in range(steps) if cfg.optim.lr * lr_factor(step, cfg.optim, steps) >= lr * (1 - 1e-9))

@@ -25,6 +25,7 @@ def test_the_fit_recovers_a_power_law_and_its_value_at_the_warmup():
     assert result["value low"] < law(WARMUP_HOLD, 0.9, -0.3) < result["value high"]
     assert (result["points"], result["holds"]) == (15, 5)
     assert fit([(240, 0.1), (240, 0.11), (240, 0.12)]) is None  # one hold: no line
+    assert fit([(480, 0.14), (480, 0.15), (550, 0.08), (550, 0.085)]) is None  # holds 1.15x apart: no line
 
 
 def row(point: tuple[int, int], scheme: str, hold: float, value: float, linear: bool) -> dict:
@@ -51,6 +52,11 @@ def test_the_linear_ramps_are_fitted_apart_from_the_geometric_ones():
     assert exponent["every ramp"] < exponent["linear ramps"] - 0.05
     assert fits["linear ramps"]["seeds x ramps"] == "6 (3 holds)"
     assert not any(r["scheme"] == "keel" for r in hold_fits(rows))  # no runs, no line
+    close = {grid: [row(point, "keel", hold, law(hold, 0.5, -0.2) * w, linear=True) for w in (1.02, 0.98)]
+             for grid, hold in zip(linear, (480, 500, 550))}
+    (refused,) = [r for r in hold_fits(close) if r["ramps"] == "linear ramps"]
+    assert refused["limit depends on the hold"] == "no line: the holds span 1.15x, under 2x"
+    assert refused["seeds x ramps"] == "6 (3 holds)" and refused["exponent [95%]"] == "-"
 
 
 def test_each_ramp_of_the_map_compares_keel_with_preln_seed_by_seed():

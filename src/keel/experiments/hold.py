@@ -25,6 +25,10 @@ HOLD_SCHEMES = ("keel", "preln")
 RAMP_SETS = {"every ramp": lambda ramp: True, "linear ramps": lambda ramp: ramp.startswith("linear")}
 WARMUP_STEPS = 5000  # the paper's warm-up of its 64-layer max-LR probe (docs/paper.md, Table 1)
 WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
+# The holds a line is drawn through must span this much: on a linear ramp the hold at the limit moves with the limit,
+# so two slopes 2x apart can give holds 1.1x apart, and a line through them extrapolates any difference between the
+# grids (at 64 x 32 Pre-LN's limit at 1e-4 per step is a slow return to the unigram loss) to an absurd exponent.
+MIN_HOLD_SPAN = 2.0
 
 
 def hold_points(grids: dict[str, list[dict]], point: tuple[int, int], scheme: str,
@@ -68,11 +72,12 @@ def hold_table(grids: dict[str, list[dict]]) -> list[dict]:
 
 def fit(points: list[tuple[float, float]], at: float = WARMUP_HOLD) -> dict | None:
     """Least squares of log(max LR) on log(hold) over (hold, max LR) points: the exponent and its 95% interval, and
-    the line's value at `at` with its 95% interval (the mean's, not a new seed's). None with fewer than two holds."""
+    the line's value at `at` with its 95% interval (the mean's, not a new seed's). None with fewer than two holds or
+    three points, or holds spanning less than MIN_HOLD_SPAN."""
     from scipy import stats
 
     holds = sorted({h for h, _ in points})
-    if len(holds) < 2 or len(points) < 3:
+    if len(holds) < 2 or len(points) < 3 or hold_span(points) < MIN_HOLD_SPAN:
         return None
     x = np.log([h for h, _ in points])
     y = np.log([v for _, v in points])
@@ -91,16 +96,27 @@ def fit(points: list[tuple[float, float]], at: float = WARMUP_HOLD) -> dict | No
             "points": len(points), "holds": len(holds)}
 
 
+def hold_span(points: list[tuple[float, float]]) -> float:
+    """The longest hold over the shortest."""
+    return max(h for h, _ in points) / min(h for h, _ in points)
+
+
 def hold_fits(grids: dict[str, list[dict]]) -> list[dict]:
     """Per point, scheme and set of ramps: does the max LR depend on the hold, and where would a 5,000-step warm-up
-    put it."""
+    put it; where the holds span too little for a line, a row that says so."""
     table = []
     for point in HOLD_GRIDS:
         for scheme in HOLD_SCHEMES:
             for ramps in RAMP_SETS:
-                result = fit(limits(hold_points(grids, point, scheme, ramps)))
-                if result is not None:
+                points = limits(hold_points(grids, point, scheme, ramps))
+                if (result := fit(points)) is not None:
                     table.append(fit_row(point, scheme, ramps, result))
+                elif len({h for h, _ in points}) >= 2:
+                    holds = len({h for h, _ in points})
+                    table.append({"blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "ramps": ramps,
+                                  "seeds x ramps": f"{len(points)} ({holds} holds)", "exponent [95%]": "-",
+                                  "limit depends on the hold": f"no line: the holds span {hold_span(points):.2f}x, "
+                                                               f"under {MIN_HOLD_SPAN:g}x"})
     return table
 
 

@@ -209,6 +209,26 @@ def test_maxlr_stops_a_probe_not_learned_by_learn_by_lr(tiny_data, tmp_path):
         maxlr_main([*argv[1:], "--learn-by-lr", "0.03"])
 
 
+def test_a_resumed_probe_counts_the_cost_of_its_earlier_sessions(tiny_data, tmp_path):
+    """ProbeCost rides in the checkpoints: the session that resumes a probe starts from the CPU and wall seconds the
+    earlier one had spent by its last checkpoint, and adds its own."""
+    from keel.experiments.maxlr import ProbeCost
+    from keel.training import train
+
+    from keeltest.runs import tiny_config
+
+    run = tmp_path / "probe"
+    first = ProbeCost()
+    train(tiny_config(tiny_data, run, "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=4"), [first])
+    spent = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]["ProbeCost"]
+    assert spent["cpu_s"] > 0 and spent["wall_s"] > 0
+    second = ProbeCost()
+    train(tiny_config(tiny_data, run, "trainer.max_steps=8", "resume=auto"), [second])
+    assert second.earlier == spent
+    total = second.state_dict()
+    assert total["cpu_s"] > spent["cpu_s"] and total["wall_s"] > spent["wall_s"]
+
+
 def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     out = tmp_path / "g"
     grid = ["maxlr", "--schemes", "keel,preln", "--alphas", "1,L", "--seeds", "1,2", "--out", str(out),

@@ -85,6 +85,22 @@ class LossByLR(Callback):
                 csv.writer(f).writerows([("step", "lr", "loss")] * new + self.rows)
 
 
+class ProbeCost(Callback):
+    """The CPU and wall seconds of a probe's earlier sessions, carried in its checkpoints, so that a resumed probe's
+    maxlr_time.json counts them too (an interrupted session up to its last checkpoint)."""
+
+    def __init__(self) -> None:
+        self.earlier = {"cpu_s": 0.0, "wall_s": 0.0}
+        self._cpu, self._wall = time.process_time(), time.perf_counter()  # this session's start
+
+    def state_dict(self) -> dict:
+        return {"cpu_s": self.earlier["cpu_s"] + time.process_time() - self._cpu,
+                "wall_s": self.earlier["wall_s"] + time.perf_counter() - self._wall}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.earlier = {"cpu_s": float(state["cpu_s"]), "wall_s": float(state["wall_s"])}
+
+
 # ------------------------------------------------------------------------------------------------------ grid
 
 
@@ -250,7 +266,7 @@ def main(argv: list[str]) -> int:
         if finished(run_dir, cfg.trainer.max_steps):
             print(f"keel maxlr: {i}/{len(todo)} {run.name}: finished before, skipped", flush=True)
             continue
-        cpu_start = time.process_time()
+        cost = ProbeCost()
         key = unigram_key(cfg)
         if key not in unigrams:
             unigrams[key] = unigram_loss(cfg)
@@ -259,9 +275,10 @@ def main(argv: list[str]) -> int:
         cfg.callbacks.stability.spike_ceiling_margin = args.margin
         if args.learn_by_lr is not None:
             cfg.callbacks.stability.learn_by_step = step_reaching(cfg, args.learn_by_lr)
-        wall_s = train_run(cfg, [LossByLR(cfg.run.dir)])
-        cpu_s = time.process_time() - cpu_start  # this process's CPU, all threads: the cost on a shared machine
-        (run_dir / COST).write_text(json.dumps({"wall_s": round(wall_s, 1), "cpu_s": round(cpu_s, 1)}) + "\n")
+        train_run(cfg, [LossByLR(cfg.run.dir), cost])
+        total = cost.state_dict()  # this process's CPU, all threads (the cost on a shared machine), every session
+        (run_dir / COST).write_text(json.dumps({key: round(value, 1) for key, value in total.items()}) + "\n")
+        wall_s, cpu_s = total["wall_s"], total["cpu_s"]
         state = read_stability(run_dir)
         verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]
                    else f"ran the ramp to {state['max_lr_seen']:.3g}")

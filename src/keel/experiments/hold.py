@@ -109,10 +109,10 @@ def hold_fits(grids: dict[str, list[dict]]) -> list[dict]:
         for scheme in HOLD_SCHEMES:
             for ramps in RAMP_SETS:
                 points = limits(hold_points(grids, point, scheme, ramps))
+                holds = len({h for h, _ in points})
                 if (result := fit(points)) is not None:
                     table.append(fit_row(point, scheme, ramps, result))
-                elif len({h for h, _ in points}) >= 2:
-                    holds = len({h for h, _ in points})
+                elif holds >= 2 and hold_span(points) < MIN_HOLD_SPAN:
                     table.append({"blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "ramps": ramps,
                                   "seeds x ramps": f"{len(points)} ({holds} holds)", "exponent [95%]": "-",
                                   "limit depends on the hold": f"no line: the holds span {hold_span(points):.2f}x, "

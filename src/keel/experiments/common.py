@@ -10,7 +10,6 @@ import math
 import operator
 import re
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -125,13 +124,11 @@ def width_for_budget(model: ModelConfig, depth: int, budget: int) -> int:
 # -------------------------------------------------------------------------------------- runs and results
 
 
-def train_run(cfg: Config, extra_callbacks: Sequence = ()) -> float:
-    """Train one configured run (its stability monitor, eval etc. come from cfg.callbacks); wall seconds."""
+def train_run(cfg: Config, extra_callbacks: Sequence = ()) -> None:
+    """Train one configured run (its stability monitor, eval etc. come from cfg.callbacks)."""
     from keel.training import train  # lightning: imported only by the commands that train
 
-    start = time.perf_counter()
     train(cfg, list(extra_callbacks))
-    return time.perf_counter() - start
 
 
 def _eval_scores(run_dir: Path) -> dict[str, float]:

@@ -55,7 +55,7 @@ def test_make_runs_every_grid_and_the_report_reads_every_one():
     assert read == set(GRIDS)
     roles = [*grids.TABLE1, *grids.RAMP_CHECK, *(g for pair in grids.NOGAIN_PAIRS for g in pair),
              *(g for axis in (grids.DEPTH_TREND, grids.WIDTH_TREND, grids.BATCH_POINT, grids.LINEAR_DEPTH_TREND,
-                              grids.LINEAR_WIDTH_TREND, grids.MUP_WIDTH_TREND)
+                              grids.LINEAR_SLOW_DEPTH_TREND, grids.LINEAR_WIDTH_TREND, grids.MUP_WIDTH_TREND)
                for names, _, _ in axis.values() for g in names),
              *(g for names in grids.HOLD_GRIDS.values() for g in names)]
     assert set(roles) <= set(grids.MAXLR_GRIDS) and set(grids.DEPTH_GRIDS) <= {*grids.LR_GRIDS, *grids.TUNED_GRIDS}

@@ -137,6 +137,11 @@ GRIDS = {
                                      sets=LINEAR),
     "linear-gentle-depth-d256": maxlr((256, 32), *POSTLN, "--seeds", "{WIDE_SEEDS}", *SLOPE_2E5, *size(256, 32),
                                       sets=LINEAR),
+    # the depth trend again at half the slope, where 1e-4 per step outruns learning (Pre-LN at 64 x 32, both at 256)
+    "linear-slow-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(16, 32),
+                                   sets=LINEAR),
+    "linear-slow-depth-d256": maxlr((256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_5E5, *size(256, 32),
+                                    sets=LINEAR),
     "linear-width-w128": maxlr((16, 128), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 128), sets=LINEAR),
     "linear-width-w256": maxlr((16, 256), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(16, 256), sets=LINEAR),
     # Table 1 on the geometric ramp (the second protocol): every scheme at 16 x 64, the four the paper runs deep at
@@ -207,6 +212,7 @@ WIDTH_TREND = axis(1, "depth-d16", "table1-d16", "width-w128", "width-w256")
 BATCH_POINT = axis(1, "batch-8x")  # 8x the tokens per step, plotted on the width panel
 LINEAR_DEPTH_TREND = axis(0, ("linear-depth-d16", "linear-gentle-depth-d16"), ("linear-d64", "linear-gentle-d64"),
                           ("linear-depth-d256", "linear-gentle-depth-d256"))
+LINEAR_SLOW_DEPTH_TREND = axis(0, "linear-slow-depth-d16", "hold-d64-slow", "linear-slow-depth-d256")
 LINEAR_WIDTH_TREND = axis(1, "linear-depth-d16", "linear-d16", "linear-width-w128", "linear-width-w256")
 MUP_WIDTH_TREND = axis(1, *(f"mup-width-w{width}" for width in MUP_WIDTHS))  # against WIDTH_TREND's sp grids
 # the hold map, per point: the grids whose ramps it compares, slowest hold last

@@ -22,8 +22,8 @@ from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
 from keel.experiments.common import fmt, fmt_median_range, load_run_config, markdown_table, median, pyplot, save_figure
 from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND,
-                                    LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1,
-                                    WIDTH_TREND)
+                                    LINEAR_SLOW_DEPTH_TREND, LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND,
+                                    NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value, rows_at
 from keel.experiments.sweep import MANIFEST
@@ -343,6 +343,8 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         plot_hold_map(grids, out / "hold.png")
         text += ["![max LR against the hold at the limit](hold.png)", ""]
     for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
+                                (LINEAR_SLOW_DEPTH_TREND, "Depth at width 32, the paper's protocol at half the slope",
+                                 "blocks"),
                                 (LINEAR_WIDTH_TREND, "Width at 16 blocks, the paper's protocol", "width")):
         if (table := trend(grids, axis, prefix)[0]):
             text += [f"## {title}", "", markdown_table(table), ""]

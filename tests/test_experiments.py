@@ -336,21 +336,22 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
     assert (out / "redundancy.png").stat().st_size > 0
 
 
-def test_the_ratio_trend_counts_the_seeds_where_only_keel_learned(tmp_path):
-    """Where Keel resolves and Pre-LN never learns there is no ratio, but the report and the plot say so; a point's
-    grids are read together."""
+def test_the_ratio_trend_counts_the_seeds_where_one_or_neither_learned(tmp_path):
+    """Where one scheme or neither resolves there is no ratio, but the report counts each case and the plot marks
+    the seeds where only Keel learned; a point's grids are read together."""
     def row(scheme, seed, lr):
         return {"row": scheme, "seed": seed, "depth": 16, "width": 32, "resolved": lr is not None,
                 "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01,
                 "init": "gpt2" if scheme == "preln" else "normal"}
 
     rows = [row("keel", 1, 0.2), row("preln", 1, 0.4), row("keel", 2, 0.1), row("preln", 2, None),
-            row("keel", 3, None), row("preln", 3, 0.3)]
-    assert ratios(rows) == [0.5, None]  # seed 3: Keel unresolved, nothing to compare
+            row("keel", 3, None), row("preln", 3, 0.3), row("keel", 4, None), row("preln", 4, None)]
+    assert ratios(rows) == [0.5, None]  # seeds 3-4: Keel unresolved, nothing to plot
     gentle = [{**row("postln", 1, 0.02), "init": "normal"}]  # a point's second grid (Post-LN's slope) is read too
     table, points = trend({"depth-d16": rows, "gentle-d16": gentle}, {16: (("depth-d16", "gentle-d16"), 16, 32)},
                           "blocks")
-    assert table[0]["keel / preln (per seed)"] == "0.5; Pre-LN unresolved in 1"
+    assert table[0]["keel / preln (per seed)"] == ("0.5; Pre-LN unresolved in 1; Keel unresolved in 1; "
+                                                   "neither resolved in 1")  # each seed is counted once
     assert (table[0]["grid"], table[0]["postln max LR"]) == ("depth-d16, gentle-d16", "0.02 (1/1)")
     plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
     assert (tmp_path / "ratio.png").stat().st_size > 0

@@ -91,10 +91,16 @@ def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float | 
     return out
 
 
-def _ratio_cell(values: list[float | None]) -> str:
-    known = ", ".join(f"{x:.2g}" for x in values if x is not None)
-    unresolved = sum(x is None for x in values)
-    return "; ".join(filter(None, (known, unresolved and f"Pre-LN unresolved in {unresolved}"))) or "-"
+def _ratio_cell(rows: list[dict], a: str = "keel", b: str = "preln") -> str:
+    """a / b per seed where both resolved, then the seeds where only one or neither did (no ratio, but each says
+    something: "neither" is not "Pre-LN unresolved")."""
+    by = {(r["row"], r["seed"]): max_lr_value(r) for r in rows}
+    pairs = [(by[a, seed], by[b, seed]) for label, seed in by if label == a and (b, seed) in by]
+    known = ", ".join(f"{x / y:.2g}" for x, y in pairs if x is not None and y is not None)
+    counts = {"Pre-LN unresolved": sum(x is not None and y is None for x, y in pairs),
+              "Keel unresolved": sum(x is None and y is not None for x, y in pairs),
+              "neither resolved": sum(x is None and y is None for x, y in pairs)}
+    return "; ".join(filter(None, (known, *(f"{what} in {n}" for what, n in counts.items() if n)))) or "-"
 
 
 def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
@@ -105,7 +111,7 @@ def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
             rows = rows_at(grids.get(grid, []), *point)
             if (test := compare(rows, "keel", "preln", point[0])) is not None:
                 table.append({"blocks x width": f"{point[0]} x {point[1]}", "grid": grid, "ramp": rows[0]["ramp"],
-                              "keel / preln (per seed)": _ratio_cell(ratios(rows)), "verdict": test["verdict"],
+                              "keel / preln (per seed)": _ratio_cell(rows), "verdict": test["verdict"],
                               "sign test p": test["sign test p"]})
     return table
 
@@ -127,7 +133,7 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
                 entry[f"{scheme} loss-optimal"] = fmt(median([r["loss_optimal_lr"] for r in runs
                                                                 if r["loss_optimal_lr"] is not None]))
         points[value] = ratios(rows)
-        entry["keel / preln (per seed)"] = _ratio_cell(points[value])
+        entry["keel / preln (per seed)"] = _ratio_cell(rows)
         table.append(entry)
     return table, points
 

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.checkpoint import LAST, read_checkpoint
 from keel.cli import main as cli_main
+from keel.lit import lr_factor
 from keel import training
 from keel.training import Interrupted, train
 
@@ -26,14 +27,23 @@ def test_resume_with_changed_optimizer_settings_is_reported_and_the_old_config_k
     train(tiny_config(tiny_data, run, "trainer.max_steps=2"))
     old_config = (run / "config.yaml").read_text()
     capsys.readouterr()
-    train(tiny_config(tiny_data, run, "trainer.max_steps=4", "optim.lr=0.001", "optim.schedule=linear_warmup"))
+    changed = ("trainer.max_steps=4", "optim.lr=0.001", "optim.schedule=linear_warmup", "optim.weight_decay=0.05")
+    train(tiny_config(tiny_data, run, *changed))
     err = capsys.readouterr().err
-    assert "resuming at step 2 with 3 changed setting(s)" in err
-    for change in ("optim.lr: 0.003 -> 0.001", "optim.schedule: 'cosine' -> 'linear_warmup'", "trainer.max_steps: 2 -> 4"):
+    assert "resuming at step 2 with 4 changed setting(s)" in err
+    for change in ("optim.lr: 0.003 -> 0.001", "optim.schedule: 'cosine' -> 'linear_warmup'", "trainer.max_steps: 2 -> 4",
+                   "optim.weight_decay: 0.01 -> 0.05"):
         assert change in err
     assert (run / "config.2.yaml").read_text() == old_config
+    cfg = tiny_config(tiny_data, run, *changed)
     assert "lr: 0.001" in (run / "config.yaml").read_text()
-    train(tiny_config(tiny_data, run, "trainer.max_steps=4", "optim.lr=0.001", "optim.schedule=linear_warmup"))
+    # and they took effect: the checkpoint's optimizer settings and base LR do not outlive the config that changed them
+    lrs = scalars(run, "lr/matrices")
+    for step in (2, 3):
+        assert lrs[step] == pytest.approx(0.001 * lr_factor(step, cfg.optim, 4), rel=1e-6)
+    groups = read_checkpoint(run / "checkpoints" / LAST)["optimizer_states"][0]["param_groups"]
+    assert [(g["initial_lr"], g["weight_decay"]) for g in groups] == [(0.001, 0.05), (0.001, 0.0)]  # matrices, gains
+    train(tiny_config(tiny_data, run, *changed))
     assert "changed setting" not in capsys.readouterr().err  # same settings: nothing to report
 
 

@@ -147,6 +147,19 @@ class KeelLitModule(LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"}}
 
+    def on_train_start(self) -> None:
+        """A resume restores the checkpoint's optimizer hyper-parameters and the scheduler's base LRs, whatever the
+        config now says; the config's win (keel.rundir.write_config has printed what changed). On a fresh start they
+        are already the config's: nothing moves."""
+        optimizer, scheduler = self.optimizers(use_pl_optimizer=False), self.lr_schedulers()
+        configured = make_optimizer(self.model, self.cfg.optim).param_groups  # no state: AdamW allocates it in step
+        factor = lr_factor(scheduler.last_epoch, self.cfg.optim, self.cfg.trainer.max_steps)
+        for group, wanted in zip(optimizer.param_groups, configured, strict=True):
+            group.update({key: value for key, value in wanted.items() if key != "params"})
+            group["initial_lr"] = wanted["lr"]
+            group["lr"] = wanted["lr"] * factor  # this step's, as LambdaLR would have set it from these base LRs
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["keel"] = {"config": to_dict(self.cfg), "tokenizer_json": self.tokenizer_json,
                               "heldout": self.heldout}

@@ -345,14 +345,18 @@ def test_the_ratio_trend_counts_the_seeds_where_one_or_neither_learned(tmp_path)
                 "init": "gpt2" if scheme == "preln" else "normal"}
 
     rows = [row("keel", 1, 0.2), row("preln", 1, 0.4), row("keel", 2, 0.1), row("preln", 2, None),
-            row("keel", 3, None), row("preln", 3, 0.3), row("keel", 4, None), row("preln", 4, None)]
-    assert ratios(rows) == [0.5, None]  # seeds 3-4: Keel unresolved, nothing to plot
+            row("keel", 3, None), row("preln", 3, 0.3), row("keel", 4, None), row("preln", 4, None),
+            *[{**row(scheme, seed, None), "resolved": True, "failure": None, "max_lr_seen": 0.1}  # ran the ramp
+              for scheme, seed in (("keel", 5), ("preln", 5), ("keel", 6))], row("preln", 6, 0.05)]
+    assert ratios(rows)[:2] == [0.5, None]  # seeds 3-4: Keel unresolved, nothing to plot
     gentle = [{**row("postln", 1, 0.02), "init": "normal"}]  # a point's second grid (Post-LN's slope) is read too
     table, points = trend({"depth-d16": rows, "gentle-d16": gentle}, {16: (("depth-d16", "gentle-d16"), 16, 32)},
                           "blocks")
-    assert table[0]["keel / preln (per seed)"] == ("0.5; Pre-LN unresolved in 1; Keel unresolved in 1; "
-                                                   "neither resolved in 1")  # each seed is counted once
+    assert table[0]["keel / preln (per seed)"] == (  # each seed once; a peak reached unbroken is a lower bound
+        "0.5, >=2; Pre-LN unresolved in 1; Keel unresolved in 1; neither resolved in 1; "
+        "neither broke by the ramp's end in 1")
     assert (table[0]["grid"], table[0]["postln max LR"]) == ("depth-d16, gentle-d16", "0.02 (1/1)")
+    assert table[0]["keel max LR"] == "0.1 (4/6, 2 unbroken by the ramp's end)"
     plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
     assert (tmp_path / "ratio.png").stat().st_size > 0
 

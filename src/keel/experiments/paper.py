@@ -92,15 +92,22 @@ def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float | 
 
 
 def _ratio_cell(rows: list[dict], a: str = "keel", b: str = "preln") -> str:
-    """a / b per seed where both resolved, then the seeds where only one or neither did (no ratio, but each says
-    something: "neither" is not "Pre-LN unresolved")."""
-    by = {(r["row"], r["seed"]): max_lr_value(r) for r in rows}
-    pairs = [(by[a, seed], by[b, seed]) for label, seed in by if label == a and (b, seed) in by]
-    known = ", ".join(f"{x / y:.2g}" for x, y in pairs if x is not None and y is not None)
-    counts = {"Pre-LN unresolved": sum(x is not None and y is None for x, y in pairs),
-              "Keel unresolved": sum(x is None and y is not None for x, y in pairs),
-              "neither resolved": sum(x is None and y is None for x, y in pairs)}
-    return "; ".join(filter(None, (known, *(f"{what} in {n}" for what, n in counts.items() if n)))) or "-"
+    """a / b per seed where both resolved (">=" / "<=" where one ran the whole ramp unbroken, its peak a lower
+    bound), then the seeds with no ratio: only one resolved, neither did, or both ran the ramp unbroken."""
+    by = {(r["row"], r["seed"]): r for r in rows}
+    known, counts = [], dict.fromkeys(("Pre-LN unresolved", "Keel unresolved", "neither resolved",
+                                       "neither broke by the ramp's end"), 0)
+    for x, y in [(by[a, seed], by[b, seed]) for label, seed in by if label == a and (b, seed) in by]:
+        vx, vy = max_lr_value(x), max_lr_value(y)
+        if vx is None or vy is None:
+            counts["Pre-LN unresolved" if vy is None and vx is not None else
+                   "Keel unresolved" if vx is None and vy is not None else "neither resolved"] += 1
+        elif not x["failure"] and not y["failure"]:
+            counts["neither broke by the ramp's end"] += 1
+        else:
+            known.append((">=" if not x["failure"] else "<=" if not y["failure"] else "") + f"{vx / vy:.2g}")
+    parts = [", ".join(known)] if known else []
+    return "; ".join(parts + [f"{what} in {n}" for what, n in counts.items() if n]) or "-"
 
 
 def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
@@ -129,7 +136,9 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
             if runs:
                 entry[f"{scheme} init"] = _inits(runs)
                 values = [v for v in map(max_lr_value, runs) if v is not None]
-                entry[f"{scheme} max LR"] = f"{fmt(median(values))} ({len(values)}/{len(runs)})"
+                unbroken = sum(max_lr_value(r) is not None and not r["failure"] for r in runs)  # the peak: a bound
+                entry[f"{scheme} max LR"] = (f"{fmt(median(values))} ({len(values)}/{len(runs)}"
+                                             + (f", {unbroken} unbroken by the ramp's end)" if unbroken else ")"))
                 entry[f"{scheme} loss-optimal"] = fmt(median([r["loss_optimal_lr"] for r in runs
                                                                 if r["loss_optimal_lr"] is not None]))
         points[value] = ratios(rows)

@@ -348,7 +348,8 @@ def test_the_ratio_trend_counts_the_seeds_where_one_or_neither_learned(tmp_path)
             row("keel", 3, None), row("preln", 3, 0.3), row("keel", 4, None), row("preln", 4, None),
             *[{**row(scheme, seed, None), "resolved": True, "failure": None, "max_lr_seen": 0.1}  # ran the ramp
               for scheme, seed in (("keel", 5), ("preln", 5), ("keel", 6))], row("preln", 6, 0.05)]
-    assert ratios(rows)[:2] == [0.5, None]  # seeds 3-4: Keel unresolved, nothing to plot
+    # seeds 3-4: Keel unresolved, 5: two lower bounds, nothing to plot; 6: Keel's peak over Pre-LN's limit, a bound
+    assert ratios(rows) == [0.5, None, 2.0]
     gentle = [{**row("postln", 1, 0.02), "init": "normal"}]  # a point's second grid (Post-LN's slope) is read too
     table, points = trend({"depth-d16": rows, "gentle-d16": gentle}, {16: (("depth-d16", "gentle-d16"), 16, 32)},
                           "blocks")

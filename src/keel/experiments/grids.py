@@ -77,7 +77,7 @@ DEEP = Scaled(size(64, 32), ("--depths", "256", "model=paper_d64", "trainer=gpu"
 EMIT = Scaled((), ("--emit", "slurm", SBATCH))
 SLOPE_1E4 = slope("0.4", "4000", "0.1")  # 1e-4 per step, LR resolution 5e-4: Table 1's
 SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000", "0.1"), slope("0.4", "8000", "0.1")  # the hold map's other two
-# 5e-5 per step ending at LR 0.1: at 256 x 32 Keel learned (best 5.91), was back within 0.2 nat of the unigram loss
+# 5e-5 per step ending at LR 0.1: at 256 x 32 Keel learned (best 5.81-5.89), was back within 0.2 nat of the unigram loss
 # by LR 0.03 and stayed there, under the cap, to 0.07 (2 seeds); the last 6,000 steps to 0.4 (4 CPU-hours a probe)
 # would measure that plateau. A probe that reaches 0.1 unbroken is a lower bound, the stricter margins judge it
 SLOPE_5E5_TO_01 = slope("0.1", "2000", "0.1")

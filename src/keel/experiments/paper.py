@@ -79,33 +79,38 @@ def sign_tests(rows: list[dict], pairs: list[tuple[str, str]], criterion: str | 
             if (test := compare(rows, a, b, depth, criterion)) is not None]
 
 
-def ratios(rows: list[dict], a: str = "keel", b: str = "preln") -> list[float | None]:
-    """Per seed where a is resolved, a's max LR over b's; None where b is not (b never learned: no ratio, but not
-    nothing to report)."""
+def seed_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(Keel's run, Pre-LN's run) for each seed both ran."""
     by = {(r["row"], r["seed"]): r for r in rows}
+    return [(run, by["preln", seed]) for (label, seed), run in by.items() if label == "keel" and ("preln", seed) in by]
+
+
+def ratios(rows: list[dict]) -> list[float | None]:
+    """Per seed where Keel is resolved, its max LR over Pre-LN's; None where Pre-LN is not (it never learned: no
+    ratio, but not nothing to report). No entry where both ran the ramp unbroken: two lower bounds give no ratio."""
     out = []
-    for (label, seed), row in by.items():
-        if label == a and (b, seed) in by and (x := max_lr_value(row)) is not None:
-            y = max_lr_value(by[b, seed])
-            out.append(None if y is None else x / y)
+    for keel, preln in seed_pairs(rows):
+        x, y = max_lr_value(keel), max_lr_value(preln)
+        if x is None or (y is not None and not keel["failure"] and not preln["failure"]):
+            continue
+        out.append(None if y is None else x / y)
     return out
 
 
-def _ratio_cell(rows: list[dict], a: str = "keel", b: str = "preln") -> str:
-    """a / b per seed where both resolved (">=" / "<=" where one ran the whole ramp unbroken, its peak a lower
-    bound), then the seeds with no ratio: only one resolved, neither did, or both ran the ramp unbroken."""
-    by = {(r["row"], r["seed"]): r for r in rows}
+def _ratio_cell(rows: list[dict]) -> str:
+    """Keel / Pre-LN per seed where both resolved (">=" / "<=" where one ran the whole ramp unbroken, its peak a
+    lower bound), then the seeds with no ratio: only one resolved, neither did, or both ran the ramp unbroken."""
     known, counts = [], dict.fromkeys(("Pre-LN unresolved", "Keel unresolved", "neither resolved",
                                        "neither broke by the ramp's end"), 0)
-    for x, y in [(by[a, seed], by[b, seed]) for label, seed in by if label == a and (b, seed) in by]:
-        vx, vy = max_lr_value(x), max_lr_value(y)
-        if vx is None or vy is None:
-            counts["Pre-LN unresolved" if vy is None and vx is not None else
-                   "Keel unresolved" if vx is None and vy is not None else "neither resolved"] += 1
-        elif not x["failure"] and not y["failure"]:
+    for keel, preln in seed_pairs(rows):
+        x, y = max_lr_value(keel), max_lr_value(preln)
+        if x is None or y is None:
+            counts["Pre-LN unresolved" if y is None and x is not None else
+                   "Keel unresolved" if x is None and y is not None else "neither resolved"] += 1
+        elif not keel["failure"] and not preln["failure"]:
             counts["neither broke by the ramp's end"] += 1
         else:
-            known.append((">=" if not x["failure"] else "<=" if not y["failure"] else "") + f"{vx / vy:.2g}")
+            known.append((">=" if not keel["failure"] else "<=" if not preln["failure"] else "") + f"{x / y:.2g}")
     parts = [", ".join(known)] if known else []
     return "; ".join(parts + [f"{what} in {n}" for what, n in counts.items() if n]) or "-"
 

@@ -210,19 +210,19 @@ def test_maxlr_stops_a_probe_not_learned_by_learn_by_lr(tiny_data, tmp_path):
 
 
 def test_a_resumed_probe_counts_the_cost_of_its_earlier_sessions(tiny_data, tmp_path):
-    """ProbeCost rides in the checkpoints: the session that resumes a probe starts from the CPU and wall seconds the
+    """RunCost rides in the checkpoints: the session that resumes a run starts from the CPU and wall seconds the
     earlier one had spent by its last checkpoint, and adds its own."""
-    from keel.experiments.maxlr import ProbeCost
+    from keel.experiments.cost import RunCost
     from keel.training import train
 
     from keeltest.runs import tiny_config
 
     run = tmp_path / "probe"
-    first = ProbeCost()
+    first = RunCost()
     train(tiny_config(tiny_data, run, "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=4"), [first])
     spent = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]["ProbeCost"]
     assert spent["cpu_s"] > 0 and spent["wall_s"] > 0
-    second = ProbeCost()
+    second = RunCost()
     train(tiny_config(tiny_data, run, "trainer.max_steps=8", "resume=auto"), [second])
     assert second.earlier == spent
     total = second.state_dict()
@@ -295,13 +295,16 @@ def test_sweep_emits_commands_and_slurm(tmp_path, capsys):
     assert widths == ["88", "64", "48"]  # deeper = narrower, at ~ the depth-4 width-64 parameter count
 
 
+def sweep_argv(out: Path, tiny_data: list[str]) -> list[str]:
+    return ["sweep", "--schemes", "preln", "--lrs", "1e-3,3e-3", "--out", str(out), *QUICK, *tiny_data,
+            "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.val_batches=2"]
+
+
 @pytest.fixture(scope="module")
 def sweep_dir(tiny_data, tmp_path_factory) -> Path:
     """A 2-run grid (two learning rates) trained here, then collected."""
     out = tmp_path_factory.mktemp("sweep")
-    argv = ["sweep", "--schemes", "preln", "--lrs", "1e-3,3e-3", "--out", str(out), *QUICK, *tiny_data,
-            "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.val_batches=2"]
-    assert cli_main(argv) == 0
+    assert cli_main(sweep_argv(out, tiny_data)) == 0
     return out
 
 
@@ -316,6 +319,27 @@ def test_sweep_runs_and_collects_a_grid(sweep_dir):
     (sweep_dir / "sweep.csv").unlink()
     assert cli_main(["sweep", "collect", str(sweep_dir)]) == 0  # collect alone rebuilds it
     assert read_csv(sweep_dir / "sweep.csv") == rows
+
+
+def test_a_rerun_sweep_trains_only_what_its_records_do_not_show_finished(sweep_dir, tiny_data, tmp_path, capsys):
+    """The committed records of a grid (no checkpoints) are enough for a rerun to skip its finished runs; a run
+    whose stability.json stops short of max_steps trains again. Each trained run leaves its cost."""
+    out = tmp_path / "records"
+    shutil.copytree(sweep_dir, out, ignore=shutil.ignore_patterns("checkpoints"))
+    for run in ("preln-lr1e-3", "preln-lr3e-3"):
+        assert json.loads((sweep_dir / run / "sweep_time.json").read_text())["cpu_s"] > 0
+    short = out / "preln-lr3e-3" / "stability.json"
+    short.write_text(json.dumps({**json.loads(short.read_text()), "steps": 4}))
+    kept = (out / "preln-lr1e-3" / "stability.json").read_bytes()
+    capsys.readouterr()
+    assert cli_main(sweep_argv(out, tiny_data)) == 0
+    printed = capsys.readouterr().out
+    assert "run 1/2: preln-lr1e-3: finished before, skipped" in printed
+    assert "run 2/2: preln-lr3e-3: done" in printed
+    assert not (out / "preln-lr1e-3" / "checkpoints").exists()
+    assert (out / "preln-lr1e-3" / "stability.json").read_bytes() == kept
+    assert (out / "preln-lr3e-3" / "checkpoints").is_dir()
+    assert json.loads(short.read_text())["steps"] == 6
 
 
 def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp_path):

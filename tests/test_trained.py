@@ -19,6 +19,7 @@ from keel.artifacts import STABILITY
 from keel.callbacks.downstream_eval import DownstreamEval
 from keel.callbacks.stability import Failure, StabilityMonitor
 from keel.cli import main as cli_main
+from keel.experiments.sweep import COST
 from keel.config import load_config
 from keel.experiments.common import fmt, write_table
 from keel.experiments.trained import (LOSS, apart, direction, load_trained, matched_gaps, read_redundancy, spread,
@@ -90,12 +91,16 @@ def score(evaluation: dict, metric: str) -> float:
 
 @pytest.fixture(scope="module")
 def paper(tmp_path_factory):
-    """A paper directory with lr-d16 (one run stopped short, one flagged by the monitor), its redundancy.csv, and
-    Table 3's depth grids (tuned-depth-d16, and lr-d64 for 64 blocks); the evaluations written, by grid and run."""
+    """A paper directory with lr-d16 (one run stopped short, one flagged by the monitor, seed 1 timed), its
+    redundancy.csv, and Table 3's depth grids (tuned-depth-d16, and lr-d64 for 64 blocks); the evaluations written,
+    by grid and run."""
     out = tmp_path_factory.mktemp("paper")
     rng = random.Random(0)
     histories = {"lr-d16": make_grid(out, "lr-d16", LRS, 16, 64, LR_GRID, rng, failed={"keel-lr0.01-s2"},
                                      unfinished={"preln-lr0.02-s3"})}
+    for name in histories["lr-d16"]:  # seed 1 timed (keel sweep's sweep_time.json), 900 CPU-s each
+        if name.endswith("-s1"):
+            (out / "lr-d16" / name / COST).write_text(json.dumps({"cpu_s": 900.0, "wall_s": 950.0}))
     for depth, finals in TUNED.items():
         histories[DEPTH_GRID[depth]] = make_grid(out, DEPTH_GRID[depth], TUNED_LRS, depth, 32, finals, rng)
     # keel redundancy's rows (keel.experiments.redundancy.measure) over every final checkpoint of lr-d16 and one more
@@ -218,13 +223,16 @@ def test_each_scheme_at_its_own_best_lr_per_depth_and_the_gap_against_depth(pape
 def test_paper_report_has_the_trained_sections_for_the_grids_present(paper):
     assert cli_main(["paper-report", str(paper.out)]) == 0
     report = (paper.out / "report.md").read_text()
-    assert "## Table 2, the LR sweep at 16 blocks x 64 (lr-d16; 23 of 24 runs finished)" in report
+    assert ("## Table 2, the LR sweep at 16 blocks x 64 (lr-d16; 23 of 24 runs finished, 2.0 CPU-hours over the 8 "
+            "timed)") in report
     for heading in ("## Section 9, loss against tasks at 16 blocks x 64 (lr-d16)",
                     "## Section 8, layer use at 16 blocks x 64 (lr-d16) (2 checkpoints of unfinished or unknown runs "
                     "left out)", "## Table 3, depth at width 32, each scheme at its own best LR"):
         assert heading in report
     # lr-d64 (Table 3's 64-block point) has its Table 2 too, and no redundancy.csv yet: the report says how to make it
-    assert "## Table 2, the LR sweep at 64 blocks x 32 (lr-d64; 18 of 18 runs finished)" in report
+    assert "## Table 2, the LR sweep at 64 blocks x 32 (lr-d64; 18 of 18 runs finished, none timed)" in report
+    assert ("tuned-depth-d16: 18 of 18 runs finished, none timed; lr-d64: 18 of 18 runs finished, none timed."
+            in report)
     assert "Section 8 at 64 blocks x 32: no lr-d64/redundancy/redundancy.csv yet (make paper-redundancy-lr-d64)." in report
     assert "tuned-depth-d256." in report.split("\n")[2]  # the "Not (yet) run" line ends with them
     for plot in ("loss_vs_tasks_lr-d16.png", "layer_use_lr-d16.png"):

@@ -17,7 +17,6 @@ import argparse
 import csv
 import json
 import shlex
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,7 +26,8 @@ from keel.artifacts import read_stability
 from keel.callbacks.cadence import finished_step
 from keel.config import Config, load_config, to_yaml
 from keel.errors import ConfigError
-from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, train_run, unigram_loss
+from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, unigram_loss
+from keel.experiments.cost import train_timed
 from keel.experiments.maxlr_report import COST, MARGIN, collect, finished, unigram_key
 from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.sweep import MANIFEST, Run, slurm_script
@@ -83,22 +83,6 @@ class LossByLR(Callback):
             new = not self.path.exists()
             with open(self.path, "a", newline="") as f:
                 csv.writer(f).writerows([("step", "lr", "loss")] * new + self.rows)
-
-
-class ProbeCost(Callback):
-    """The CPU and wall seconds of a probe's earlier sessions, carried in its checkpoints, so that a resumed probe's
-    maxlr_time.json counts them too (an interrupted session up to its last checkpoint)."""
-
-    def __init__(self) -> None:
-        self.earlier = {"cpu_s": 0.0, "wall_s": 0.0}
-        self._cpu, self._wall = time.process_time(), time.perf_counter()  # this session's start
-
-    def state_dict(self) -> dict:
-        return {"cpu_s": self.earlier["cpu_s"] + time.process_time() - self._cpu,
-                "wall_s": self.earlier["wall_s"] + time.perf_counter() - self._wall}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.earlier = {"cpu_s": float(state["cpu_s"]), "wall_s": float(state["wall_s"])}
 
 
 # ------------------------------------------------------------------------------------------------------ grid
@@ -266,7 +250,6 @@ def main(argv: list[str]) -> int:
         if finished(run_dir, cfg.trainer.max_steps):
             print(f"keel maxlr: {i}/{len(todo)} {run.name}: finished before, skipped", flush=True)
             continue
-        cost = ProbeCost()
         key = unigram_key(cfg)
         if key not in unigrams:
             unigrams[key] = unigram_loss(cfg)
@@ -275,9 +258,7 @@ def main(argv: list[str]) -> int:
         cfg.callbacks.stability.spike_ceiling_margin = args.margin
         if args.learn_by_lr is not None:
             cfg.callbacks.stability.learn_by_step = step_reaching(cfg, args.learn_by_lr)
-        train_run(cfg, [LossByLR(cfg.run.dir), cost])
-        total = cost.state_dict()  # this process's CPU, all threads (the cost on a shared machine), every session
-        (run_dir / COST).write_text(json.dumps({key: round(value, 1) for key, value in total.items()}) + "\n")
+        total = train_timed(cfg, run_dir / COST, [LossByLR(cfg.run.dir)])
         wall_s, cpu_s = total["wall_s"], total["cpu_s"]
         state = read_stability(run_dir)
         verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]

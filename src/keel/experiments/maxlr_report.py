@@ -29,7 +29,7 @@ from keel.experiments.common import comma_list, load_run_config, markdown_table,
 from keel.experiments.sweep import MANIFEST
 
 DEFAULT_PAIRS = (("keel", "preln"), ("keel", "postln"))
-COST = "maxlr_time.json"  # wall and CPU seconds of the run, over its sessions (maxlr.ProbeCost)
+COST = "maxlr_time.json"  # wall and CPU seconds of the probe, over its sessions (keel.experiments.cost)
 MARGIN = 0.5  # nats below the unigram loss that count as "learned"
 HOLD_FACTOR = 4 / 3  # the hold at an LR x: the steps a ramp spends between x and 4/3 x (the geometric ramp's 20)
 # The sensitivity table: the same curves judged with other settings (None: the run's spike_margin); the looser

@@ -3,7 +3,8 @@
 The grid is the product of the axes given (an axis left out keeps the configured value); --alphas apply to keel
 runs only, resolved per depth; --fixed-params gives each depth the width closest to the configured model's
 non-embedding parameter count. --emit run trains the runs here, then collects; commands|slurm write them out.
-Runs go to DIR/<name> and resume (resume=auto). `collect` tabulates each run's last validation loss, task scores
+Runs go to DIR/<name> and resume (resume=auto); a rerun skips the finished ones, and each run's CPU and wall
+seconds go to DIR/<name>/sweep_time.json. `collect` tabulates each run's last validation loss, task scores
 and stability verdict into DIR/sweep.csv and sweep.md and plots each metric against each axis that varies
 (docs/experiments.md, "Grids of complete runs").
 """
@@ -17,8 +18,8 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keel.artifacts import CONFIG
-from keel.config import load_config
+from keel.artifacts import CONFIG, read_stability
+from keel.config import Config, load_config
 from keel.experiments.common import (
     OneLineErrorParser,
     comma_list,
@@ -27,7 +28,6 @@ from keel.experiments.common import (
     resolve_alpha,
     run_row,
     slug,
-    train_run,
     width_for_budget,
     write_table,
 )
@@ -35,6 +35,7 @@ from keel.errors import ConfigError
 from keel.config.model import scheme_named
 
 MANIFEST = "sweep.json"
+COST = "sweep_time.json"  # wall and CPU seconds of the run, over its sessions (keel.experiments.cost)
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
 PLOT_METRICS = {"val_loss": "validation loss", "max_tolerable_lr": "max tolerable LR"}
 AXIS_KEYS = {"scheme": "model.scheme", "depth": "model.depth", "width": "model.width", "lr": "optim.lr",
@@ -73,6 +74,14 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
             name = "-".join(AXIS_PREFIX[axis] + slug(value) for axis, value in axes.items()) or "base"
             runs.append(Run(name, axes, overrides))
     return runs
+
+
+def finished(cfg: Config) -> bool:
+    """A run is over once its stability monitor recorded every step, or a failure that stopped it: a rerun of the
+    grid skips it, even from records alone (its checkpoints gone), rather than train it again."""
+    state = read_stability(cfg.run.dir)
+    return state is not None and (state["steps"] >= cfg.trainer.max_steps
+                                  or (state["failed"] and cfg.callbacks.stability.stop_on_failure))
 
 
 def pretrain_command(args: argparse.Namespace, run: Run, out: Path) -> str:
@@ -169,9 +178,16 @@ def main(argv: list[str]) -> int:
     (out / MANIFEST).write_text(json.dumps({"config": args.config, "overrides": args.overrides,
                                             "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
     if args.emit == "run":
+        from keel.experiments.cost import train_timed  # lightning: imported only when training
+
         for i, (run, cfg) in enumerate(zip(runs, configs), 1):
+            if finished(cfg):
+                print(f"keel sweep: run {i}/{len(runs)}: {run.name}: finished before, skipped", flush=True)
+                continue
             print(f"keel sweep: run {i}/{len(runs)}: {run.name}", flush=True)
-            train_run(cfg)
+            total = train_timed(cfg, Path(cfg.run.dir) / COST)
+            print(f"keel sweep: run {i}/{len(runs)}: {run.name}: done ({total['wall_s']:.0f} s wall, "
+                  f"{total['cpu_s']:.0f} s CPU)", flush=True)
         collect(out)
         print(f"keel sweep: {len(runs)} runs -> {out}/sweep.csv, sweep.md, plots")
         return 0

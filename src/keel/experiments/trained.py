@@ -26,7 +26,7 @@ from pathlib import Path
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.common import fmt, load_run_config, markdown_table, pyplot, save_figure
 from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY_DIR, TUNED_GRIDS
-from keel.experiments.sweep import MANIFEST
+from keel.experiments.sweep import COST, MANIFEST
 
 REDUNDANCY = f"{REDUNDANCY_DIR}/redundancy.csv"  # under an LR grid (make paper-redundancy-<grid>)
 PAIR = ("keel", "preln")
@@ -49,6 +49,7 @@ class Run:
     init: str
     failed: bool  # the stability monitor's verdict (stability.json): a failure it recorded, stopped or not
     evaluations: list[dict[str, float]]  # per in-loop evaluation: LOSS and each metric -> value
+    cpu_s: float | None  # what it cost over its sessions (sweep_time.json), None where it was not timed
 
     @property
     def final(self) -> dict[str, float]:
@@ -85,8 +86,16 @@ def read_run(run_dir: Path) -> Run | None:
                   for metric, value in values.items()}
         evaluations.append({LOSS: entry["val_loss"], **{m: scores[m] for m in metrics if m in scores}})
     stability = read_stability(run_dir) or {}
+    cost = run_dir / COST
+    cpu_s = json.loads(cost.read_text())["cpu_s"] if cost.is_file() else None
     return Run(run_dir.name, cfg.model.scheme, cfg.model.depth, cfg.model.width, cfg.optim.lr, cfg.model.init_kind,
-               bool(stability.get("failed")), evaluations)
+               bool(stability.get("failed")), evaluations, cpu_s)
+
+
+def cost(runs: list[Run]) -> str:
+    """The CPU-hours of the timed runs, and how many of them there are."""
+    timed = [run.cpu_s for run in runs if run.cpu_s is not None]
+    return f"{sum(timed) / 3600:.1f} CPU-hours over the {len(timed)} timed" if timed else "none timed"
 
 
 def load_trained(out: Path) -> tuple[dict[str, Grid], list[str]]:
@@ -383,7 +392,8 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
         runs, listed = grids[grid].runs, grids[grid].listed
         size = _sizes(runs)
         table, verdicts = lr_table(runs)
-        text += [f"## Table 2, the LR sweep at {size} ({grid}; {len(runs)} of {listed} runs finished)", "", note, "",
+        text += [f"## Table 2, the LR sweep at {size} ({grid}; {len(runs)} of {listed} runs finished, {cost(runs)})",
+                 "", note, "",
                  markdown_table(table), "", "Monotone in LR? (the means, in LR order)", "", markdown_table(verdicts), ""]
         if gaps := matched_gaps(runs):
             plot_loss_vs_tasks(runs, out / f"loss_vs_tasks_{grid}.png", f"Task scores against held-out loss ({grid})")
@@ -406,7 +416,9 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
     if tuned:
         sweeps, gaps, trend = tuned_depth(tuned)
         widths = ", ".join(dict.fromkeys(str(r.width) for runs in tuned.values() for r in runs))
-        text += [f"## Table 3, depth at width {widths}, each scheme at its own best LR", "", note, "",
+        costs = "; ".join(f"{grid}: {len(runs)} of {grids[grid].listed} runs finished, {cost(runs)}"
+                          for grid, runs in tuned.items())
+        text += [f"## Table 3, depth at width {widths}, each scheme at its own best LR", "", f"{note} {costs}.", "",
                  markdown_table(sweeps), "", markdown_table(gaps), ""]
         if trend:
             text += ["The gap against depth:", "", markdown_table(trend), ""]

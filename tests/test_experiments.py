@@ -342,7 +342,7 @@ def test_a_rerun_sweep_trains_only_what_its_records_do_not_show_finished(sweep_d
     assert json.loads(short.read_text())["steps"] == 6
 
 
-def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp_path):
+def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp_path, capsys):
     checkpoint = torch.load(sweep_dir / "preln-lr3e-3" / "checkpoints" / "last.ckpt", weights_only=True)
     for name in ("blocks.1.attn.branch.out.weight", "blocks.1.ffn.branch.down.weight"):  # block 1 = identity
         checkpoint["state_dict"][f"model.{name}"].zero_()
@@ -358,6 +358,24 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
     assert float(rows[1]["ppl_increase"]) == pytest.approx(0.0, abs=1e-6)
     assert abs(float(rows[0]["ppl_increase"])) > 1e-3
     assert (out / "redundancy.png").stat().st_size > 0
+    # --append: the zeroed checkpoint's rows stay (its file gone, as a committed record's), `other` measured again
+    # replaces its own rows, a new one adds its; without --append the table holds only what was measured
+    zeroed.unlink()
+    third = sweep_dir / "preln-lr3e-3" / "checkpoints" / "last.ckpt"
+    assert cli_main(["redundancy", str(other), str(third), "--batches", "2", "--out", str(out), "--append"]) == 0
+    appended = read_csv(out / "redundancy.csv")
+    assert appended[:2] == rows[:2]
+    assert [(r["path"], int(r["block"])) for r in appended[2:]] == [(str(other), 0), (str(other), 1), (str(third), 0),
+                                                                    (str(third), 1)]
+    assert [r["loss_increase"] for r in appended[2:4]] == [r["loss_increase"] for r in rows[2:]]  # deterministic
+    assert cli_main(["redundancy", str(third), "--batches", "2", "--out", str(out)]) == 0
+    assert [r["path"] for r in read_csv(out / "redundancy.csv")] == [str(third)] * 2
+    (out / "redundancy.csv").write_text("step,loss\n1,2\n")
+    capsys.readouterr()
+    assert cli_main(["redundancy", str(third), "--batches", "2", "--out", str(out), "--append"]) == 2
+    err = capsys.readouterr().err
+    assert "redundancy --append: " in err and "redundancy.csv is not a redundancy.csv" in err
+    assert (out / "redundancy.csv").read_text() == "step,loss\n1,2\n"  # refused before anything is written
 
 
 def test_the_ratio_trend_counts_the_seeds_where_one_or_neither_learned(tmp_path):

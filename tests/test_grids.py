@@ -139,7 +139,7 @@ def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys
     (argv,) = dry_run(capsys, "redundancy-lr-d16", "--out", str(tmp_path))
     assert argv == ["redundancy", f"{tmp_path}/lr-d16/keel-lr0.01-s1/checkpoints/last.ckpt",
                     f"{tmp_path}/lr-d16/preln-lr0.01-s1/checkpoints/last.ckpt",
-                    "--out", f"{tmp_path}/lr-d16/redundancy"]
+                    "--append", "--out", f"{tmp_path}/lr-d16/redundancy"]
 
 
 def test_paper_run_runs_the_grids_command_into_its_directory(tmp_path, capsys):

@@ -118,8 +118,9 @@ def trained(point: tuple[int, int], lrs: str, *args: str) -> Grid:
 
 
 def redundancy(grid: str) -> Grid:
-    """keel redundancy over a grid's final checkpoints, into <grid>/redundancy/."""
-    return Grid("redundancy", (CHECKPOINTS, "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
+    """keel redundancy over a grid's final checkpoints, into <grid>/redundancy/ beside the rows already there (those
+    of committed records whose checkpoints are gone)."""
+    return Grid("redundancy", (CHECKPOINTS, "--append", "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
                 ("paper-trained",), over=grid)
 
 

@@ -6,7 +6,9 @@ barely moves it; the paper reports Pre-LN's shallow blocks as redundant and Keel
 checkpoints (`checkpoint=PATH`, a bare PATH or `--checkpoint PATH`, any number) are measured on the first
 --batches validation batches of their own data (or of --data-dir, tokenized alike) and drawn side by side.
 
-Writes under --out: redundancy.csv (a row per checkpoint and block), redundancy.md and redundancy.png.
+Writes under --out: redundancy.csv (a row per checkpoint and block), redundancy.md and redundancy.png. With
+--append the rows already in --out's redundancy.csv stay, but for the checkpoints measured again: a grid's table
+grows as its runs finish, and its committed rows survive where their checkpoints are gone.
 The block skipping is keel.layer_skip's, shared with keel.callbacks.layer_importance, which tracks the same
 quantity during training.
 """
@@ -14,7 +16,9 @@ quantity during training.
 from __future__ import annotations
 
 import argparse
+import csv
 import math
+import os
 from itertools import islice
 from pathlib import Path
 
@@ -27,6 +31,10 @@ from keel.errors import ConfigError
 from keel.experiments.common import plot_lines, write_table
 from keel.model import KeelLM
 from keel.training import set_threads
+
+# a row's numbers (measure's), read back from an earlier redundancy.csv by --append
+NUMBERS = {"depth": int, "block": int, "val_tokens": int, "ppl_base": float, "ppl_removed": float,
+           "ppl_increase": float, "loss_increase": float}
 
 
 @torch.no_grad()
@@ -54,6 +62,21 @@ def measure(path: str, batches: int, batch_size: int | None, data_dir: str | Non
              "ppl_removed": math.exp(loss), "ppl_increase": math.exp(loss) - math.exp(base),
              "loss_increase": loss - base}
             for b, loss in enumerate(removed)]
+
+
+def earlier_rows(table: Path, measured: list[str]) -> list[dict]:
+    """The rows of `table` (an earlier redundancy.csv, if any) for checkpoints other than those `measured`."""
+    if not table.is_file():
+        return []
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    expected = {"checkpoint", "path", "scheme", *NUMBERS}
+    if rows and set(rows[0]) != expected:
+        raise ConfigError(f"redundancy --append: {table} is not a redundancy.csv (columns {', '.join(rows[0])}; "
+                          f"expected {', '.join(sorted(expected))}); give another --out")
+    again = {os.path.normpath(path) for path in measured}
+    return [{key: NUMBERS.get(key, str)(value) for key, value in row.items()} for row in rows
+            if os.path.normpath(row["path"]) not in again]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -85,12 +108,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data-dir", help="shards to evaluate on (default: each run's data.dir)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="runs/redundancy")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of other checkpoints already in --out's redundancy.csv")
     args = parser.parse_args(argv)
-    rows = [row for path in checkpoint_paths(args.checkpoints, args.checkpoint)
-            for row in measure(path, args.batches, args.batch_size, args.data_dir, args.device)]
+    paths = checkpoint_paths(args.checkpoints, args.checkpoint)
     out = Path(args.out)
+    kept = earlier_rows(out / "redundancy.csv", paths) if args.append else []
+    rows = kept + [row for path in paths for row in measure(path, args.batches, args.batch_size, args.data_dir,
+                                                             args.device)]
     columns = write_table(rows, out / "redundancy.csv", out / "redundancy.md")
     plot(rows, out / "redundancy.png")
-    print(f"keel redundancy: {len(rows)} blocks -> {out}/redundancy.csv ({', '.join(columns)}), "
+    kept_note = f" ({len(kept)} of them kept from before)" if kept else ""
+    print(f"keel redundancy: {len(rows)} blocks{kept_note} -> {out}/redundancy.csv ({', '.join(columns)}), "
           "redundancy.md, redundancy.png")
     return 0

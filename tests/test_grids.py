@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from keel.artifacts import STABILITY
+from keel.callbacks.stability import StabilityMonitor
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.experiments import grids
 from keel.experiments.grids import GRIDS, SETTINGS
+from keel.rundir import write_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,10 +135,19 @@ def test_settings_scale_and_args_change_only_what_they_name(tmp_path, capsys):
 
 
 def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys):
-    for run in ("preln-lr0.01-s1", "keel-lr0.01-s1", "unfinished"):
-        (tmp_path / "lr-d16" / run / "checkpoints").mkdir(parents=True)
-    for run in ("preln-lr0.01-s1", "keel-lr0.01-s1"):
-        (tmp_path / "lr-d16" / run / "checkpoints" / "last.ckpt").touch()
+    """Only finished runs' last.ckpt: not one with no checkpoint, nor one still training (its last.ckpt is from the
+    middle of its schedule), nor a directory without a run's config."""
+    steps = {"preln-lr0.01-s1": 2000, "keel-lr0.01-s1": 2000, "training": 1500, "no-checkpoint": 2000}
+    for run, done in steps.items():
+        cfg = load_config(None, ["trainer.max_steps=2000", f"run.dir={tmp_path / 'lr-d16' / run}"])
+        Path(cfg.run.dir).mkdir(parents=True)
+        write_config(cfg, None)
+        (Path(cfg.run.dir) / STABILITY).write_text(json.dumps(StabilityMonitor(run_dir=cfg.run.dir).summary(done)))
+        if run != "no-checkpoint":
+            (Path(cfg.run.dir) / "checkpoints").mkdir()
+            (Path(cfg.run.dir) / "checkpoints" / "last.ckpt").touch()
+    (tmp_path / "lr-d16" / "stray" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "lr-d16" / "stray" / "checkpoints" / "last.ckpt").touch()
     (argv,) = dry_run(capsys, "redundancy-lr-d16", "--out", str(tmp_path))
     assert argv == ["redundancy", f"{tmp_path}/lr-d16/keel-lr0.01-s1/checkpoints/last.ckpt",
                     f"{tmp_path}/lr-d16/preln-lr0.01-s1/checkpoints/last.ckpt",

@@ -14,6 +14,7 @@ import glob
 import importlib
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from keel.errors import ConfigError
 
@@ -32,7 +33,7 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
 }
 SETS = ("paper", "paper-linear", "paper-trained")  # the make targets that run several grids, then the report
 SBATCH = "{SBATCH}"  # at paper scale: one --sbatch=OPTION per #SBATCH option given
-CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the grid a redundancy grid is over, once it has run
+CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the finished runs of the grid a redundancy grid is over
 REDUNDANCY_DIR = "redundancy"  # a redundancy grid's directory, under the grid it is over
 
 
@@ -235,8 +236,19 @@ DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's dep
 # ---------------------------------------------------------------------------------------------- keel paper-run
 
 
+def final_checkpoints(pattern: str) -> list[str]:
+    """The last.ckpt files matching pattern whose run has finished (its records show every step): a run still
+    training has a last.ckpt too, from the middle of its schedule."""
+    from keel.artifacts import CONFIG
+    from keel.experiments.common import load_run_config
+    from keel.experiments.sweep import finished
+
+    runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(pattern))]
+    return [path for path, run in runs if (run / CONFIG).is_file() and finished(load_run_config(run))]
+
+
 def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch: tuple[str, ...] = (),
-            checkpoints=lambda pattern: sorted(glob.glob(pattern))) -> list[str]:
+            checkpoints=final_checkpoints) -> list[str]:
     """The grid's keel command line (after `keel`); values: each setting's, OUT's and PAPER_OUT's."""
     grid = GRIDS[name]
     values = {**values, "OUT": f"{values['PAPER_OUT']}/{name}"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -249,3 +250,14 @@ def test_a_truncated_eval_history_is_named(paper, capsys):
         history.write_text(text)
     assert capsys.readouterr().err.startswith(f"keel paper-report: config error: {history} cannot be read "
                                               "(truncated?): ")
+
+
+def test_table_3_with_one_scheme_finished_has_no_empty_gap_table(paper, tmp_path):
+    """Early in a tuned grid only one scheme may have finished runs: its sweep is shown, and no empty gap table."""
+    shutil.copytree(paper.out / "tuned-depth-d16", tmp_path / "tuned-depth-d16",
+                    ignore=shutil.ignore_patterns("preln-*"))
+    assert cli_main(["paper-report", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    table_3 = report[report.index("## Table 3, depth at width 32"):]
+    assert "| 16 | tuned-depth-d16 | keel |" in table_3 and "| preln |" not in table_3
+    assert "|  |" not in table_3

@@ -419,7 +419,9 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
         costs = "; ".join(f"{grid}: {len(runs)} of {grids[grid].listed} runs finished, {cost(runs)}"
                           for grid, runs in tuned.items())
         text += [f"## Table 3, depth at width {widths}, each scheme at its own best LR", "", f"{note} {costs}.", "",
-                 markdown_table(sweeps), "", markdown_table(gaps), ""]
+                 markdown_table(sweeps), ""]
+        if gaps:  # a depth where both schemes have a finished run
+            text += [markdown_table(gaps), ""]
         if trend:
             text += ["The gap against depth:", "", markdown_table(trend), ""]
     return text

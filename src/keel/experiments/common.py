@@ -170,6 +170,14 @@ def load_run_config(run_dir: str | Path) -> Config:
     return from_dict(OmegaConf.to_container(OmegaConf.load(Path(run_dir) / CONFIG)))
 
 
+def finished(run_dir: str | Path, cfg: Config) -> bool:
+    """A run (a sweep's or a max-LR probe) is over once its stability monitor recorded every step, or a failure that
+    stopped it: told from its records alone, checkpoints gone or not, wherever the run directory now lies."""
+    state = read_stability(run_dir)
+    return state is not None and (state["steps"] >= cfg.trainer.max_steps
+                                  or (state["failed"] and cfg.callbacks.stability.stop_on_failure))
+
+
 def run_row(run_dir: str | Path) -> dict[str, Any]:
     """One run as a flat record: what it was (from its config.yaml) and what it left behind - the stability
     monitor's verdict (stability.json), the last validation loss with its TensorBoard step (the 0-based index

@@ -240,11 +240,10 @@ def final_checkpoints(pattern: str) -> list[str]:
     """The last.ckpt files matching pattern whose run has finished (its records show every step): a run still
     training has a last.ckpt too, from the middle of its schedule."""
     from keel.artifacts import CONFIG
-    from keel.experiments.common import load_run_config
-    from keel.experiments.sweep import finished
+    from keel.experiments.common import finished, load_run_config
 
     runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(pattern))]
-    return [path for path, run in runs if (run / CONFIG).is_file() and finished(load_run_config(run))]
+    return [path for path, run in runs if (run / CONFIG).is_file() and finished(run, load_run_config(run))]
 
 
 def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch: tuple[str, ...] = (),

@@ -24,8 +24,8 @@ from keel.artifacts import CONFIG, read_stability
 from keel.config.callbacks import divergence_bar
 from keel.config import Config
 from keel.errors import ConfigError
-from keel.experiments.common import comma_list, load_run_config, markdown_table, median_range, pyplot, run_row, \
-    unigram_loss, write_table
+from keel.experiments.common import comma_list, finished, load_run_config, markdown_table, median_range, pyplot, \
+    run_row, unigram_loss, write_table
 from keel.experiments.sweep import MANIFEST
 
 DEFAULT_PAIRS = (("keel", "preln"), ("keel", "postln"))
@@ -237,7 +237,7 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
     rows, pending = [], []
     for run in manifest["runs"]:
         run_dir = out / run["name"]
-        if not (run_dir / CONFIG).is_file() or not finished(run_dir, load_run_config(run_dir).trainer.max_steps):
+        if not (run_dir / CONFIG).is_file() or not finished(run_dir, load_run_config(run_dir)):
             pending.append(run["name"])
             continue
         cfg = load_run_config(run_dir)
@@ -276,12 +276,6 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
     (out / "maxlr.md").write_text("\n".join(text))
     plot(rows, out, unigrams, margin)
     return rows
-
-
-def finished(run_dir: Path, max_steps: int) -> bool:
-    """A probe is done once it failed (the verdict is kept in stability.json) or ran every step."""
-    state = read_stability(run_dir)
-    return state is not None and (state["failed"] or state["steps"] >= max_steps)
 
 
 def unigram_key(cfg: Config) -> tuple:

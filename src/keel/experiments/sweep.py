@@ -18,11 +18,12 @@ import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from keel.artifacts import CONFIG, read_stability
-from keel.config import Config, load_config
+from keel.artifacts import CONFIG
+from keel.config import load_config
 from keel.experiments.common import (
     OneLineErrorParser,
     comma_list,
+    finished,
     non_embedding_params,
     plot_lines,
     resolve_alpha,
@@ -74,14 +75,6 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
             name = "-".join(AXIS_PREFIX[axis] + slug(value) for axis, value in axes.items()) or "base"
             runs.append(Run(name, axes, overrides))
     return runs
-
-
-def finished(cfg: Config) -> bool:
-    """A run is over once its stability monitor recorded every step, or a failure that stopped it: a rerun of the
-    grid skips it, even from records alone (its checkpoints gone), rather than train it again."""
-    state = read_stability(cfg.run.dir)
-    return state is not None and (state["steps"] >= cfg.trainer.max_steps
-                                  or (state["failed"] and cfg.callbacks.stability.stop_on_failure))
 
 
 def pretrain_command(args: argparse.Namespace, run: Run, out: Path) -> str:
@@ -181,7 +174,7 @@ def main(argv: list[str]) -> int:
         from keel.experiments.cost import train_timed  # lightning: imported only when training
 
         for i, (run, cfg) in enumerate(zip(runs, configs), 1):
-            if finished(cfg):
+            if finished(cfg.run.dir, cfg):  # from the records alone: a rerun never trains it again
                 print(f"keel sweep: run {i}/{len(runs)}: {run.name}: finished before, skipped", flush=True)
                 continue
             print(f"keel sweep: run {i}/{len(runs)}: {run.name}", flush=True)

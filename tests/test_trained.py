@@ -221,6 +221,19 @@ def test_each_scheme_at_its_own_best_lr_per_depth_and_the_gap_against_depth(pape
     assert loss["its size with depth"] == "grows"  # ~0.1 at 16 blocks, ~0.3 at 64, both negative
 
 
+def test_a_depth_joins_the_gap_trend_once_every_cell_has_three_seeds(paper):
+    """One seed short in any cell of a depth's sweep (here Pre-LN's worst LR at 64 blocks, not its best) and that
+    depth's gap is still tabulated but leaves the trend: with one depth left there is no size to move."""
+    runs = {g: paper.grids[g].runs for g in DEPTH_GRID.values()}
+    short = [r for r in runs[DEPTH_GRID[64]] if r.name != "preln-lr0.005-s3"]
+    assert len(short) == len(runs[DEPTH_GRID[64]]) - 1
+    _, gaps, trend = tuned_depth(runs | {DEPTH_GRID[64]: short})
+    assert {r["blocks"] for r in gaps} == {16, 64}
+    (loss,) = [r for r in trend if r["metric"] == LOSS]
+    assert loss["gap by depth"].startswith("16: ") and "64" not in loss["gap by depth"]
+    assert loss["its size with depth"] == "-"
+
+
 def test_paper_report_has_the_trained_sections_for_the_grids_present(paper):
     assert cli_main(["paper-report", str(paper.out)]) == 0
     report = (paper.out / "report.md").read_text()

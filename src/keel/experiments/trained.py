@@ -7,8 +7,9 @@ redundancy.csv `keel redundancy` wrote over a grid's final checkpoints (<grid>/r
     Section 9    the same runs: each task's score against held-out loss along training (every in-loop evaluation),
                  Keel minus Pre-LN at common loss levels, each run's score interpolated along its own trajectory
     Section 8    the loss increase when one block is removed (first, middle, last), from <grid>/redundancy/
-    Table 3      tuned-depth-d16, lr-d64, tuned-depth-d256 (width 32): each scheme at its own best LR (lowest mean final held-out loss) of a
-                 3-point sweep; the Keel - Pre-LN gap at those LRs against depth
+    Table 3      tuned-depth-d16, lr-d64, tuned-depth-d256 (width 32): each scheme at its own best LR (lowest mean
+                 final held-out loss) of its sweep; the Keel - Pre-LN gap at those LRs against depth, over the
+                 depths whose sweeps have VERDICT_SEEDS finished seeds in every cell
 
 A run counts once its last evaluation is at its last step (the grids evaluate there); a cell is the mean, the sample
 sd, [min, max] and n over the seeds; "seeds apart" means the two schemes' seed ranges do not overlap.
@@ -32,6 +33,7 @@ REDUNDANCY = f"{REDUNDANCY_DIR}/redundancy.csv"  # under an LR grid (make paper-
 PAIR = ("keel", "preln")
 LOSS = "held-out loss"
 LEVELS = 3  # held-out-loss levels compared, spread evenly over the range every run of an LR passes through
+VERDICT_SEEDS = 3  # a depth joins Table 3's trend once every cell of its sweep has this many finished seeds
 # The metrics reported of the generated tasks (the task's name, then the metric), with their chance level: next-line
 # picks among 4 choices; last-token must decode an identifier exactly (open vocabulary: ~0). Other tasks: the
 # primary metric eval_history.json names, chance not stated.
@@ -337,9 +339,16 @@ def best_lr(runs: list[Run], scheme: str) -> float | None:
     return min(lrs, key=lambda lr: _mean_loss(runs, scheme, lr)) if lrs else None
 
 
+def sweep_complete(runs: list[Run]) -> bool:
+    """Both schemes at every LR either ran, each cell with VERDICT_SEEDS finished seeds or more: until then a best
+    LR may move and one seed's gap is no verdict."""
+    return all(len(_cell_runs(runs, scheme, lr)) >= VERDICT_SEEDS for scheme in PAIR for lr in _lrs(runs))
+
+
 def tuned_depth(grids: dict[str, list[Run]]) -> tuple[list[dict], list[dict], list[dict]]:
     """Per depth: each scheme's mean final loss per LR and its best; at the best LRs, per metric, both schemes over
-    the seeds and the gap; then per metric the gaps against depth and how their size moves."""
+    the seeds and the gap; then per metric the gaps against depth and how their size moves, over the depths whose
+    sweeps are complete."""
     sweeps, gaps, moves = [], [], {}
     for grid, runs in grids.items():
         depth = runs[0].depth
@@ -360,7 +369,7 @@ def tuned_depth(grids: dict[str, list[Run]]) -> tuple[list[dict], list[dict], li
         for metric in _columns(runs):
             values = {s: _values(_cell_runs(runs, s, best[s]), metric) for s in PAIR}
             gap = statistics.mean(values[PAIR[0]]) - statistics.mean(values[PAIR[1]]) if all(values.values()) else None
-            if gap is not None:
+            if gap is not None and sweep_complete(runs):
                 moves.setdefault(metric, []).append((depth, gap))
             gaps.append({"blocks": depth, "metric": metric, "chance": chance(metric) if metric != LOSS else "",
                          f"{PAIR[0]} LR": fmt(best[PAIR[0]]), PAIR[0]: spread(values[PAIR[0]]),
@@ -423,5 +432,6 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
         if gaps:  # a depth where both schemes have a finished run
             text += [markdown_table(gaps), ""]
         if trend:
-            text += ["The gap against depth:", "", markdown_table(trend), ""]
+            text += [f"The gap against depth (the depths whose sweeps have {VERDICT_SEEDS} finished seeds in every cell):",
+                     "", markdown_table(trend), ""]
     return text

@@ -432,6 +432,6 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
         if gaps:  # a depth where both schemes have a finished run
             text += [markdown_table(gaps), ""]
         if trend:
-            text += [f"The gap against depth (the depths whose sweeps have {VERDICT_SEEDS} finished seeds in every cell):",
-                     "", markdown_table(trend), ""]
+            text += [f"The gap against depth (the depths whose sweeps have {VERDICT_SEEDS} finished seeds in every "
+                     "cell):", "", markdown_table(trend), ""]
     return text

@@ -237,10 +237,10 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
     rows, pending = [], []
     for run in manifest["runs"]:
         run_dir = out / run["name"]
-        if not (run_dir / CONFIG).is_file() or not finished(run_dir, load_run_config(run_dir)):
+        cfg = load_run_config(run_dir) if (run_dir / CONFIG).is_file() else None
+        if cfg is None or not finished(run_dir, cfg):
             pending.append(run["name"])
             continue
-        cfg = load_run_config(run_dir)
         key = unigram_key(cfg)
         if key not in unigrams:
             unigrams[key] = unigram_loss(cfg)

@@ -366,10 +366,11 @@ def tuned_depth(grids: dict[str, list[Run]]) -> tuple[list[dict], list[dict], li
                            "stability failures at it": f"{sum(r.failed for r in at_best)}/{len(at_best)}"})
         if None in best.values():
             continue
+        complete = sweep_complete(runs)
         for metric in _columns(runs):
             values = {s: _values(_cell_runs(runs, s, best[s]), metric) for s in PAIR}
             gap = statistics.mean(values[PAIR[0]]) - statistics.mean(values[PAIR[1]]) if all(values.values()) else None
-            if gap is not None and sweep_complete(runs):
+            if gap is not None and complete:
                 moves.setdefault(metric, []).append((depth, gap))
             gaps.append({"blocks": depth, "metric": metric, "chance": chance(metric) if metric != LOSS else "",
                          f"{PAIR[0]} LR": fmt(best[PAIR[0]]), PAIR[0]: spread(values[PAIR[0]]),

@@ -409,7 +409,8 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
             plot_loss_vs_tasks(runs, out / f"loss_vs_tasks_{grid}.png", f"Task scores against held-out loss ({grid})")
             text += [f"## Section 9, loss against tasks at {size} ({grid})", "",
                      f"At {LEVELS} held-out-loss levels every run of the LR passes through (highest first), each "
-                     "run's score interpolated along its own evaluations.", "", markdown_table(gaps), "",
+                     "run's score interpolated along its own evaluations; a row without levels: no loss is passed "
+                     "through by every run of that LR.", "", markdown_table(gaps), "",
                      f"![task scores against held-out loss, {grid}](loss_vs_tasks_{grid}.png)", ""]
         if (out / grid / REDUNDANCY).is_file():
             increases, unknown = read_redundancy(out / grid / REDUNDANCY, runs)

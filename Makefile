@@ -95,7 +95,7 @@ paper-data: install
 	$(KEEL) data $(filter data=% data.%,$(ARGS))
 
 # paper-<grid>: `keel paper-run GRID` after `keel data`. paper-redundancy-<grid>: layer use over the grid's final
-# checkpoints, after paper-<grid> (rerunning a finished grid skips its runs), without ARGS.
+# checkpoints that have no rows yet, after paper-<grid> (rerunning a finished grid skips its runs), without ARGS.
 paper-redundancy-%: paper-%
 	$(PAPER_RUN) redundancy-$*
 

@@ -136,8 +136,10 @@ def test_settings_scale_and_args_change_only_what_they_name(tmp_path, capsys):
 
 def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys):
     """Only finished runs' last.ckpt: not one with no checkpoint, nor one still training (its last.ckpt is from the
-    middle of its schedule), nor a directory without a run's config."""
-    steps = {"preln-lr0.01-s1": 2000, "keel-lr0.01-s1": 2000, "training": 1500, "no-checkpoint": 2000}
+    middle of its schedule), nor a directory without a run's config, nor a run with rows in the table already (a
+    rerun of make paper-trained measures none twice); with none left, paper-run says so and goes on."""
+    steps = {"preln-lr0.01-s1": 2000, "keel-lr0.01-s1": 2000, "keel-lr0.02-s1": 2000, "training": 1500,
+             "no-checkpoint": 2000}
     for run, done in steps.items():
         cfg = load_config(None, ["trainer.max_steps=2000", f"run.dir={tmp_path / 'lr-d16' / run}"])
         Path(cfg.run.dir).mkdir(parents=True)
@@ -148,10 +150,26 @@ def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys
             (Path(cfg.run.dir) / "checkpoints" / "last.ckpt").touch()
     (tmp_path / "lr-d16" / "stray" / "checkpoints").mkdir(parents=True)
     (tmp_path / "lr-d16" / "stray" / "checkpoints" / "last.ckpt").touch()
+    table = tmp_path / "lr-d16" / "redundancy" / "redundancy.csv"
+    table.parent.mkdir()
+    columns = "checkpoint,path,scheme,depth,block,val_tokens,ppl_base,ppl_removed,ppl_increase,loss_increase"
+    table.write_text(f"{columns}\nx,elsewhere/lr-d16/keel-lr0.02-s1/checkpoints/last.ckpt,keel,16,0,8,2,3,1,0.4\n")
     (argv,) = dry_run(capsys, "redundancy-lr-d16", "--out", str(tmp_path))
     assert argv == ["redundancy", f"{tmp_path}/lr-d16/keel-lr0.01-s1/checkpoints/last.ckpt",
                     f"{tmp_path}/lr-d16/preln-lr0.01-s1/checkpoints/last.ckpt",
                     "--append", "--out", f"{tmp_path}/lr-d16/redundancy"]
+    table.write_text(table.read_text() + "".join(
+        f"x,runs/paper/lr-d16/{run}/checkpoints/last.ckpt,keel,16,0,8,2,3,1,0.4\n"
+        for run in ("keel-lr0.01-s1", "preln-lr0.01-s1")))
+    before = table.read_text()
+    assert cli_main(["paper-run", "redundancy-lr-d16", "--out", str(tmp_path)]) == 0  # measures nothing: no torch
+    assert capsys.readouterr().out == (f"keel paper-run redundancy-lr-d16: nothing to measure: every finished run of "
+                                       f"{tmp_path}/lr-d16 has its rows in {tmp_path}/lr-d16/redundancy/redundancy.csv "
+                                       "(`make paper-lr-d16` trains the others)\n")
+    assert table.read_text() == before
+    table.write_text("run,loss\nkeel-lr0.01-s1,0.4\n")  # another tool's table in its place
+    assert cli_main(["paper-run", "redundancy-lr-d16", "--out", str(tmp_path)]) == 2
+    assert f"{table} is not a redundancy.csv (no path column: ['run', 'loss']); move it aside" in capsys.readouterr().err
 
 
 def test_paper_run_runs_the_grids_command_into_its_directory(tmp_path, capsys):

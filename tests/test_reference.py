@@ -60,9 +60,11 @@ def test_the_default_init_is_the_references_recipe(scheme):
 
 @pytest.mark.slow
 def test_from_their_own_inits_both_learn_alike(tiny_data):
-    """Each from its own init (seeds 1 and 2) on the same batches of real text (the tiny corpus, 4 x 64 blocks, 150
-    steps of AdamW at 3e-3): both learn, and the mean held-out loss of the two seeds is within 0.05 nat of the
-    reference's, for each scheme (the seed-to-seed spread is printed beside it)."""
+    """Each from its own init (seeds 1-4) on the same batches of real text (the tiny corpus, 4 x 64 blocks, 150
+    steps of AdamW at 3e-3): both learn, and the mean held-out loss of the four seeds is within 0.05 nat of the
+    reference's, for each scheme (the seed-to-seed spread is printed beside it). The two draw from the same
+    distributions (above), so only the draws part them: four seeds, as two once left Pre-LN's means 0.057 apart (on
+    one session's tokenizer; 0.035 over four seeds there, 0.025 over eight)."""
     from tokenizers import Tokenizer
 
     data_dir = next(item.split("=", 1)[1] for item in tiny_data if item.startswith("data.dir="))
@@ -74,7 +76,7 @@ def test_from_their_own_inits_both_learn_alike(tiny_data):
     batches, held_out = windows(tokens[:cut], 150, 8, 64, generator), windows(tokens[cut:], 16, 8, 64, generator)
     for scheme in ("preln", "keel"):
         losses = torch.tensor([[train(model, batches, held_out, 3e-3, 20) for model in pair(scheme, seed)]
-                               for seed in (1, 2)])  # (seed, [KeelLM, reference])
+                               for seed in (1, 2, 3, 4)])  # (seed, [KeelLM, reference])
         print(f"{scheme}: held-out loss by seed, [KeelLM, reference]: {losses.tolist()}")
         assert (losses < 5.5).all()  # both learn: far below the uniform log(512) = 6.24
         assert abs(losses[:, 0].mean() - losses[:, 1].mean()) < 0.05, (scheme, losses.tolist())

@@ -10,6 +10,7 @@ A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTIN
 from __future__ import annotations
 
 import argparse
+import csv
 import glob
 import importlib
 import shlex
@@ -35,8 +36,9 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
 }
 SETS = ("paper", "paper-linear", "paper-trained")  # the make targets that run several grids, then the report
 SBATCH = "{SBATCH}"  # at paper scale: one --sbatch=OPTION per #SBATCH option given
-CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the finished runs of the grid a redundancy grid is over
+CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the grid a redundancy grid is over, of runs with no rows yet
 REDUNDANCY_DIR = "redundancy"  # a redundancy grid's directory, under the grid it is over
+REDUNDANCY = f"{REDUNDANCY_DIR}/redundancy.csv"  # its table: a run with rows there is not measured again
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,8 @@ def trained(point: tuple[int, int], lrs: str, *args: str) -> Grid:
 
 
 def redundancy(grid: str) -> Grid:
-    """keel redundancy over a grid's final checkpoints, into <grid>/redundancy/ beside the rows already there (those
-    of committed records whose checkpoints are gone)."""
+    """keel redundancy over the final checkpoints of a grid's runs that have no rows yet, into <grid>/redundancy/
+    beside the rows already there (those of committed records whose checkpoints are gone too)."""
     return Grid("redundancy", (CHECKPOINTS, "--append", "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
                 ("paper-trained",), over=grid)
 
@@ -238,19 +240,40 @@ DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's dep
 # ---------------------------------------------------------------------------------------------- keel paper-run
 
 
-def final_checkpoints(pattern: str) -> list[str]:
-    """The last.ckpt files matching pattern whose run has finished (its records show every step): a run still
-    training has a last.ckpt too, from the middle of its schedule."""
+def checkpoint_run(path: str) -> str:
+    """The name of the run a checkpoint is of (<grid>/<run>/checkpoints/<file>)."""
+    return Path(path).parents[1].name
+
+
+def measured_runs(table: Path) -> set[str]:
+    """The runs with rows in a redundancy.csv (none if there is no table yet)."""
+    if not table.is_file():
+        return set()
+    with open(table, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is not None and "path" not in reader.fieldnames:  # an empty file: no rows
+            raise ConfigError(f"{table} is not a redundancy.csv (no path column: {reader.fieldnames}); move it aside "
+                              "and measure the grid again")
+        return {checkpoint_run(row["path"]) for row in reader}
+
+
+def unmeasured_checkpoints(grid_dir: str) -> list[str]:
+    """The last.ckpt of each finished run of the grid at grid_dir (its records show every step: a run still training
+    has a last.ckpt too, from the middle of its schedule) that has no rows in the grid's redundancy.csv yet: a rerun
+    measures only the runs finished since (`keel redundancy CKPT --append` measures one again)."""
     from keel.artifacts import CONFIG
     from keel.experiments.common import finished, load_run_config
 
-    runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(pattern))]
-    return [path for path, run in runs if (run / CONFIG).is_file() and finished(run, load_run_config(run))]
+    measured = measured_runs(Path(grid_dir) / REDUNDANCY)
+    runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(f"{grid_dir}/*/checkpoints/last.ckpt"))]
+    return [path for path, run in runs if run.name not in measured and (run / CONFIG).is_file()
+            and finished(run, load_run_config(run))]
 
 
 def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch: tuple[str, ...] = (),
-            checkpoints=final_checkpoints) -> list[str]:
-    """The grid's keel command line (after `keel`); values: each setting's, OUT's and PAPER_OUT's."""
+            checkpoints=unmeasured_checkpoints) -> list[str] | None:
+    """The grid's keel command line (after `keel`); values: each setting's, OUT's and PAPER_OUT's. None for a
+    redundancy grid with no checkpoint to measure."""
     grid = GRIDS[name]
     values = {**values, "OUT": f"{values['PAPER_OUT']}/{name}"}
     argv = [grid.command]
@@ -259,7 +282,9 @@ def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch
             if token == SBATCH:
                 argv += [f"--sbatch={option}" for option in sbatch]
             elif token == CHECKPOINTS:
-                argv += checkpoints(f"{values['PAPER_OUT']}/{grid.over}/*/checkpoints/last.ckpt")
+                if not (paths := checkpoints(f"{values['PAPER_OUT']}/{grid.over}")):
+                    return None
+                argv += paths
             else:  # split as the shell splits the Makefile's words
                 argv += token.format_map(values).split()
     for schemes, seeds in grid.only:
@@ -280,7 +305,8 @@ def table() -> str:
     for name, grid in GRIDS.items():
         scales = (False, True) if any(isinstance(part, Scaled) for part in grid.args) else (False,)
         for paper_scale in scales:
-            argv = command(name, values, paper_scale, ("$PAPER_SBATCH",), lambda pattern: [pattern])
+            argv = command(name, values, paper_scale, ("$PAPER_SBATCH",),
+                           lambda grid_dir: [f"{grid_dir}/*/checkpoints/last.ckpt"])
             target = f"`paper-{name}`" + (" PAPER_SCALE=1" if paper_scale else "")
             lines.append(f"| {target} | {', '.join(f'`{s}`' for s in grid.sets)} | `keel {' '.join(argv)}` |")
     lines += ["", "| setting | default |", "|---|---|"]
@@ -319,7 +345,12 @@ def main(argv: list[str]) -> int:
     if args.sbatch and not args.paper_scale:
         raise ConfigError("--sbatch: only at paper scale (--paper-scale), where Table 1 is written as SLURM arrays")
     for grid in args.grids:
-        command_line = [*command(grid, values, args.paper_scale, tuple(args.sbatch)), *extra]
+        if (grid_command := command(grid, values, args.paper_scale, tuple(args.sbatch))) is None:
+            over = f"{args.out}/{GRIDS[grid].over}"
+            print(f"keel paper-run {grid}: nothing to measure: every finished run of {over} has its rows in "
+                  f"{over}/{REDUNDANCY} (`make paper-{GRIDS[grid].over}` trains the others)", flush=True)
+            continue
+        command_line = [*grid_command, *extra]
         print(f"keel {shlex.join(command_line)}", flush=True)
         if not args.dry_run:
             status = importlib.import_module(f"keel.experiments.{command_line[0]}").main(command_line[1:])

@@ -26,10 +26,9 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.common import fmt, load_run_config, markdown_table, pyplot, save_figure
-from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY_DIR, TUNED_GRIDS
+from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY, TUNED_GRIDS, checkpoint_run
 from keel.experiments.sweep import COST, MANIFEST
 
-REDUNDANCY = f"{REDUNDANCY_DIR}/redundancy.csv"  # under an LR grid (make paper-redundancy-<grid>)
 PAIR = ("keel", "preln")
 LOSS = "held-out loss"
 LEVELS = 3  # held-out-loss levels compared, spread evenly over the range every run of an LR passes through
@@ -284,7 +283,7 @@ def read_redundancy(path: Path, runs: list[Run]) -> tuple[dict[str, list[float]]
     increases: dict[str, dict[int, float]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
-            name = Path(row["path"]).parent.parent.name
+            name = checkpoint_run(row["path"])
             increases.setdefault(name, {})[int(row["block"])] = float(row["loss_increase"])
     known = {name: [blocks[b] for b in sorted(blocks)] for name, blocks in increases.items() if name in names}
     return known, len(increases) - len(known)

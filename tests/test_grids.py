@@ -169,7 +169,8 @@ def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys
     assert table.read_text() == before
     table.write_text("run,loss\nkeel-lr0.01-s1,0.4\n")  # another tool's table in its place
     assert cli_main(["paper-run", "redundancy-lr-d16", "--out", str(tmp_path)]) == 2
-    assert f"{table} is not a redundancy.csv (no path column: ['run', 'loss']); move it aside" in capsys.readouterr().err
+    assert (f"{table} is not a redundancy.csv (columns run, loss; expected block, checkpoint, depth, loss_increase, "
+            "path, ppl_base, ppl_increase, ppl_removed, scheme, val_tokens); move it aside") in capsys.readouterr().err
 
 
 def test_paper_run_runs_the_grids_command_into_its_directory(tmp_path, capsys):

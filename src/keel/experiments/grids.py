@@ -10,7 +10,6 @@ A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTIN
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import importlib
 import shlex
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.errors import ConfigError
+from keel.experiments.redundancy_table import checkpoint_run, read_rows
 
 SETTINGS = {  # name -> default; the Makefile's variables of the same names override them
     "SEEDS": "1,2,3,4,5",  # Table 1's
@@ -240,23 +240,6 @@ DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's dep
 # ---------------------------------------------------------------------------------------------- keel paper-run
 
 
-def checkpoint_run(path: str) -> str:
-    """The name of the run a checkpoint is of (<grid>/<run>/checkpoints/<file>)."""
-    return Path(path).parents[1].name
-
-
-def measured_runs(table: Path) -> set[str]:
-    """The runs with rows in a redundancy.csv (none if there is no table yet)."""
-    if not table.is_file():
-        return set()
-    with open(table, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is not None and "path" not in reader.fieldnames:  # an empty file: no rows
-            raise ConfigError(f"{table} is not a redundancy.csv (no path column: {reader.fieldnames}); move it aside "
-                              "and measure the grid again")
-        return {checkpoint_run(row["path"]) for row in reader}
-
-
 def unmeasured_checkpoints(grid_dir: str) -> list[str]:
     """The last.ckpt of each finished run of the grid at grid_dir (its records show every step: a run still training
     has a last.ckpt too, from the middle of its schedule) that has no rows in the grid's redundancy.csv yet: a rerun
@@ -264,7 +247,11 @@ def unmeasured_checkpoints(grid_dir: str) -> list[str]:
     from keel.artifacts import CONFIG
     from keel.experiments.common import finished, load_run_config
 
-    measured = measured_runs(Path(grid_dir) / REDUNDANCY)
+    table = Path(grid_dir) / REDUNDANCY
+    try:
+        measured = {checkpoint_run(row["path"]) for row in read_rows(table)}
+    except ConfigError as error:
+        raise ConfigError(f"{error}; move it aside and measure the grid again") from None
     runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(f"{grid_dir}/*/checkpoints/last.ckpt"))]
     return [path for path, run in runs if run.name not in measured and (run / CONFIG).is_file()
             and finished(run, load_run_config(run))]

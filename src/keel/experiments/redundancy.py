@@ -16,7 +16,6 @@ quantity during training.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 from itertools import islice
@@ -29,12 +28,9 @@ from keel.checkpoint import load_model
 from keel.data.loading import token_loader
 from keel.errors import ConfigError
 from keel.experiments.common import plot_lines, write_table
+from keel.experiments.redundancy_table import read_rows
 from keel.model import KeelLM
 from keel.training import set_threads
-
-# a row's numbers (measure's), read back from an earlier redundancy.csv by --append
-NUMBERS = {"depth": int, "block": int, "val_tokens": int, "ppl_base": float, "ppl_removed": float,
-           "ppl_increase": float, "loss_increase": float}
 
 
 @torch.no_grad()
@@ -66,17 +62,12 @@ def measure(path: str, batches: int, batch_size: int | None, data_dir: str | Non
 
 def earlier_rows(table: Path, measured: list[str]) -> list[dict]:
     """The rows of `table` (an earlier redundancy.csv, if any) for checkpoints other than those `measured`."""
-    if not table.is_file():
-        return []
-    with open(table, newline="") as f:
-        rows = list(csv.DictReader(f))
-    expected = {"checkpoint", "path", "scheme", *NUMBERS}
-    if rows and set(rows[0]) != expected:
-        raise ConfigError(f"redundancy --append: {table} is not a redundancy.csv (columns {', '.join(rows[0])}; "
-                          f"expected {', '.join(sorted(expected))}); give another --out")
+    try:
+        rows = read_rows(table)
+    except ConfigError as error:
+        raise ConfigError(f"redundancy --append: {error}; give another --out") from None
     again = {os.path.normpath(path) for path in measured}
-    return [{key: NUMBERS.get(key, str)(value) for key, value in row.items()} for row in rows
-            if os.path.normpath(row["path"]) not in again]
+    return [row for row in rows if os.path.normpath(row["path"]) not in again]
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -17,7 +17,6 @@ sd, [min, max] and n over the seeds; "seeds apart" means the two schemes' seed r
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.common import fmt, load_run_config, markdown_table, pyplot, save_figure
-from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY, TUNED_GRIDS, checkpoint_run
+from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY, TUNED_GRIDS
+from keel.experiments.redundancy_table import checkpoint_run, read_rows
 from keel.experiments.sweep import COST, MANIFEST
 
 PAIR = ("keel", "preln")
@@ -281,10 +281,8 @@ def read_redundancy(path: Path, runs: list[Run]) -> tuple[dict[str, list[float]]
     grid's checkpoints (each <grid>/<run>/checkpoints/<file>); and how many checkpoints it has of no finished run."""
     names = {r.name for r in runs}
     increases: dict[str, dict[int, float]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            name = checkpoint_run(row["path"])
-            increases.setdefault(name, {})[int(row["block"])] = float(row["loss_increase"])
+    for row in read_rows(path):
+        increases.setdefault(checkpoint_run(row["path"]), {})[row["block"]] = row["loss_increase"]
     known = {name: [blocks[b] for b in sorted(blocks)] for name, blocks in increases.items() if name in names}
     return known, len(increases) - len(known)
 

@@ -47,6 +47,43 @@ def test_bad_async_checkpoint_values_say_what_is_allowed(value, message):
     assert str(err.value) == message
 
 
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of this process alone (world size 1), torn down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_background_writer_saves_twice_in_one_process(one_process_group, tmp_path):
+    """Every save after the first reuses the writer and its stager's host buffers. Some torch versions' async_save
+    (2.11's, which `make test-lowest` runs) closes a stager it was given after each save, which broke the second
+    background checkpoint of a run; the close between the saves below is the one it makes."""
+    import torch.distributed.checkpoint as dcp
+
+    from keel.checkpoint_io import AsyncShardedWriter
+
+    writer = AsyncShardedWriter()
+    writer.open(torch.device("cpu"))
+    for step in (1, 2):
+        state = {"weight": torch.full((4, 3), float(step)), "moments": {"exp_avg": torch.arange(5.0) * step}}
+        staging, path = tmp_path / f".step{step}.partial", tmp_path / f"step{step}"
+        staging.mkdir()
+        writer.start(state, staging, path)
+        torch.save({"global_step": step}, staging / SHARDED_META)  # rank 0's part, as FSDP2Strategy writes it
+        assert writer.finish(commit=True) == path and writer.done() and not staging.exists()
+        writer._stager.close()  # what async_save does to it on those versions
+        loaded = {"weight": torch.zeros(4, 3), "moments": {"exp_avg": torch.zeros(5)}}
+        dcp.load(loaded, checkpoint_id=path)
+        assert torch.equal(loaded["weight"], state["weight"])
+        assert torch.equal(loaded["moments"]["exp_avg"], state["moments"]["exp_avg"])
+    writer.close()
+
+
 @pytest.mark.slow
 def test_async_saves_resume_exactly_and_show_whole_checkpoints_only(tiny_data, straight_run, tmp_path):
     run = tmp_path / "run"

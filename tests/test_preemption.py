@@ -304,29 +304,39 @@ def test_a_requeued_job_takes_over_its_previous_runs_lock(tmp_path, monkeypatch,
 SBATCH = REPO / "docs" / "slurm" / "pretrain.sbatch"
 
 
-def test_the_sbatch_example_warns_requeues_and_resumes_a_valid_config():
+def test_the_sbatch_example_warns_requeues_and_resumes_the_paper_recipe():
+    """The shipped script's exact command on its 2 x 8 GPUs trains recipe=paper as the recipe states it: its budget,
+    schedule and 256 sequences of 2,048 tokens per step (2 micro-batches of 8 on each of 16 processes)."""
     script = SBATCH.read_text()
     options = [line.split(maxsplit=1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
     assert "--signal=B:USR1@300" in options and "--requeue" in options
     command = script[script.index("\nsrun ") + 1:].split("&\n")[0].replace("\\\n", " ").split()
     overrides = command[command.index("pretrain") + 1:]
     assert "resume=auto" in overrides
-    cfg = load_config(overrides=[*overrides, "trainer.accelerator=cpu"])
+    cfg = load_config(overrides=[*overrides, "trainer.accelerator=gpu"])
     assert (cfg.trainer.strategy, cfg.trainer.devices, cfg.trainer.num_nodes) == ("fsdp", 8, 2)
     assert (cfg.model, cfg.data.dir) == (load_config(overrides=["model=paper_d64"]).model, "data/fineweb_edu")
+    recipe = load_config(overrides=["recipe=paper"])
+    assert (cfg.trainer.max_steps, cfg.optim) == (recipe.trainer.max_steps, recipe.optim)
+    assert (cfg.trainer.global_batch, cfg.trainer.grad_accum, cfg.model.seq_len) == (256, 2, 2048)
     per_node = {option.split("=")[0]: option.split("=")[1] for option in options if "=" in option}
     assert per_node["--ntasks-per-node"] == per_node["--gpus-per-node"] == "8" and per_node["--nodes"] == "2"
+    assert "TRITON_CACHE_DIR=" in script  # each node compiles into its own disk, not the shared home
 
 
 FAKE_SRUN = """#!/bin/sh
-# srun as far as the script sees it: passes USR1 on to its task, whose exit status it returns
+# srun as far as the script sees it: passes a signal on to its task, whose exit status (128 + signal) it returns
 trap 'echo USR1 >> "$(dirname "$0")/srun.log"; exit 138' USR1
+trap 'echo TERM >> "$(dirname "$0")/srun.log"; exit 143' TERM
 echo started >> "$(dirname "$0")/srun.log"
 while :; do sleep 0.1; done
 """
 
 
-def test_the_sbatch_script_passes_the_warning_to_srun_and_exits_with_its_status(tmp_path):
+@pytest.mark.parametrize("signum, status", [(signal.SIGUSR1, 138), (signal.SIGTERM, 143)])
+def test_the_sbatch_script_passes_the_signal_to_srun_and_exits_with_its_status(tmp_path, signum, status):
+    """USR1 (--signal=B:USR1@300) and a preemption's TERM reach the batch shell: each is passed to srun, and the
+    shell waits for srun's end (its save) rather than ending first."""
     (tmp_path / "srun").write_text(FAKE_SRUN)
     (tmp_path / "srun").chmod(0o755)
     shell = subprocess.Popen(["bash", str(SBATCH)], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
@@ -335,7 +345,7 @@ def test_the_sbatch_script_passes_the_warning_to_srun_and_exits_with_its_status(
     while not log.exists():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(0.3)  # the trap is set right after srun starts
-    shell.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 does
-    assert shell.wait(timeout=60) == 138
-    assert log.read_text() == "started\nUSR1\n"
+    time.sleep(0.3)  # the traps are set right after srun starts
+    shell.send_signal(signum)
+    assert shell.wait(timeout=60) == status
+    assert log.read_text() == f"started\n{signal.Signals(signum).name.removeprefix('SIG')}\n"

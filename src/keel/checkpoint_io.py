@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+# imported here, not at the first save: an install without them fails at start-up, not 20 minutes into a run
+from torch.distributed.checkpoint import async_save
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint
 
@@ -74,6 +77,18 @@ def commit_dir(staging: Path, path: Path) -> None:
     remove_path(previous)
 
 
+class ReusedStager(DefaultStager):
+    """A DefaultStager that keeps its host buffers from save to save until `release`. async_save closes a stager
+    it was given once the save is written on some torch versions (2.11 among them; pytorch#183413), which frees the
+    buffers and breaks the next save; its `close` is therefore a no-op here."""
+
+    def close(self) -> None:
+        pass
+
+    def release(self) -> None:
+        super().close()
+
+
 class AsyncShardedWriter:
     """Sharded checkpoints written in the background (torch.distributed.checkpoint.async_save, as torchtitan does):
     `start` returns once this rank's shards are copied to host memory (pinned on CUDA, the buffers reused from save
@@ -98,18 +113,20 @@ class AsyncShardedWriter:
         """Whether nothing is being written (a host-side check: no wait, no collective)."""
         return self._in_flight is None or self._in_flight[0].done()
 
-    def start(self, state: dict, staging: Path, path: Path, device: torch.device) -> None:
-        """Write `state` (its tensors on `device`) to `staging`, then later (finish) to `path`; every rank."""
-        from torch.distributed.checkpoint import async_save
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    def open(self, device: torch.device) -> None:
+        """Make the writer's gloo group (a collective: every rank, once the process group is up, so that the group
+        meets the network at start-up rather than at the first save) and its stager, for tensors on `device`."""
+        self._group = torch.distributed.new_group(backend="gloo")
+        cuda = device.type == "cuda"
+        self._stager = ReusedStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
 
+    def start(self, state: dict, staging: Path, path: Path) -> None:
+        """Write `state` to `staging`, then later (finish) to `path`; every rank, after `open`."""
+        if self._stager is None:
+            raise RuntimeError("checkpoint: AsyncShardedWriter.open() was not called")
         if self._in_flight is not None:
             raise RuntimeError(f"checkpoint: {self.in_flight} is still being written; finish() it first")
-        if self._group is None:  # at the first save, which every rank makes: a collective
-            self._group = torch.distributed.new_group(backend="gloo")
-            cuda = device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
         future = async_save(state, checkpoint_id=staging, process_group=self._group, async_stager=self._stager)
         ended = {}
         future.add_done_callback(lambda _: ended.setdefault("at", time.perf_counter()))
@@ -133,7 +150,7 @@ class AsyncShardedWriter:
         own, never committed: waiting for it could hang on a rank that died."""
         self._in_flight = None
         if self._stager is not None:
-            self._stager.close()
+            self._stager.release()
             self._stager = None
 
 

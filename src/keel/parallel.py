@@ -216,6 +216,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         self.async_writer = AsyncShardedWriter() if async_checkpoint else None
 
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.async_writer is not None:
+            self.async_writer.open(self.root_device)
+
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         path = Path(self.broadcast(str(filepath)))
         staging = staging_path(path)
@@ -226,7 +231,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             staging.mkdir(parents=True, exist_ok=True)
             tensors = {"state_dict": checkpoint.pop("state_dict")}
             tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-            self.async_writer.start(tensors, staging, path, self.root_device)
+            self.async_writer.start(tensors, staging, path)
             if self.is_global_zero:
                 torch.save(checkpoint, staging / SHARDED_META)
             return

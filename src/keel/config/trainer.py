@@ -41,8 +41,12 @@ class TrainerConfig:
     hsdp: bool = False  # under fsdp on several nodes: shard within each node, replicate across nodes (HSDP)
     precision: str = "32-true"  # auto: bf16-mixed on GPU, 32-true on CPU
     max_steps: int = 400
-    micro_batch_size: int = 8  # sequences per device per step
-    grad_accum: int = 1
+    micro_batch_size: int = 8  # sequences per device per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step; derived from global_batch_size where that is set
+    # sequences per optimizer step over every process (litgpt's global_batch_size): grad_accum is derived from it for
+    # the world size at start-up (global / (devices x num_nodes x micro_batch_size), refused unless it divides), so a
+    # recipe keeps its batch, budget and schedule on any number of GPUs; null: grad_accum as set
+    global_batch_size: int | None = None
     val_every_n_steps: int = 100
     val_batches: int = 16
     log_every_n_steps: int = 10
@@ -80,6 +84,26 @@ class TrainerConfig:
         """Sequences per optimizer step, over every process."""
         return self.world_size * self.micro_batch_size * self.grad_accum
 
+    def derived_grad_accum(self) -> int:
+        """global_batch_size / (processes x micro_batch_size), refused with the arithmetic where it does not divide or
+        disagrees with a grad_accum set by hand (1, the default, counts as unset)."""
+        per_micro_batch = self.world_size * self.micro_batch_size
+        layout = (f"{self.devices} device(s) x {self.num_nodes} node(s) x trainer.micro_batch_size "
+                  f"{self.micro_batch_size} = {per_micro_batch} sequences per micro-batch")
+        require(self.global_batch_size >= 1, "trainer.global_batch_size",
+                f"must be >= 1 sequences per optimizer step, or null; got {self.global_batch_size}")
+        if self.global_batch_size % per_micro_batch:
+            fitting = [m for m in range(1, self.micro_batch_size + 1) if self.global_batch_size % (self.world_size * m) == 0]
+            advice = (f"trainer.micro_batch_size={fitting[-1]} divides it on this many processes" if fitting else
+                      f"no micro-batch size divides it on {self.world_size} processes: change the device count")
+            raise ConfigError(f"trainer.global_batch_size={self.global_batch_size}: not a multiple of {layout}; "
+                              f"{advice}, or set trainer.global_batch_size=null and trainer.grad_accum by hand")
+        derived = self.global_batch_size // per_micro_batch
+        require(self.grad_accum in (1, derived), "trainer.grad_accum",
+                f"{self.grad_accum} disagrees with trainer.global_batch_size={self.global_batch_size} / ({layout}) = "
+                f"{derived}; leave trainer.grad_accum unset (it is derived), or set trainer.global_batch_size=null")
+        return derived
+
     @property
     def shard_size(self) -> int:
         """Processes each parameter is split over: every one under FSDP, a node's under HSDP, else 1."""
@@ -114,6 +138,8 @@ class TrainerConfig:
         for key in ("devices", "num_nodes", "max_steps", "micro_batch_size", "grad_accum", "val_every_n_steps",
                     "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):
             require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        if self.global_batch_size is not None:
+            self.grad_accum = self.derived_grad_accum()
         require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
         require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
         unknown = [name for name in self.loggers if name not in LOGGERS]

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from keel.callbacks.grad_norms import GradNormMonitor
 from keel.model import KeelLM, next_token_loss
-from keel.parallel import parallelize
+from keel.parallel import deferred_gradient_reduction, parallelize
 from keeltest.distributed import CLIP, LR, STEPS, WORLD, _batches, _join, _tiny_cfg
 
 
@@ -25,15 +25,26 @@ def _plain_head_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
 
 
-def _train(model, batches, reduce_loss, loss_fn=_plain_head_loss) -> dict:
-    """AdamW steps with global-norm clipping, as in training; the loss and gradient norms seen at each step."""
+def _train(model, batches, reduce_loss, loss_fn=_plain_head_loss, accumulate=None) -> dict:
+    """AdamW steps with global-norm clipping, as in training; the loss and gradient norms seen at each step.
+    accumulate: each step's batch as two micro-batches, the first's backward within accumulate() (Lightning's
+    block_backward_sync), as training with trainer.grad_accum=2 runs it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     monitor = GradNormMonitor()
     monitor.on_fit_start(None, SimpleNamespace(model=model))  # it only reads pl_module.model
     losses, clip_norms, grad_norms = [], [], []
     for batch in batches:
-        loss = loss_fn(model, batch)
-        loss.backward()
+        if accumulate is None:
+            loss = loss_fn(model, batch)
+            loss.backward()
+        else:
+            first, last = batch.chunk(2)
+            with accumulate():
+                first_loss = loss_fn(model, first) / 2
+                first_loss.backward()
+            last_loss = loss_fn(model, last) / 2
+            last_loss.backward()
+            loss = first_loss + last_loss  # the step's loss (both halves' grads are gone): for the comparison
         grad_norms.append(monitor.norms())
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         clip_norms.append((total.full_tensor() if isinstance(total, DTensor) else total).item())
@@ -68,6 +79,15 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
             and all(torch.equal(full[name], t) for name, t in eager.state_dict().items()),
             "same_rope": torch.equal(model.rope_cos, eager.rope_cos) and torch.equal(model.rope_sin, eager.rope_sin),
             "tied": model.head.weight is model.embed.weight}
+    # two micro-batches per step: the first's gradients reduced with the second's (trainer.reduce_every_micro_batch
+    # false: no communication until the last; true: reduce-scattered each time), as if reduced every time
+    for reduce_scatter in (False, True):
+        cfg = _tiny_cfg("trainer.precision=32-true")
+        torch.manual_seed(0)
+        model = KeelLM(cfg.model)
+        parallelize(model, cfg.trainer, mesh)
+        results[f"accumulated_reduce_scatter_{reduce_scatter}"] = _train(
+            model, batches, global_mean, accumulate=lambda: deferred_gradient_reduction(model, reduce_scatter))
     # the chunked loss head (3 chunks per rank: 4 x 32 tokens) on the sharded head weight, against the plain head
     cfg = _tiny_cfg("trainer.precision=32-true", "model.loss_chunk=48")
     torch.manual_seed(0)
@@ -101,9 +121,10 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     torch.manual_seed(0)
     reference = _train(KeelLM(_tiny_cfg().model), _batches(), lambda loss: loss.item())
     assert all(norm > CLIP for norm in reference["clip_norm"])  # clipping acted
-    for run in ("false", "true", "chunked"):  # activation checkpointing off, on; the chunked loss head
+    # activation checkpointing off, on; the chunked loss head; two micro-batches a step, reduced once or twice
+    for run in ("false", "true", "chunked", "accumulated_reduce_scatter_False", "accumulated_reduce_scatter_True"):
         fsdp = ranks[0][run]
-        assert fsdp["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert fsdp["loss"] == pytest.approx(reference["loss"], rel=1e-5), run
         assert fsdp["clip_norm"] == pytest.approx(reference["clip_norm"], rel=1e-5)
         for step in range(STEPS):  # the grad-norm callback's DTensor-aware norms
             assert fsdp["grad_norms"][step].keys() == reference["grad_norms"][step].keys()
@@ -135,6 +156,13 @@ def _hsdp_worker(rank: int, port: int, out: str) -> None:
     results = _train(model, batches, global_mean)
     results["placements"] = [(type(p).__name__, getattr(p, "dim", None)) for p in weight.placements]
     results["local_rows"] = (weight.to_local().shape[0], weight.shape[0])
+    for reduce_scatter in (False, True):  # two micro-batches a step: nothing, or the all-reduce alone, deferred
+        torch.manual_seed(0)
+        with torch.device("meta") if rank > 0 else nullcontext():
+            model = KeelLM(cfg.model)
+        parallelize(model, cfg.trainer, lightnings)
+        results[f"accumulated_reduce_scatter_{reduce_scatter}"] = _train(
+            model, batches, global_mean, accumulate=lambda: deferred_gradient_reduction(model, reduce_scatter))
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -156,3 +184,7 @@ def test_hsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     for step in range(STEPS):
         assert hsdp["grad_norms"][step] == pytest.approx(reference["grad_norms"][step], rel=1e-5)
     assert all(r["loss"] == hsdp["loss"] and r["clip_norm"] == hsdp["clip_norm"] for r in ranks)
+    for reduce_scatter in (False, True):
+        accumulated = hsdp[f"accumulated_reduce_scatter_{reduce_scatter}"]
+        assert accumulated["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert accumulated["clip_norm"] == pytest.approx(reference["clip_norm"], rel=1e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from keel.checkpoint import refuse_payloads
@@ -92,15 +93,21 @@ def sharding_mesh(device_mesh, trainer):
 
 def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
     """FSDP2: every parameter is split over the mesh's ranks (dim 0; on a 2-D mesh over its second dimension,
-    replicated over its first: HSDP). Each block is one unit, all-gathered just before its forward (and again for
-    backward) and freed after; the root unit holds the rest (embedding, final norm, head).
+    replicated over its first: HSDP). Units, as torchtitan makes them: the embedding (untied: its gradient is
+    reduce-scattered as its backward ends, not with the root's), each block, and the root holding the rest (final
+    norm, head: the loss head reads head.weight without calling the head module, whose own unit would never be
+    gathered, and the root is gathered before anything runs). Each unit is all-gathered just before its forward (and
+    again for backward) and freed after, except the last block, whose backward comes next: freeing it would gather
+    it again at once.
 
     Every rank starts from rank 0's weights, broadcast one tensor at a time into the others' shards: only rank 0
     needs to build the model for real (the others may build it on the meta device, `KeelLitModule(empty_init=
     True)`), so a node's host holds one full fp32 copy at most, not one per GPU (docs/distributed.md)."""
     full = model.state_dict() if dist.get_rank() == 0 else {}  # before sharding replaces the parameters
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    if not model.cfg.tie_embeddings:  # tied, the head's weight is the embedding's: one unit, the root's
+        fully_shard(model.embed, mesh=mesh, mp_policy=mp_policy)
+    for index, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=index < len(model.blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     built_empty = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if built_empty:
@@ -108,6 +115,27 @@ def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if built_empty:
         model.reset_buffers()
+
+
+@contextmanager
+def deferred_gradient_reduction(module: torch.nn.Module, reduce_scatter: bool):
+    """Within: backward accumulates gradients without reducing them over the processes, for a micro-batch that is
+    not its optimizer step's last (trainer.reduce_every_micro_batch). reduce_scatter=False: no communication at all;
+    each unit keeps its unsharded gradient (fp32, the reduce dtype) until the last micro-batch reduce-scatters the
+    sum once. reduce_scatter=True: each micro-batch reduce-scatters into the sharded gradient as usual, and only
+    HSDP's all-reduce across nodes waits for the last. Either way the step's gradients are those of reducing every
+    time (tests/test_fsdp_equivalence.py)."""
+    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+    for unit in units:
+        if reduce_scatter:
+            unit.set_requires_all_reduce(False, recurse=False)
+        else:
+            unit.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)  # reduce-scatter and all-reduce both back on
 
 
 def mesh_device(mesh) -> torch.device:
@@ -212,9 +240,18 @@ class FSDP2Strategy(ModelParallelStrategy):
     before torch reads them. With async_checkpoint the shards are written in the background (AsyncShardedWriter)
     and swapped in by finish_checkpoint, which the checkpoint callback calls once the write is done."""
 
-    def __init__(self, *args, async_checkpoint: bool = False, **kwargs) -> None:
+    def __init__(self, *args, async_checkpoint: bool = False, reduce_every_micro_batch: bool = False,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.async_writer = AsyncShardedWriter() if async_checkpoint else None
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this around each micro-batch of an optimizer step but its last (under DDP it is
+        no_sync; ModelParallelStrategy's own does nothing, so FSDP reduced every micro-batch)."""
+        with deferred_gradient_reduction(self.model, reduce_scatter=self.reduce_every_micro_batch):
+            yield
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -281,6 +318,7 @@ def build_strategy(trainer):
         return FSDP2Strategy(
             data_parallel_size=trainer.world_size, tensor_parallel_size=1, save_distributed_checkpoint=True,
             process_group_backend=backend, async_checkpoint=resolve_async_checkpoint(trainer),
+            reduce_every_micro_batch=trainer.reduce_every_micro_batch,
         )
     # bf16: DDP's own hook casts each gradient bucket to bf16 for the all-reduce and back (torch's default_hooks)
     hook = bf16_compress_hook if trainer.reduce_dtype == "bf16" else None

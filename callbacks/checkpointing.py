@@ -286,9 +286,18 @@ class RunCheckpoint(ModelCheckpoint):
                     "full at each checkpoint from now on (a second write per checkpoint)")
         if getattr(trainer.strategy, "async_writer", None) is None:
             self._write(trainer, last)
-        elif trainer.is_global_zero:
-            with self._storage_errors(last):
-                link_checkpoint(Path(source), Path(last), copy=True)
+        else:
+            failed = None
+            if trainer.is_global_zero:
+                try:
+                    link_checkpoint(Path(source), Path(last), copy=True)
+                except OSError as err:
+                    failed = err
+            # every rank waits for rank 0's copy and fails with it: rank 0 failing alone would leave the others
+            # waiting for it at their next collective
+            if (failed := trainer.strategy.broadcast(failed)) is not None:
+                with self._storage_errors(last):
+                    raise failed
         self._last_finite_step = step
 
     @property

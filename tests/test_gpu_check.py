@@ -34,10 +34,14 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     runs = result["sections"]["pretrain"]["runs"]
     assert list(runs) == ["trainer=cpu", "trainer=fsdp devices=2"]
     assert all(all(run["checks"].values()) and len(run["loss_resumed"]) == 5 for run in runs.values())
+    gap, = result["sections"]["pretrain"]["thresholds"].values()  # FSDP against one process: on equal batches, GPU only
+    assert gap["ok"] and gap["skipped"].startswith("cpu: FSDP needs 2 processes")
     assert [t["depth"] for t in result["sections"]["depth"]["tried"]] == [2, 4, 8]
     assert all(check["ok"] for check in result["sections"]["precision"]["checks"].values())
     paper = result["sections"]["paper"]["paper_runs"]
-    assert list(paper) == ["activation checkpointing off", "activation checkpointing on"]  # on a GPU, an eager twin too
+    # on a GPU, an eager twin too; the recipe's shape accumulates micro-batches (2 on CPU)
+    assert list(paper) == ["activation checkpointing off", "activation checkpointing on", "the recipe's shape"]
+    assert paper["the recipe's shape"]["shape"].startswith("4 sequences x 2 micro-batch(es)")
     for run in paper.values():  # the same model and batches: checkpointing recomputes, it changes no value
         assert run["ok"] and run["loss_last"] < run["loss_first"] and run["tokens_per_s"] > 0
         assert run["sdpa"] == ["_scaled_dot_product_flash_attention_for_cpu"] and run["checkpoint_bytes"] > 0
@@ -53,8 +57,9 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     # the GPU-only thresholds are said to be skipped on CPU, not faked
     assert result["sections"]["paper"]["thresholds"] == {
         label: {"ok": True, "skipped": "cpu"} for label in
-        ("MFU, compiled, checkpointing off", "peak memory, compiled, checkpointing off",
-         "peak memory, eager, checkpointing off", "peak memory, compiled, checkpointing on")}
+        ("MFU, compiled, checkpointing off", "MFU, the recipe's shape", "peak memory, compiled, checkpointing off",
+         "peak memory, eager, checkpointing off", "peak memory, compiled, checkpointing on",
+         "peak memory, the recipe's shape")}
     assert "[skipped] MFU, compiled, checkpointing off: cpu" in printed
     fsdp = result["sections"]["fsdp"]  # bf16 FSDP on 2 CPU processes with the in-loop evaluation
     assert fsdp["devices"] == 2 and all(fsdp["checks"].values()) and list(fsdp["fsdp_runs"]) == ["fsdp x 2"]

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import Logger
 
 from keel.artifacts import LOGGER_RUNS
+from keel.attention import attention_context, describe_attention
 from keel.callbacks.checkpointing import SAID, GracefulInterrupt, RunCheckpoint
 from keel.callbacks.progress import StepProgressBar
 from keel.callbacks.registry import configured_callbacks
@@ -225,11 +226,18 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> Trainer
     trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])
     if owner:
         write_config(cfg, checkpoint)
+    order, attention = None, None
+    if resolve_accelerator(cfg.trainer) == "gpu":
+        precision = resolve_precision(cfg.trainer)
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision == "16-mixed" else torch.float32
+        order, attention = describe_attention(cfg.trainer.attention, cfg.model, cfg.trainer.micro_batch_size, dtype)
     if trainer.is_global_zero:
-        print(f"{run_summary(cfg, module.model)}\nstart       {start}", flush=True)
+        print(f"{run_summary(cfg, module.model)}\n" + (f"attention   {attention}\n" if attention else "")
+              + f"start       {start}", flush=True)
         log_config(cfg, trainer.loggers)
     try:
-        trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
+        with attention_context(order):
+            trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
     finally:
         close_loggers(trainer)
     interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))

@@ -52,6 +52,11 @@ class Step:
         self()
         return held + resident_bytes(peak=True) - start
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one call trains on."""
+        return self.batch[..., 1:].numel()
+
     def timed(self, steps: int) -> float:
         """Tokens/s over `steps` steps."""
         synchronize(self.batch.device)
@@ -59,16 +64,18 @@ class Step:
         for _ in range(steps):
             self()
         synchronize(self.batch.device)
-        return steps * self.batch[..., 1:].numel() / (time.perf_counter() - start)
+        return steps * self.tokens_per_step / (time.perf_counter() - start)
 
 
 class TrainStep(Step):
     """One optimizer step of a KeelLitModule, its hooks called in the order Lightning's automatic optimization
-    calls them in `keel pretrain` (one micro-batch, no loss scaling): gradients zeroed, training_step under the
-    precision's autocast, backward, the module's gradient norms and non-finite skip, its clipping, the AdamW step
-    and the LR schedule. The module is the trained one (keel.lit): no Trainer, logger or callback runs here."""
+    calls them in `keel pretrain` (no loss scaling): gradients zeroed, for each of `micro_batches` micro-batches (the
+    same batch each time) training_step under the precision's autocast and backward of its share of the loss (as
+    Lightning divides it by trainer.grad_accum), then the module's gradient norms and non-finite skip, its clipping,
+    the AdamW step and the LR schedule. The module is the trained one (keel.lit): no Trainer, logger or callback runs
+    here."""
 
-    def __init__(self, module: KeelLitModule, batch: torch.Tensor) -> None:
+    def __init__(self, module: KeelLitModule, batch: torch.Tensor, micro_batches: int = 1) -> None:
         # training_step logs its loss: without a Trainer, Lightning drops the value with this warning
         warnings.filterwarnings("ignore", message="You are trying to `self.log\\(\\)` but the `self.trainer`")
         self.module, self.batch = module.to(batch.device), batch
@@ -76,20 +83,28 @@ class TrainStep(Step):
         optimizers = module.configure_optimizers()
         self.optimizer, self.scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
         self.bf16 = module.cfg.trainer.precision == "bf16-mixed"
+        self.micro_batches = micro_batches
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batches * super().tokens_per_step
 
     def __call__(self) -> torch.Tensor:
-        """One step; its loss."""
+        """One optimizer step; its loss (the micro-batches' mean)."""
         module = self.module
         self.optimizer.zero_grad()
-        with torch.autocast(self.batch.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = module.training_step(self.batch, 0)
-        module.backward(loss)
+        losses = []
+        for _ in range(self.micro_batches):
+            with torch.autocast(self.batch.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                loss = module.training_step(self.batch, 0)
+            module.backward(loss / self.micro_batches)
+            losses.append(loss.detach())
         module.measure_grad_norms()
         drop_nonfinite_update(self.optimizer, module.global_grad_norm)
         module.configure_gradient_clipping(self.optimizer, module.cfg.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        return loss.detach()
+        return torch.stack(losses).mean()
 
 
 class MembersStep(Step):

@@ -72,7 +72,10 @@ class DataConfig:
     verify_checksums: bool = True  # at start-up, local shards against the manifest's sha256 (its cost: docs/data.md)
     cache_dir: str | None = None  # object-store data.dir: local chunk cache; null = litdata's (~/.lightning/chunks)
     prepare_workers: int = 2  # processes for `keel data`
-    loader_workers: int = 0  # DataLoader workers while training (0: in the main process; see README)
+    # DataLoader workers while training (0: in the main process); auto: GPU_LOADER_WORKERS on GPUs (the next batches
+    # read while the GPU computes, into pinned memory), 0 on CPU, whose step is far slower than reading; resolved at
+    # load time (keel.config.Config), so config.yaml holds the number
+    loader_workers: int | str = "auto"
     chunk_bytes: str = "16MB"
     # each source's own keys, data.<source>.*: read when data.source names it (adding a source: its section here)
     stdlib: StdlibConfig = field(default_factory=StdlibConfig)
@@ -87,8 +90,9 @@ class DataConfig:
         require(_is_text_codec(self.encoding), "data.encoding",
                 f"{self.encoding!r} is not a text codec Python knows; use one such as utf-8, latin-1, cp1252, utf-16")
         require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
-        require(self.loader_workers >= 0 and self.prepare_workers >= 1, "data.loader_workers",
-                "loader_workers must be >= 0 and prepare_workers >= 1")
+        require(self.loader_workers == "auto" or (isinstance(self.loader_workers, int) and self.loader_workers >= 0),
+                "data.loader_workers", f"must be auto or >= 0 workers; got {self.loader_workers!r}")
+        require(self.prepare_workers >= 1, "data.prepare_workers", f"must be >= 1; got {self.prepare_workers}")
         self.source_config.check()
 
     @property

@@ -12,6 +12,11 @@ from keel.config.trainer import TrainerConfig, resolve_accelerator
 from keel.errors import ConfigError, require
 
 
+# data.loader_workers=auto on GPUs: two processes reading ahead are plenty for a batch of a few hundred KB of token
+# ids per step (a GPU step takes tenths of a second); each takes a core from the node's intra-op threads
+GPU_LOADER_WORKERS = 2
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/default"
@@ -49,6 +54,8 @@ class Config:
         # callback's check below needs the resolved value
         if self.trainer.compile == "auto":
             self.trainer.compile = resolve_accelerator(self.trainer) == "gpu"
+        if self.data.loader_workers == "auto":
+            self.data.loader_workers = GPU_LOADER_WORKERS if resolve_accelerator(self.trainer) == "gpu" else 0
         for section in self.callback_configs():
             section.check(self.trainer)
 

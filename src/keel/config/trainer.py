@@ -12,6 +12,7 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 # trainer.loggers' names; keel.loggers.LOGGERS holds each one's record under the same name (a test holds the two to
 # one set of names)
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # keel.attention.BACKENDS' names, and auto
 
 
 def resolve_accelerator(trainer) -> str:
@@ -55,6 +56,9 @@ class TrainerConfig:
     # write sharded (FSDP) checkpoints in the background: true | false | auto (on under fsdp where the accelerator
     # resolves to a GPU, off on CPU: keel.parallel.resolve_async_checkpoint)
     async_checkpoint: bool | str = "auto"
+    # the attention kernel SDPA prefers on GPUs: auto (cuDNN first on Hopper, sm90, and later; elsewhere torch's own
+    # order) | cudnn | flash | efficient | math (that one first, the others after); the one in use is said at start-up
+    attention: str = "auto"
     # torch.compile each block: true | false | auto (on where the accelerator resolves to a GPU, off on CPU; resolved
     # by Config at load time, so the config, --print-config and the run's config.yaml hold true or false)
     compile: bool | str = True
@@ -166,6 +170,7 @@ class TrainerConfig:
         require(not self.reduce_every_micro_batch or self.resolved_strategy == "fsdp", "trainer.reduce_every_micro_batch",
                 "chooses when FSDP reduces accumulated gradients: it needs trainer.strategy=fsdp (DDP reduces once per "
                 f"optimizer step, one process never; got {self.resolved_strategy})")
+        require(self.attention in ATTENTION, "trainer.attention", f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}")
         require(self.compile in (True, False, "auto"), "trainer.compile", f"allowed: true, false, auto; got {self.compile!r}")
         require(self.async_checkpoint in (True, False, "auto"), "trainer.async_checkpoint",
                 f"allowed: true, false, auto; got {self.async_checkpoint!r}")

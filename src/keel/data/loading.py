@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
-from keel.config import Config, DataConfig
+from keel.config import Config, DataConfig, resolve_accelerator
 from keel.data.shards import (
     MANIFEST, MANIFEST_KEYS, REBUILD, SPLITS, TOKENIZER, checksummed_chunks, corrupt_chunk, data_path, first_corrupt,
     sha256, storage, tokens_per_chunk, verify_shards,
@@ -187,6 +187,8 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
     loader = _ResumableLoader(
         dataset, cfg.data, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers,
         collate_fn=_stack_long,
+        # page-locked batches: their copy to the GPU runs without a staging copy, and asynchronously
+        pin_memory=resolve_accelerator(cfg.trainer) == "gpu",
     )
     if len(loader) == 0:
         raise ConfigError(

@@ -54,7 +54,8 @@ def sizes_for(device: str) -> Sizes:
                                               "--vocab", "50304", "--batch", "4", *BENCH_RUN],
             },
             bench_compile="on",
-            pretrain_model=["model.depth=8", "model.width=512", "model.n_heads=8", "model.seq_len=512",
+            # 64 blocks: 128 sublayers whose norm gains act in turn (the FSDP-against-one-process loss check)
+            pretrain_model=["model.depth=64", "model.width=512", "model.n_heads=8", "model.seq_len=512",
                             "trainer.micro_batch_size=16"],
             pretrain_runs={"trainer=gpu": ["trainer=gpu"],
                            "trainer=fsdp devices=1": ["trainer=fsdp", "trainer.devices=1", "trainer.compile=true"]},

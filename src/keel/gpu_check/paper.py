@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from keel.bench.step import TrainStep
-from keel.config import Config, ModelConfig, TrainerConfig
+from keel.config import Config, ModelConfig, TrainerConfig, load_config
 from keel.devices import device_name
 from keel.gpu_check.common import PAPER_WARMUP, Sizes, free_memory, mb, skipped, threshold
 from keel.lit import KeelLitModule
@@ -123,7 +123,7 @@ def _paper_run(cfg: Config, dev: torch.device, steps: int, out: Path) -> dict:
     with torch.device(dev):
         module = KeelLitModule(cfg)
     step = TrainStep(module, torch.randint(cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.model.seq_len + 1),
-                                           device=dev))
+                                           device=dev), micro_batches=cfg.trainer.grad_accum)
     times, losses = [], []
     for index in range(steps):
         if dev.type == "cuda":
@@ -133,7 +133,7 @@ def _paper_run(cfg: Config, dev: torch.device, steps: int, out: Path) -> dict:
         if index >= PAPER_WARMUP:
             times.append(time.perf_counter() - start)
     step_s = sorted(times)[len(times) // 2]
-    tokens_per_s = step.batch[:, 1:].numel() / step_s
+    tokens_per_s = step.tokens_per_step / step_s
     peak_flops = device_peak_flops(dev, torch.bfloat16)
     measured = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     terms = gpu_training_terms(cfg.model, cfg.trainer)
@@ -166,34 +166,52 @@ def paper_overrides(device: str, sizes: Sizes) -> list[str]:
 
 
 EAGER = "activation checkpointing off, eager"  # where the estimate counts the saved tensors exactly (keel.memory)
+RECIPE = "the recipe's shape"  # recipe=paper's micro-batch, accumulated, as each of 8 GPUs trains it
 PAPER_RUNS = {  # label -> overrides
     "activation checkpointing off": ["trainer.activation_checkpointing=false"],
     EAGER: ["trainer.activation_checkpointing=false", "trainer.compile=false"],
     "activation checkpointing on": ["trainer.activation_checkpointing=true"],
+    RECIPE: ["trainer.activation_checkpointing=auto"],  # + recipe_shape(): micro-batch and accumulation
 }
+
+
+def recipe_shape(device: str, sizes: Sizes) -> list[str]:
+    """recipe=paper's per-GPU shape on 8 GPUs, 8 sequences x 4 micro-batches (on CPU: the section's micro-batch
+    x 2, to stay small); optimizer, clipping and norms then run once per 4 micro-batches, as in the recipe."""
+    if device != "cuda":
+        return [f"trainer.micro_batch_size={sizes.paper_batch}", "trainer.grad_accum=2"]
+    recipe = load_config(overrides=["recipe=paper", "trainer.devices=8", "trainer.accelerator=gpu"]).trainer
+    return [f"trainer.micro_batch_size={recipe.micro_batch_size}", f"trainer.grad_accum={recipe.grad_accum}"]
 
 
 def paper(device: str, sizes: Sizes, out: Path) -> dict:
     """The paper's model on one GPU: compiled with activation checkpointing off and on, and eager with it off (on
     CPU, eager: sizes.paper_* without the eager twin)."""
-    from keel.config import load_config
+    from keel.memory import resolve_activation_checkpointing
 
     dev, runs = torch.device(device), {}
     for label, overrides in PAPER_RUNS.items():
         if label == EAGER and device != "cuda":  # on CPU the others are eager already
             continue
-        cfg = load_config(overrides=[*paper_overrides(device, sizes), *overrides])
+        shape = recipe_shape(device, sizes) if label == RECIPE else []
+        cfg = load_config(overrides=[*paper_overrides(device, sizes), *overrides, *shape])
+        resolve_activation_checkpointing(cfg)  # auto: the fewest blocks that fit this GPU
         try:
             runs[label] = _paper_run(cfg, dev, sizes.paper_steps, out)
+            runs[label]["shape"] = (f"{cfg.trainer.micro_batch_size} sequences x {cfg.trainer.grad_accum} "
+                                    f"micro-batch(es), {cfg.trainer.checkpointed_blocks(cfg.model.depth)} of "
+                                    f"{cfg.model.depth} blocks checkpointed")
         except torch.OutOfMemoryError as err:
             runs[label] = {"ok": False, "error": f"out of memory: {err}"}
         finally:
             free_memory(dev)
-    off, on = runs["activation checkpointing off"], runs["activation checkpointing on"]
+    off, on, recipe = runs["activation checkpointing off"], runs["activation checkpointing on"], runs[RECIPE]
     eager = runs.get(EAGER, {})
     thresholds = {"MFU, compiled, checkpointing off": mfu_threshold(off, dev),
+                  "MFU, the recipe's shape": mfu_threshold(recipe, dev),
                   "peak memory, compiled, checkpointing off": memory_threshold(off, dev, bound_only=True),
                   "peak memory, eager, checkpointing off": memory_threshold(eager, dev),
-                  "peak memory, compiled, checkpointing on": memory_threshold(on, dev)}
+                  "peak memory, compiled, checkpointing on": memory_threshold(on, dev),
+                  "peak memory, the recipe's shape": memory_threshold(recipe, dev, bound_only=True)}
     return {"ok": all(r["ok"] for r in (*runs.values(), *thresholds.values())), "paper_runs": runs,
             "thresholds": thresholds}

@@ -29,7 +29,7 @@ def table(result: dict) -> str:
                 if "checks" in run else "FAIL " + run["error"].splitlines()[-1]))
             lines += [f"        {'ok' if passed else 'FAIL'}: {check}" for check, passed in run.get("checks", {}).items()]
         for label, run in section.get("paper_runs", {}).items():
-            lines.append(f"    {label}: " + (
+            lines.append(f"    {label} ({run.get('shape', '-')}): " + (
                 f"{run['step_ms']:,.0f} ms/step, {run['tokens_per_s']:,.0f} tok/s, MFU "
                 + ("-" if run["mfu"] is None else f"{run['mfu']:.1%}")
                 + f", peak {mb(run['peak_memory_bytes'])} (estimate {mb(run['estimated_memory_bytes'])}), "

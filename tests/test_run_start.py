@@ -117,14 +117,16 @@ def test_threads_hold_in_every_ddp_process_and_rank_zero_alone_prints(tiny_data,
 
 
 @pytest.mark.parametrize(("trainer", "cores", "expected"), [
-    (["trainer=gpu", "trainer.devices=8"], 64, 8),  # 8 GPU ranks on a node share its 64 cores
-    (["trainer=gpu"], 64, 64),
-    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.loader_workers=1"], 7, 3),
+    (["trainer=gpu", "trainer.devices=8"], 64, 6),  # 8 GPU ranks and their 16 loader workers share 64 cores
+    (["trainer=gpu", "trainer.devices=8", "data.loader_workers=0"], 64, 8),
+    (["trainer=gpu"], 64, 62),
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.loader_workers=1"], 7, 2),
     (["trainer=gpu", "trainer.devices=8"], 4, 1),
 ])
 def test_automatic_threads_share_the_node_among_its_processes(trainer, cores, expected, monkeypatch, one_thread):
-    """trainer.threads=0: (cores - loader workers) / processes per node, GPU ranks too (torchrun's default of 1
-    is overridden, so it must not become every core in every rank)."""
+    """trainer.threads=0: (cores - every process's loader workers) / processes per node, GPU ranks too (torchrun's
+    default of 1 is overridden, so it must not become every core in every rank); data.loader_workers=auto is 2 per
+    GPU rank."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     set_threads(load_config(overrides=[*trainer, "trainer.threads=0"]))
     assert torch.get_num_threads() == expected and os.environ["OMP_NUM_THREADS"] == str(expected)

@@ -40,12 +40,12 @@ from keel.summary import run_result, run_summary
 
 def set_threads(cfg: Config) -> None:
     """One intra-op thread per available core, shared among the processes on this node (trainer.devices of
-    them, CPU or GPU ranks alike): more threads than cores (e.g. loader workers, or 8 GPU ranks each taking every
-    core) oversubscribes the CPU."""
+    them, CPU or GPU ranks alike) after a core for each of their loader workers: more threads than cores (e.g. 8
+    GPU ranks each taking every core) oversubscribes the CPU."""
     threads = cfg.trainer.threads
     if threads == 0:
         cores = len(os.sched_getaffinity(0))
-        threads = max(1, (cores - cfg.data.loader_workers) // cfg.trainer.devices)
+        threads = max(1, (cores - cfg.trainer.devices * cfg.data.loader_workers) // cfg.trainer.devices)
     torch.set_num_threads(threads)
     # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set, and
     # torchrun sets it to 1; the ranks started after this inherit it

@@ -77,22 +77,26 @@ def commit_dir(staging: Path, path: Path) -> None:
     remove_path(previous)
 
 
-class ReusedStager(DefaultStager):
-    """A DefaultStager that keeps its host buffers from save to save until `release`. async_save closes a stager
-    it was given once the save is written on some torch versions (2.11 among them; pytorch#183413), which frees the
-    buffers and breaks the next save; its `close` is therefore a no-op here."""
-
-    def close(self) -> None:
-        pass
-
-    def release(self) -> None:
-        super().close()
+def stager_outlives_a_save() -> bool:
+    """Whether this torch's DefaultStager stages more than once. Some versions (2.11 among them) clear its copy
+    table after each stage, and the next save then fails (`KeyError: <class 'type'>`, pytorch#183413); there a
+    stager serves one save. Asked of the stager itself, on a one-element tensor, not of the version number."""
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
 
 
 class AsyncShardedWriter:
     """Sharded checkpoints written in the background (torch.distributed.checkpoint.async_save, as torchtitan does):
     `start` returns once this rank's shards are copied to host memory (pinned on CUDA, the buffers reused from save
-    to save) - the only part training waits for - and a thread writes them into the staging directory while
+    to save where torch's stager allows) - the only part training waits for - and a thread writes them into the staging directory while
     training goes on. `finish` waits for that write and, on rank 0, moves the checkpoint into place (commit_dir):
     it is visible only once it is whole. One save at a time. The thread's collectives run over a gloo group of
     their own (async_save needs a CPU backend; the training collectives go on in the main thread meanwhile)."""
@@ -115,11 +119,15 @@ class AsyncShardedWriter:
 
     def open(self, device: torch.device) -> None:
         """Make the writer's gloo group (a collective: every rank, once the process group is up, so that the group
-        meets the network at start-up rather than at the first save) and its stager, for tensors on `device`."""
+        meets the network at start-up rather than at the first save) and its stager, for tensors on `device`: one
+        kept from save to save with its host buffers, or where this torch's stager serves one save, a new one each
+        time (stager_outlives_a_save)."""
         self._group = torch.distributed.new_group(backend="gloo")
         cuda = device.type == "cuda"
-        self._stager = ReusedStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self._options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                       use_non_blocking_copy=cuda)
+        self._stager_per_save = not stager_outlives_a_save()
+        self._stager = DefaultStager(self._options)
 
     def start(self, state: dict, staging: Path, path: Path) -> None:
         """Write `state` to `staging`, then later (finish) to `path`; every rank, after `open`."""
@@ -127,6 +135,9 @@ class AsyncShardedWriter:
             raise RuntimeError("checkpoint: AsyncShardedWriter.open() was not called")
         if self._in_flight is not None:
             raise RuntimeError(f"checkpoint: {self.in_flight} is still being written; finish() it first")
+        if self._stager_per_save and self.finished_at is not None:  # the last save spent it
+            self._stager.close()
+            self._stager = DefaultStager(self._options)
         future = async_save(state, checkpoint_id=staging, process_group=self._group, async_stager=self._stager)
         ended = {}
         future.add_done_callback(lambda _: ended.setdefault("at", time.perf_counter()))
@@ -150,7 +161,7 @@ class AsyncShardedWriter:
         own, never committed: waiting for it could hang on a rank that died."""
         self._in_flight = None
         if self._stager is not None:
-            self._stager.release()
+            self._stager.close()
             self._stager = None
 
 

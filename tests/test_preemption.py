@@ -321,7 +321,6 @@ def test_the_sbatch_example_warns_requeues_and_resumes_the_paper_recipe():
     assert (cfg.trainer.global_batch, cfg.trainer.grad_accum, cfg.model.seq_len) == (256, 2, 2048)
     per_node = {option.split("=")[0]: option.split("=")[1] for option in options if "=" in option}
     assert per_node["--ntasks-per-node"] == per_node["--gpus-per-node"] == "8" and per_node["--nodes"] == "2"
-    assert "TRITON_CACHE_DIR=" in script  # each node compiles into its own disk, not the shared home
 
 
 FAKE_SRUN = """#!/bin/sh

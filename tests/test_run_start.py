@@ -262,3 +262,22 @@ def test_auto_on_a_machine_whose_driver_torch_cannot_use_is_refused(monkeypatch,
     parallel.check_trainer(load_config(overrides=[*cpu, "trainer.accelerator=cpu"]).trainer)
     monkeypatch.setattr(parallel, "NVIDIA_DRIVER", tmp_path / "absent")
     parallel.check_trainer(fsdp)
+
+
+@pytest.mark.parametrize("nodes, preset", [(2, None), (1, None), (2, "/scratch/triton")])
+def test_several_nodes_compile_into_each_node_s_own_disk(monkeypatch, nodes, preset):
+    """Several nodes: Triton's cache in each node's temporary directory, not the shared home's ~/.triton; one node,
+    or a TRITON_CACHE_DIR the user set: left as it is."""
+    import tempfile
+
+    from keel.training import node_local_compile_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    if preset:
+        monkeypatch.setenv("TRITON_CACHE_DIR", preset)
+    node_local_compile_cache(load_config(overrides=["trainer=ddp", f"trainer.num_nodes={nodes}"]))
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    if preset or nodes == 1:
+        assert cache == preset
+    else:
+        assert os.path.dirname(cache) == tempfile.gettempdir() and os.path.basename(cache).startswith("keel-triton-")

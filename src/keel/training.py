@@ -3,8 +3,10 @@ in the run directory (keel.pretrain, `keel pretrain`, imports this only once the
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import tempfile
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -57,6 +59,14 @@ def tell_litdata_the_nodes(cfg: Config) -> None:
     GPUs, which is 1 on CPU nodes and wrong wherever a run uses fewer GPUs than a node has. The ranks started
     after this inherit it."""
     os.environ["NNODES"] = str(cfg.trainer.num_nodes)
+
+
+def node_local_compile_cache(cfg: Config) -> None:
+    """On several nodes, Triton's kernel cache on each node's own disk unless TRITON_CACHE_DIR says otherwise: its
+    default, ~/.triton, is usually a home directory every node shares, which every rank of every node would write at
+    once (inductor's own default, /tmp/torchinductor_<user>, is node-local already). The ranks inherit it."""
+    if cfg.trainer.num_nodes > 1 and "TRITON_CACHE_DIR" not in os.environ:
+        os.environ["TRITON_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"keel-triton-{getpass.getuser()}")
 
 
 def check_cpu_processes(cfg: Config) -> None:
@@ -194,6 +204,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer:
     quiet_libraries()
     set_threads(cfg)
     tell_litdata_the_nodes(cfg)
+    node_local_compile_cache(cfg)
     owner = launched_as_rank_zero()
     accelerator = resolve_accelerator(cfg.trainer)
     if (chosen := resolve_activation_checkpointing(cfg)) and owner:

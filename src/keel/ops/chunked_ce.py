@@ -9,7 +9,8 @@ one-hot) and from it the chunk's hidden-state gradient and its share of the weig
 the two stored gradients by the incoming one. Peak memory is one chunk's logits (twice: logits, log-softmax)
 instead of four full-size (tokens x vocab) fp32 tensors, and the head's FLOPs are the plain head's (no recompute).
 On CPU it is also faster (docs/bench.md): each chunk's logits stay in cache across the softmax and both gradient
-matmuls, and the gradient is one pass instead of autograd's log-softmax and NLL backward.
+matmuls, and the gradient is one pass instead of autograd's log-softmax and NLL backward. Where the blocks are
+compiled, so is each chunk (`compiled_chunk_loss`, keel.parallel.compile_blocks): one fused kernel after the matmul.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dty
 @functools.cache
 def compiled_chunk_loss(mode: str = "default") -> ChunkKernel:
     """`chunk_loss` through torch.compile (`mode`: trainer.compile_mode): everything after the logits' matmul (their
-    cast, log-softmax, the loss's gather, the softmax minus one-hot, the gradient's cast) fused into one kernel
-    instead of eager's pass per op, which holds no fp32 copy of the logits beside them. One compiled function per
-    mode, shared by every model; a graph per chunk shape (the full chunks, the last one), dtype and with / without
+    cast, log-softmax, the loss's gather, the softmax minus one-hot, the gradient's cast) fused into one kernel that
+    holds no fp32 copy of the logits beside them, where eager makes a pass per op. One compiled function per mode,
+    shared by every model; a graph per chunk shape (the full chunks, the last one), dtype and with / without
     gradient."""
     return torch.compile(chunk_loss, dynamic=False, mode=mode)
 

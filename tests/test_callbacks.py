@@ -257,18 +257,36 @@ def test_gradient_norms_are_computed_once_per_step(tiny_data, tmp_path, monkeypa
     assert len(grad_global) == 4 and all(math.isfinite(v) and v > 0 for v in grad_global)
 
 
-def test_clipping_with_the_shared_norm_matches_torch():
+def test_clipping_folded_into_fused_adamw_matches_the_separate_pass():
+    """configure_gradient_clipping hands the clip to the fused AdamW step (its grad_scale) instead of scaling every
+    gradient first (clip_grads_with_norm_ by the shared norm, as keel did before): over several steps the weights,
+    the AdamW moments and the clipped gradients the step leaves equal the separate pass's - bit for bit while the
+    norm is below the threshold (a division by 1), within fp32 rounding once the clip acts."""
     cfg = load_config(overrides=TINY_MODEL)
-    torch.manual_seed(0)
-    module = KeelLitModule(cfg)
-    reference = copy.deepcopy(module.model)
-    batch = torch.randint(cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
-    for model in (module.model, reference):
-        next_token_loss(model, batch).backward()
-    module.measure_grad_norms()  # as its optimizer_step does after backward
-    module.configure_gradient_clipping(make_optimizer(module.model, cfg.optim), gradient_clip_val=0.01)
-    total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
-    assert module.global_grad_norm.item() == pytest.approx(total.item(), rel=1e-6)
-    assert total > 0.1  # the clipping did scale the gradients down
-    for clipped, expected in zip(module.model.parameters(), reference.parameters()):
-        torch.testing.assert_close(clipped.grad, expected.grad)
+    modules, optimizers = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        modules.append(KeelLitModule(cfg))
+        optimizers.append(make_optimizer(modules[-1].model, cfg.optim))
+    folded, separate = modules
+    generator = torch.Generator().manual_seed(0)
+    for step, clip in enumerate([1e3, 1e3, 0.05, 0.05, 0.05, 0.05]):  # the clip acts from the third step on
+        batch = torch.randint(cfg.model.vocab_size, (2, cfg.model.seq_len + 1), generator=generator)
+        for module, optimizer in zip(modules, optimizers):
+            optimizer.zero_grad()
+            next_token_loss(module.model, batch).backward()
+            module.measure_grad_norms()  # as its optimizer_step does after backward
+        assert (folded.global_grad_norm > clip) == (step >= 2)
+        norms = folded.grad_norms.clone()
+        folded.configure_gradient_clipping(optimizers[0], gradient_clip_val=clip)
+        torch.nn.utils.clip_grads_with_norm_(list(separate.model.parameters()), clip, separate.global_grad_norm)
+        for optimizer in optimizers:
+            optimizer.step()
+        assert torch.equal(folded.grad_norms, norms)  # what the monitors read stays the unclipped norms
+        exact = step < 2
+        for (name, p), q in zip(folded.model.named_parameters(), separate.model.parameters()):
+            state, expected = optimizers[0].state[p], optimizers[1].state[q]
+            for actual, wanted in ((p, q), (p.grad, q.grad), (state["exp_avg"], expected["exp_avg"]),
+                                   (state["exp_avg_sq"], expected["exp_avg_sq"]), (state["step"], expected["step"])):
+                torch.testing.assert_close(actual, wanted, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7,
+                                           msg=f"step {step}: {name}")

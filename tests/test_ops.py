@@ -1,6 +1,7 @@
 """keel.ops.chunked_ce: the chunked loss head against the plain head (full logits + F.cross_entropy) on values and
-gradients, alone and in KeelLM (tied embeddings too), under no_grad, autocast and bf16 weights; that it never
-builds a (tokens x vocab) tensor; and the model.loss_chunk key. The FSDP-sharded head: test_fsdp_equivalence.py."""
+gradients, alone and in KeelLM (tied embeddings too), under no_grad, autocast and bf16 weights, eager and compiled
+per chunk; that it never builds a (tokens x vocab) tensor; and the model.loss_chunk key. The FSDP-sharded head:
+test_fsdp_equivalence.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from keel.config import ModelConfig, load_config, to_dict
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
-from keel.ops.chunked_ce import linear_cross_entropy
+from keel.ops.chunked_ce import compiled_chunk_loss, linear_cross_entropy
 from keel.resume import check_same_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,8 +27,8 @@ def head_inputs(dtype=torch.float32, seed=0):
     return x, weight, torch.randint(V, (N,), generator=generator)
 
 
-def loss_and_grads(x, weight, targets, chunk):
-    loss = linear_cross_entropy(x, weight, targets, chunk)
+def loss_and_grads(x, weight, targets, chunk, kernel=None):
+    loss = linear_cross_entropy(x, weight, targets, chunk, kernel)
     return (loss, *torch.autograd.grad(loss, (x, weight)))
 
 
@@ -108,6 +109,23 @@ def test_autocast_and_bf16_weights_follow_the_plain_head():
     for actual, expected in zip(chunked, plain):
         assert_rel_close(actual, expected, 2e-2)
     assert [t.dtype for t in chunked] == [torch.float32, torch.float32, torch.bfloat16]
+
+
+def test_compiled_chunk_kernel_matches_the_eager_one():
+    """trainer.compile's loss head (keel.parallel.compile_blocks): each chunk through torch.compile (inductor's C++ on
+    CPU). fp32: loss and gradients within fp32 rounding (exp and the softmax's sums vectorized differently); bf16
+    autocast: within bf16 rounding of the logits' gradient (docs/bench.md, "The step"). Chunk 16 of 50 tokens: full
+    chunks and a partial last one (a graph each)."""
+    x, weight, targets = head_inputs()
+    for chunk, autocast, rel in ((16, False, 1e-6), (25, True, 4e-3)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            eager = loss_and_grads(x, weight, targets, chunk)
+            compiled = loss_and_grads(x, weight, targets, chunk, compiled_chunk_loss())
+        for actual, expected in zip(compiled, eager):  # loss, d/dx, d/dweight
+            assert_rel_close(actual, expected, rel)
+    with torch.no_grad():  # validation's path: the loss alone
+        loss = linear_cross_entropy(x, weight, targets, 25, compiled_chunk_loss())
+    assert_rel_close(loss, linear_cross_entropy(x, weight, targets, 25).detach(), 1e-6)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -1,6 +1,6 @@
 """keel.parallel's options on CPU: selective activation checkpointing (trainer.activation_checkpointing: none, all,
-auto, a fraction of the blocks) and the gradient reduction's dtype (trainer.reduce_dtype), under FSDP on 2 gloo
-processes."""
+auto, a fraction of the blocks), compile's mode (trainer.compile_mode) and the gradient reduction's dtype
+(trainer.reduce_dtype), under FSDP on 2 gloo processes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import keel.parallel
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
+from keel.ops.chunked_ce import compiled_chunk_loss
 from keel.parallel import build_strategy, parallelize
 
 from keeltest import QUIET_TRAINER, TINY_MODEL
@@ -73,6 +74,27 @@ def test_other_checkpointing_settings_are_refused_naming_the_key(setting, messag
     with pytest.raises(ConfigError, match=r"trainer.activation_checkpointing: .*" + message.replace("(", r"\(")
                        .replace(")", r"\)")):
         tiny(f"trainer.activation_checkpointing={setting}")
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_compile_mode_reaches_every_compile_call(mode, monkeypatch):
+    """trainer.compile_mode is torch.compile's mode= for each block and the loss head's chunk kernel."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda function, **options: calls.append(options) or function)
+    compiled_chunk_loss.cache_clear()  # one compiled kernel per mode, kept by the process: made anew here
+    cfg = tiny("trainer.compile=true", f"trainer.compile_mode={mode}")
+    model = KeelLM(cfg.model)
+    parallelize(model, cfg.trainer)
+    compiled_chunk_loss.cache_clear()  # not the recording stand-in for later tests
+    assert [options["mode"] for options in calls] == [mode] * (DEPTH + 1)
+    assert all(options["dynamic"] is False for options in calls)
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead", "fast"])
+def test_other_compile_modes_are_refused_naming_the_allowed_ones(mode):
+    with pytest.raises(ConfigError, match=f"trainer.compile_mode: allowed: default, max-autotune-no-cudagraphs; "
+                                          f"got '{mode}'"):
+        tiny(f"trainer.compile_mode={mode}")
 
 
 def test_auto_is_resolved_before_the_model_is_parallelized():

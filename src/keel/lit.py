@@ -109,12 +109,14 @@ class KeelLitModule(LightningModule):
         return self.grad_norms
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """optim.grad_clip (Lightning's gradient_clip_val; norm clipping) by this step's global_grad_norm:
-        Lightning clips after the on_before_optimizer_step hooks."""
-        if not gradient_clip_val:  # fp16 loss scaling never clips: the config refuses it (fused AdamW, Config)
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, self.global_grad_norm)
+        """optim.grad_clip (Lightning's gradient_clip_val; norm clipping) by this step's global_grad_norm, folded into
+        the fused AdamW step: Lightning calls this after the on_before_optimizer_step hooks (which see the unclipped
+        gradients), and the step divides each gradient by `clip_divisor` in its kernel, as it unscales GradScaler's
+        gradients, instead of a separate pass over every gradient (clip_grads_with_norm_'s multiply); the step leaves
+        the clipped gradients in .grad, as that pass did. Equal to it within fp32 rounding (a division for a
+        multiplication), exactly equal when the norm is below the threshold (a division by 1)."""
+        # fp16 loss scaling never clips (the config refuses it): its GradScaler sets grad_scale itself, after this
+        optimizer.grad_scale = clip_divisor(self.global_grad_norm, gradient_clip_val) if gradient_clip_val else None
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         # After the last optimizer step: Lightning validates when a stop is asked for, so the final model gets its
@@ -168,6 +170,13 @@ class KeelLitModule(LightningModule):
         # keel.resume.check_resume has checked it (keel.training) before any work
         self.heldout = checkpoint["keel"].get("heldout")
         rescale_batch_progress(checkpoint, self.cfg.trainer.grad_accum)
+
+
+def clip_divisor(global_grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide every gradient by for global-norm clipping at max_norm: the inverse of torch's clip coefficient
+    (clip_grads_with_norm_: max_norm / (norm + 1e-6), at most 1), computed on the device (no host read), fp32 as the
+    fused optimizers' grad_scale must be; not finite where the norm is not (drop_nonfinite_update drops that step)."""
+    return ((global_grad_norm + 1e-6) / max_norm).clamp(min=1.0)
 
 
 def drop_nonfinite_update(optimizer: torch.optim.Optimizer, global_grad_norm: torch.Tensor) -> None:

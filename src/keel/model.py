@@ -20,7 +20,7 @@ from torch import nn
 from keel.config import ModelConfig
 from keel.config.model import SublayerSpec, deepnorm_beta, needs_final_norm, sublayer_specs
 from keel.errors import ConfigError
-from keel.ops.chunked_ce import default_chunk, linear_cross_entropy
+from keel.ops.chunked_ce import ChunkKernel, chunk_loss, default_chunk, linear_cross_entropy
 from keel.ops.rms_norm import rms_norm
 
 
@@ -233,6 +233,8 @@ class KeelLM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i, *spec) for i, spec in enumerate(specs))
         self.final_norm = RMSNorm(cfg.width, cfg.norm_eps) if needs_final_norm(cfg) else None
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        # what computes each chunk of the loss head: eager here, compiled from outside (keel.parallel.compile_blocks)
+        self.loss_chunk_kernel: ChunkKernel = chunk_loss
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -293,7 +295,8 @@ class KeelLM(nn.Module):
         if targets is None:
             return self.head(x.to(self.head.weight.dtype))
         chunk = default_chunk(x.device) if self.cfg.loss_chunk is None else self.cfg.loss_chunk
-        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk)
+        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk,
+                                    self.loss_chunk_kernel)
 
     def num_params(self, embeddings: bool = True) -> int:
         """All parameters, or all but the token embedding's (the head counted unless tied to it)."""

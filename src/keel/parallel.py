@@ -26,6 +26,7 @@ from keel.checkpoint_io import SHARDED_META, AsyncShardedWriter, commit_dir, sta
 from keel.config import resolve_accelerator, resolve_precision
 from keel.errors import ConfigError
 from keel.model import KeelLM
+from keel.ops.chunked_ce import compiled_chunk_loss
 
 
 def apply_activation_checkpointing(model: KeelLM, blocks: int | None = None) -> None:
@@ -46,12 +47,14 @@ def _checkpointed_forward(block, *args, **kwargs):
     return checkpoint(type(block).forward, block, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
-def compile_blocks(model: KeelLM) -> None:
-    """Compile each block separately: one graph reused by every block (fast compile at any depth).
-    In place (`Module.compile`), unlike `torch.compile(block)`, which would add an `_orig_mod.`
-    prefix to every state_dict key and make checkpoints depend on the compile setting."""
+def compile_blocks(model: KeelLM, mode: str = "default") -> None:
+    """Compile each block separately: one graph reused by every block (fast compile at any depth), and the loss
+    head's per-chunk kernel (keel.ops.chunked_ce), in torch.compile's `mode` (trainer.compile_mode). In place
+    (`Module.compile`), unlike `torch.compile(block)`, which would add an `_orig_mod.` prefix to every state_dict key
+    and make checkpoints depend on the compile setting."""
     for block in model.blocks:
-        block.compile(dynamic=False)
+        block.compile(dynamic=False, mode=mode)
+    model.loss_chunk_kernel = compiled_chunk_loss(mode)
 
 
 def parallelize(model: KeelLM, trainer, device_mesh=None) -> None:
@@ -63,7 +66,7 @@ def parallelize(model: KeelLM, trainer, device_mesh=None) -> None:
     if blocks := agreed_checkpointed_blocks(trainer.checkpointed_blocks(model.cfg.depth)):
         apply_activation_checkpointing(model, blocks)
     if trainer.compile:
-        compile_blocks(model)
+        compile_blocks(model, trainer.compile_mode)
     if device_mesh is not None:
         shard(model, sharding_mesh(device_mesh, trainer), mixed_precision_policy(trainer))
     model._keel_parallelized = True

@@ -13,6 +13,7 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 # one set of names)
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math")  # keel.attention.BACKENDS' names, and auto
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # trainer.compile_mode: torch.compile's mode=
 
 
 def resolve_accelerator(trainer) -> str:
@@ -62,6 +63,11 @@ class TrainerConfig:
     # torch.compile each block: true | false | auto (on where the accelerator resolves to a GPU, off on CPU; resolved
     # by Config at load time, so the config, --print-config and the run's config.yaml hold true or false)
     compile: bool | str = True
+    # torch.compile's mode for the compiled blocks and loss head: default | max-autotune-no-cudagraphs (inductor
+    # times candidate kernels for each matmul and fused op as it compiles and keeps the fastest: a longer compile).
+    # The CUDA-graph modes (reduce-overhead, max-autotune) are not offered: untested under FSDP's hooks, which free
+    # and re-gather the parameters at every step
+    compile_mode: str = "default"
     # recompute activations in backward: none | all | auto | a fraction of the blocks in (0, 1), the first
     # round(fraction x depth) (keel.parallel.apply_activation_checkpointing says why the first); auto: the fewest
     # blocks with which the memory estimate fits, resolved at start-up (keel.memory); true / false: all / none
@@ -172,6 +178,8 @@ class TrainerConfig:
                 f"optimizer step, one process never; got {self.resolved_strategy})")
         require(self.attention in ATTENTION, "trainer.attention", f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}")
         require(self.compile in (True, False, "auto"), "trainer.compile", f"allowed: true, false, auto; got {self.compile!r}")
+        require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
+                f"allowed: {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")
         require(self.async_checkpoint in (True, False, "auto"), "trainer.async_checkpoint",
                 f"allowed: true, false, auto; got {self.async_checkpoint!r}")
         require(self.async_checkpoint is not True or self.resolved_strategy == "fsdp", "trainer.async_checkpoint",

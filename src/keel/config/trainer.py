@@ -107,7 +107,8 @@ class TrainerConfig:
         require(self.global_batch_size >= 1, "trainer.global_batch_size",
                 f"must be >= 1 sequences per optimizer step, or null; got {self.global_batch_size}")
         if self.global_batch_size % per_micro_batch:
-            fitting = [m for m in range(1, self.micro_batch_size + 1) if self.global_batch_size % (self.world_size * m) == 0]
+            fitting = [micro for micro in range(1, self.micro_batch_size + 1)
+                       if self.global_batch_size % (self.world_size * micro) == 0]
             advice = (f"trainer.micro_batch_size={fitting[-1]} divides it on this many processes" if fitting else
                       f"no micro-batch size divides it on {self.world_size} processes: change the device count")
             raise ConfigError(f"trainer.global_batch_size={self.global_batch_size}: not a multiple of {layout}; "
@@ -173,10 +174,12 @@ class TrainerConfig:
         require(self.reduce_dtype == "fp32" or self.resolved_strategy != "single", "trainer.reduce_dtype",
                 "bf16 sums gradients over processes in bf16; a single-process run sums none: use trainer=fsdp or "
                 "trainer=ddp, or leave it fp32")
-        require(not self.reduce_every_micro_batch or self.resolved_strategy == "fsdp", "trainer.reduce_every_micro_batch",
+        require(not self.reduce_every_micro_batch or self.resolved_strategy == "fsdp",
+                "trainer.reduce_every_micro_batch",
                 "chooses when FSDP reduces accumulated gradients: it needs trainer.strategy=fsdp (DDP reduces once per "
                 f"optimizer step, one process never; got {self.resolved_strategy})")
-        require(self.attention in ATTENTION, "trainer.attention", f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}")
+        require(self.attention in ATTENTION, "trainer.attention",
+                f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}")
         require(self.compile in (True, False, "auto"), "trainer.compile", f"allowed: true, false, auto; got {self.compile!r}")
         require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
                 f"allowed: {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")

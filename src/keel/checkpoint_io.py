@@ -98,9 +98,9 @@ class AsyncShardedWriter:
     `start` returns once this rank's shards are copied to host memory (pinned on CUDA, the buffers reused from save
     to save where torch's stager allows) - the only part training waits for - and a thread writes them into the
     staging directory while training goes on. `finish` waits for that write and, on rank 0, moves the checkpoint
-    into place (commit_dir):
-    it is visible only once it is whole. One save at a time. The thread's collectives run over a gloo group of
-    their own (async_save needs a CPU backend; the training collectives go on in the main thread meanwhile)."""
+    into place (commit_dir): it is visible only once it is whole. One save at a time. The thread's collectives run
+    over a gloo group of their own (async_save needs a CPU backend; the training collectives go on in the main
+    thread meanwhile)."""
 
     def __init__(self) -> None:
         self._group = None

@@ -13,6 +13,7 @@ docs/distributed.md "In the background").
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -169,13 +170,15 @@ class RunCheckpoint(ModelCheckpoint):
 
     @staticmethod
     def _progress(trainer: Trainer) -> dict:
-        """The checkpoint entries that move within a step: the loops' progress and the data loader's position."""
+        """The checkpoint entries that move within a step: the loops' progress and the data loader's position, copied:
+        a restored litdata dataset returns its live state dict, which the next batch moves on (a crash in a resumed
+        run saved the position one batch on, and its resume skipped a batch)."""
         loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
                                                                        "predict_loop")}
         progress = {"loops": loops}
         if trainer.datamodule is not None:
             progress[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
-        return progress
+        return copy.deepcopy(progress)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         if self._replace is not None:  # the live loops and loader are part-way into the step that failed

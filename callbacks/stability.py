@@ -87,7 +87,7 @@ class StabilityMonitor(Callback):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.tokens_per_step = tokens_per_step  # over every rank: what a skipped global batch holds
         self.failure: Failure | None = None
-        # every rewind of this timeline, oldest first (`rewind_record`); the last is `rewind` while its fit is ending
+        # every rewind of this timeline, oldest first (as stability.json lists them); the last is `rewind` as it ends
         self.rewinds: list[dict] = []
         self.rewind: dict | None = None  # decided in this fit: it ends without saving, keel.training fits again
         self._carried: list[dict] | None = None  # the rewinds handed over by the fit that rewound (carry)
@@ -353,7 +353,7 @@ class StabilityMonitor(Callback):
             return "this run keeps no step-numbered checkpoints to rewind to"
         checkpoints.finish_save(trainer)  # a save in the background: whole, and a candidate
         latest = onset - self.config.rewind_steps_before_onset
-        kept = {step: str(path) for step, path in checkpoints.kept_steps().items()} if trainer.is_global_zero else None
+        kept = {at: str(path) for at, path in checkpoints.kept_steps().items()} if trainer.is_global_zero else None
         kept = trainer.strategy.broadcast(kept)
         target = max((s for s in kept if s <= latest), default=None)
         if target is None:

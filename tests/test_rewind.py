@@ -317,16 +317,18 @@ def test_kill_9_around_a_rewind_resumes_bit_for_bit(tiny_data, rewound, tmp_path
 
 
 @pytest.mark.extended
-def test_two_process_fsdp_survives_the_spike_near_the_clean_run(tiny_data, tmp_path):
-    """Both ranks rewind together to a sharded checkpoint, skip the same global batches, and the run ends within
-    MARGIN of the clean 2-process run; without recovery it fails."""
-    fsdp = ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.micro_batch_size=2"]
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_processes_survive_the_spike_near_the_clean_run(tiny_data, tmp_path, strategy):
+    """Both ranks rewind together (under FSDP to a sharded checkpoint), skip the same global batches, and the run
+    ends within MARGIN of the clean 2-process run; without recovery it fails."""
+    launched = [f"trainer={strategy}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.micro_batch_size=2"]
     runs = {name: tmp_path / name / "run" for name in ("clean", "rewound", "plain")}
     for name, poison, extra in (("clean", (), ()), ("rewound", POISONED, ()),
                                 ("plain", POISONED, ("callbacks.stability.rewind=false",))):
-        done = launch(tiny_data, runs[name], poison, *fsdp, *extra)
+        done = launch(tiny_data, runs[name], poison, *launched, *extra)
         assert done.returncode == (1 if name == "plain" else 0), done.stderr[-3000:]
     (record,) = rewinds(runs["rewound"])
-    assert record["rewound_to"] == REWOUND_TO and (runs["rewound"] / "checkpoints" / LAST).is_dir()
+    assert record["rewound_to"] == REWOUND_TO
+    assert (runs["rewound"] / "checkpoints" / LAST).is_dir() == (strategy == "fsdp")
     assert record["skipped_batches"] == [REWOUND_TO, REWOUND_TO + record["skipped_steps"]]
     assert abs(val_loss(runs["rewound"]) - val_loss(runs["clean"])) < MARGIN

@@ -13,6 +13,7 @@ docs/distributed.md "In the background").
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -109,6 +110,7 @@ class RunCheckpoint(ModelCheckpoint):
         # for a write in the background to end (waited_s), seconds until the checkpoint was whole (total_s)
         self.saves: list[dict] = []
         self._in_flight: dict | None = None  # the entry of saves being written in the background (async saves)
+        self.abandoned = False  # a rewind (StabilityMonitor) discards the state since: nothing more is saved
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run's directory is not empty, by design
@@ -127,6 +129,8 @@ class RunCheckpoint(ModelCheckpoint):
             trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
+        if self.abandoned:
+            return
         step = finished_step(trainer)
         if self._in_flight and step is not None and due(step, trainer.log_every_n_steps):
             # the ranks agree that the background write is done (a collective: at logging steps only, keel's rule)
@@ -141,12 +145,12 @@ class RunCheckpoint(ModelCheckpoint):
             self._boundary = (trainer.global_step, self._progress(trainer))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.global_step not in (self._start_step, self._last_global_step_saved):
+        if trainer.global_step not in (self._start_step, self._last_global_step_saved) and not self.abandoned:
             self.save_now(trainer)
         self.finish_save(trainer)  # the run ends (or requeues) with its last checkpoint whole and in place
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, StorageError):  # a save failed: another would fail the same way
+        if isinstance(exception, StorageError) or self.abandoned:  # a save failed: another would fail the same way
             return
         if self._in_flight and trainer.world_size == 1:  # several processes would have to agree, as below
             try:
@@ -169,13 +173,15 @@ class RunCheckpoint(ModelCheckpoint):
 
     @staticmethod
     def _progress(trainer: Trainer) -> dict:
-        """The checkpoint entries that move within a step: the loops' progress and the data loader's position."""
+        """The checkpoint entries that move within a step: the loops' progress and the data loader's position, copied:
+        a restored litdata dataset returns its live state dict, which the next batch moves on (a crash in a resumed
+        run saved the position one batch on, and its resume skipped a batch)."""
         loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
                                                                        "predict_loop")}
         progress = {"loops": loops}
         if trainer.datamodule is not None:
             progress[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
-        return progress
+        return copy.deepcopy(progress)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         if self._replace is not None:  # the live loops and loader are part-way into the step that failed
@@ -321,17 +327,42 @@ class RunCheckpoint(ModelCheckpoint):
         self._prune(trainer)
         self.finish_save(trainer)
 
+    def kept_steps(self) -> dict[int, Path]:
+        """The step-numbered checkpoints in the directory, by step."""
+        names = os.listdir(self.dirpath) if os.path.isdir(self.dirpath) else []
+        return {int(m[1]): Path(self.dirpath) / name for name in names if (m := STEP_NAME.match(name))}
+
+    def abandon(self, trainer: Trainer) -> None:
+        """The state since the last checkpoint is to be thrown away (a rewind): the save being written in the
+        background, if any, is completed, and nothing more is saved by this fit."""
+        self.finish_save(trainer)
+        self.abandoned = True
+
+    def rewind_to(self, trainer: Trainer, step: int) -> None:
+        """Make the checkpoint of `step` the run's newest: the later step-numbered ones (the abandoned timeline's)
+        deleted, last.ckpt replaced by links to it (atomically), so that resume=auto continues from it."""
+        if trainer.is_global_zero:
+            kept = self.kept_steps()
+            try:
+                link_checkpoint(kept[step], Path(self.dirpath) / LAST)
+            except OSError:  # no hard links here: a copy, once
+                link_checkpoint(kept[step], Path(self.dirpath) / LAST, copy=True)
+            for later in sorted(s for s in kept if s > step):
+                trainer.strategy.remove_checkpoint(kept[later])
+        self._last_finite_step = step
+        trainer.strategy.barrier("RunCheckpoint.rewind_to")
+
     def _prune(self, trainer: Trainer) -> None:
         """Delete step-numbered checkpoints beyond the newest keep_last_k up to this step. Later-numbered ones
         (left by the timeline a resume from an older checkpoint abandoned) are overwritten when reached. Not while
         a checkpoint is being written in the background: it is not yet the newest (finish_save prunes)."""
-        if not self.keep_last_k or self._in_flight:
+        if not self.keep_last_k or self._in_flight or self.abandoned:  # abandoned: the rewind's target stays
             return
         if trainer.is_global_zero:
-            steps = {int(m[1]): name for name in os.listdir(self.dirpath) if (m := STEP_NAME.match(name))}
+            steps = self.kept_steps()
             history = sorted(step for step in steps if step <= trainer.global_step)
             for step in history[: -self.keep_last_k]:
-                trainer.strategy.remove_checkpoint(Path(self.dirpath) / steps[step])
+                trainer.strategy.remove_checkpoint(steps[step])
         trainer.strategy.barrier("RunCheckpoint._prune")
 
 

@@ -25,7 +25,8 @@ def _downstream_eval(options: CallbackConfig, cfg: Config) -> Callback:
 # callbacks.<name> (and eval) -> the callback, from its options and the run's config
 BUILDERS: dict[str, Callable[[CallbackConfig, Config], Callback]] = {
     "grad_norms": lambda options, cfg: GradNormMonitor(options),
-    "stability": lambda options, cfg: StabilityMonitor(options, cfg.run.dir),
+    "stability": lambda options, cfg: StabilityMonitor(options, cfg.run.dir,
+                                                       cfg.device_tokens_per_step * cfg.trainer.world_size),
     "throughput": lambda options, cfg: ThroughputMonitor(cfg.device_tokens_per_step, flops_per_token(cfg.model),
                                                          options),
     "layer_importance": lambda options, cfg: LayerImportance(options),

@@ -1,5 +1,5 @@
 """Training-failure detection: the three ways the paper's runs die, watched as they happen (it changes no update:
-the LightningModule drops a non-finite one itself, monitor or not).
+the LightningModule drops a non-finite one itself, monitor or not), and the rewind past a spike (below).
 
     nonfinite    the step's loss or global gradient norm is NaN/inf: on_nonfinite=skip tolerates up to
                  max_nonfinite consecutive such steps, stop fails at the first
@@ -13,6 +13,13 @@ Spikes, stagnation and learning judge `signal`: train (the EMA of the training l
 held-out loss). The first failure and its max tolerable LR (of the last update the model sustained) go to `failure` and
 <run.dir>/stability.json; with stop_on_failure (or a non-finite step under on_nonfinite=stop) the run then stops.
 Steps are judged at logging steps, all pending ones at once, from values equal on every rank: docs/tensorboard.md.
+
+With `rewind`, a spike or max_nonfinite non-finite steps that would stop the run rewinds it instead (at most
+max_rewinds times): every rank stops this fit without saving, RunCheckpoint makes the newest kept checkpoint at least
+rewind_steps_before_onset steps before the onset the run's newest, and keel.training fits again from it, handing this
+monitor's `rewinds` to the next one, which has the data module skip the global batches from that checkpoint through
+the detection plus rewind_skip_steps (the LR x rewind_lr_scale for rewind_lr_steps steps). Each rewind is recorded
+(`rewinds`: steps, skipped global batches and tokens) in every later checkpoint and in stability.json.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.artifacts import STABILITY
 from keel.callbacks.cadence import due
+from keel.callbacks.checkpointing import RunCheckpoint
 from keel.config.callbacks import StabilityConfig, divergence_bar
 from keel.callbacks.log_writing import log_scalars, log_text
+from keel.rundir import say
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
 
@@ -59,13 +68,29 @@ def describe(failure: Failure) -> str:
             f"{failure.detected_step}); max tolerable LR {lr}")
 
 
+def describe_rewind(record: dict, number: int, config: StabilityConfig) -> str:
+    """One line for the console: which failure, back to where, what is skipped."""
+    first, end = record["skipped_batches"]
+    lr = (f"; LR x{config.rewind_lr_scale:g} for {config.rewind_lr_steps} steps"
+          if config.rewind_lr_steps and config.rewind_lr_scale != 1 else "")
+    return (f"rewind {number} of at most {config.max_rewinds}: {record['kind']} from step {record['onset']} "
+            f"(detected at step {record['detected_step']}): back to step {record['rewound_to']}, skipping global "
+            f"batches {first}-{end - 1} ({end - first} batches, {record['skipped_tokens']:,} tokens){lr}")
+
+
 class StabilityMonitor(Callback):
     """The checks of `config`; the first failure (and, with a run_dir, stability.json) as the module says."""
 
-    def __init__(self, config: StabilityConfig | None = None, run_dir: str | Path | None = None) -> None:
+    def __init__(self, config: StabilityConfig | None = None, run_dir: str | Path | None = None,
+                 tokens_per_step: int = 0) -> None:
         self.config = config if config is not None else StabilityConfig()
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.tokens_per_step = tokens_per_step  # over every rank: what a skipped global batch holds
         self.failure: Failure | None = None
+        # every rewind of this timeline, oldest first (as stability.json lists them); the last is `rewind` as it ends
+        self.rewinds: list[dict] = []
+        self.rewind: dict | None = None  # decided in this fit: it ends without saving, keel.training fits again
+        self._carried: list[dict] | None = None  # the rewinds handed over by the fit that rewound (carry)
         self.counts = {"nonfinite_steps": 0, "spikes": 0, "stagnations": 0}
         self.max_lr_seen = 0.0
         # trend of the smoothed loss
@@ -99,7 +124,7 @@ class StabilityMonitor(Callback):
             failure["loss"] = None  # strict JSON has no NaN; the message says what it was
         heldout = {"heldout": self.heldout} if self.config.signal == "val" else {}
         return {"failed": self.failure is not None, **failure, "steps": steps, "max_lr_seen": self.max_lr_seen,
-                **self.counts, "signal": self.config.signal, **heldout}
+                **self.counts, "signal": self.config.signal, **heldout, "rewinds": self.rewinds}
 
     # ------------------------------------------------------------------------------------------------- hooks
 
@@ -110,6 +135,28 @@ class StabilityMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.failure is not None and self.config.stop_on_failure:  # resumed after stopping: the run is over
             trainer.should_stop = True
+        if self.rewind is not None:  # resumed from a save written as the rewind was decided: do it now
+            trainer.checkpoint_callback.abandon(trainer)
+            trainer.should_stop = True
+            return
+        if self._carried is not None:  # this fit starts at a rewind's checkpoint: skip from here
+            self.rewinds, self._carried = self._carried, None
+            record = self.rewinds[-1]
+            first = trainer.datamodule.position.global_batch
+            record["skipped_batches"] = [first, first + record["skipped_steps"]]
+            record["skipped_tokens"] = record["skipped_steps"] * self.tokens_per_step
+            if trainer.is_global_zero:
+                say(describe_rewind(record, len(self.rewinds), self.config))
+            self._event(trainer, record["rewound_to"], f"rewound here from step {record['detected_step']}; skipping "
+                        f"global batches {first} to {first + record['skipped_steps'] - 1}")
+            self._write(trainer)
+        if self.rewinds:
+            trainer.datamodule.skip([record["skipped_batches"] for record in self.rewinds])
+
+    def carry(self, rewinds: list[dict]) -> None:
+        """This monitor's fit resumes the checkpoint a rewind went back to: take over the run's rewinds (the last
+        is the one being done) in place of the checkpoint's, which predate it."""
+        self._carried = [dict(record) for record in rewinds]
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loss = trainer.callback_metrics.get("val/loss")
@@ -133,6 +180,9 @@ class StabilityMonitor(Callback):
         self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        if self.rewinds and trainer.global_step < self.rewinds[-1]["rewound_to"] + self.config.rewind_lr_steps:
+            for group in optimizer.param_groups:  # the scheduler sets each step's LR afresh after the update
+                group["lr"] *= self.config.rewind_lr_scale
         if self._loss is None:  # no backward this step (a training_step that returned None)
             return
         start = time.perf_counter()
@@ -174,6 +224,11 @@ class StabilityMonitor(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._judge_pending(trainer)
+        if self.rewind is not None:
+            # the data of the steps taken since the checkpoint, and the margin past them, are skipped
+            self.rewind["discarded_steps"] = trainer.global_step - self.rewind["rewound_to"]
+            self.rewind["skipped_steps"] = self.rewind["discarded_steps"] + self.config.rewind_skip_steps
+            trainer.checkpoint_callback.rewind_to(trainer, self.rewind["rewound_to"])
         self._write(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
@@ -188,7 +243,7 @@ class StabilityMonitor(Callback):
             "failure": asdict(self.failure) if self.failure else None, "counts": dict(self.counts),
             "max_lr_seen": self.max_lr_seen, "ema": self._ema, "best": self._best, "over": self._over,
             "ref": self._ref, "ref_step": self._ref_step, "nonfinite_run": self._nonfinite_run,
-            "good_step": self._good_step, "heldout": self.heldout,
+            "good_step": self._good_step, "heldout": self.heldout, "rewinds": self.rewinds, "rewind": self.rewind,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -199,6 +254,10 @@ class StabilityMonitor(Callback):
         self._ref, self._ref_step, self._nonfinite_run = state["ref"], state["ref_step"], state["nonfinite_run"]
         self._good_step = state.get("good_step", -1)
         self.heldout = [tuple(point) for point in state.get("heldout", [])]
+        self.rewinds = state.get("rewinds", [])
+        self.rewind = state.get("rewind")
+        if self.rewind is not None:
+            self.rewinds[-1] = self.rewind  # one record, as when it was saved
 
     # ------------------------------------------------------------------------------------------------ checks
 
@@ -262,6 +321,13 @@ class StabilityMonitor(Callback):
         """heldout: judged on evaluations, each taken after its step's update (the last tolerated update is the
         one before the onset); else on training losses, each computed before its step's update (a loss at the
         onset comes from the update before it, so the last tolerated one is two steps back; none at onset 1)."""
+        if self.rewind is not None:  # this fit is ending to rewind: what it judges now is thrown away
+            return
+        if not stop and self.config.rewind and self.config.stop_on_failure and kind in ("spike", "nonfinite"):
+            refused = self._plan_rewind(trainer, kind, onset, step, loss, message)
+            if refused is None:
+                return
+            message = f"{message}; not rewound: {refused}"
         first = self.failure is None
         if first:
             tolerated = None if kind == "unlearned" else self._lr_at(onset - (1 if heldout else 2))
@@ -275,6 +341,35 @@ class StabilityMonitor(Callback):
             rank_zero_warn(f"stability: {describe(self.failure)}; training goes on (callbacks.stability."
                            "stop_on_failure=false)")
 
+    def _plan_rewind(self, trainer: Trainer, kind: str, onset: int, step: int, loss: float,
+                     message: str) -> str | None:
+        """Rewind to the newest kept checkpoint at least rewind_steps_before_onset steps before `onset`: this fit
+        stops without saving more (on_train_end makes that checkpoint the newest). None when decided, else why not.
+        Every rank comes here at the same step (the verdicts are the same everywhere); rank 0 reads the directory."""
+        if len(self.rewinds) >= self.config.max_rewinds:
+            return f"{len(self.rewinds)} rewind(s) already ({self.config.key('max_rewinds')}={self.config.max_rewinds})"
+        checkpoints = trainer.checkpoint_callback
+        if not isinstance(checkpoints, RunCheckpoint) or not hasattr(trainer.datamodule, "skip"):
+            return "this run keeps no step-numbered checkpoints to rewind to"
+        checkpoints.finish_save(trainer)  # a save in the background: whole, and a candidate
+        latest = onset - self.config.rewind_steps_before_onset
+        kept = {at: str(path) for at, path in checkpoints.kept_steps().items()} if trainer.is_global_zero else None
+        kept = trainer.strategy.broadcast(kept)
+        target = max((s for s in kept if s <= latest), default=None)
+        if target is None:
+            return (f"no kept checkpoint is from step {latest} or earlier (onset {onset} - "
+                    f"{self.config.key('rewind_steps_before_onset')}={self.config.rewind_steps_before_onset}; kept: "
+                    f"{', '.join(map(str, sorted(kept))) or 'none'}): checkpoint more often, or keep more "
+                    "(trainer.keep_last_k)")
+        checkpoints.abandon(trainer)
+        trainer.should_stop = True
+        self.rewind = {"kind": kind, "onset": onset, "detected_step": step,
+                       "loss": loss if math.isfinite(loss) else None, "message": message, "rewound_to": target,
+                       "checkpoint": kept[target]}
+        self.rewinds.append(self.rewind)
+        self._event(trainer, step, f"REWIND ({kind}, onset step {onset}): {message}; rewinding to step {target}")
+        return None
+
     def _event(self, trainer: Trainer, step: int, text: str) -> None:
         log_text(trainer, "stability/events", f"step {step}: {text}", step)
         self._log_state(trainer, step)
@@ -282,6 +377,7 @@ class StabilityMonitor(Callback):
     def _log_state(self, trainer: Trainer, step: int) -> None:
         metrics = {f"stability/{name}": float(count) for name, count in self.counts.items()}
         metrics["stability/failed"] = float(self.failure is not None)
+        metrics["stability/rewinds"] = float(len(self.rewinds))
         if self._excess is not None:
             metrics["stability/loss_excess"] = self._excess  # what spike_margin is compared with
         if self.max_tolerable_lr is not None:

@@ -21,7 +21,7 @@ from keel import training
 from keel.training import train
 
 from keeltest import QUIET_TRAINER, TINY_MODEL
-from keeltest.runs import EIGHT_STEP_RUN, tiny_config
+from keeltest.runs import EIGHT_STEP_RUN, CrashAtStep, tiny_config
 
 
 class NaNWeightsAt(Callback):
@@ -136,3 +136,18 @@ def test_a_diverged_run_fails_with_step_kind_and_max_lr(tiny_data, tmp_path, cap
     goes_on = [w for w in warned if "training goes on (callbacks.stability.stop_on_failure=false)" in str(w.message)]
     assert len(goes_on) == 1 and "max tolerable LR" in str(goes_on[0].message)  # said once
     assert json.loads((tmp_path / "on" / "stability.json").read_text())["steps"] == 40
+
+
+def test_a_crash_in_a_resumed_run_resumes_where_the_run_straight_through_goes(tiny_data, tmp_path):
+    """The crash's save holds the data position of the last completed step in a resumed run too: a restored
+    litdata dataset hands out its live state, which the next batch moved on, and the second resume skipped a batch."""
+    run = ["trainer.max_steps=12", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=12",
+           "trainer.val_batches=1"]
+    train(tiny_config(tiny_data, tmp_path / "straight", *run))
+    for crash in (3, 6):  # the second crash is in the run resumed from the first one's save
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            train(tiny_config(tiny_data, tmp_path / "crashed", *run, "resume=auto"), [CrashAtStep(crash)])
+    train(tiny_config(tiny_data, tmp_path / "crashed", *run, "resume=auto"))
+    straight, crashed = (read_checkpoint(tmp_path / name / "checkpoints" / LAST)["state_dict"]
+                         for name in ("straight", "crashed"))
+    assert all(torch.equal(straight[key], crashed[key]) for key in straight)

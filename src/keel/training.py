@@ -127,7 +127,8 @@ def slurm_environment() -> list[SLURMEnvironment]:
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
 
-def build_trainer(cfg: Config, callbacks: list[Callback]) -> Trainer:
+def build_trainer(cfg: Config, callbacks: list[Callback], loggers: list[Logger] | None = None) -> Trainer:
+    """loggers: those of the fit a rewind ended (their runs go on), else trainer.loggers built afresh."""
     t = cfg.trainer
     return Trainer(
         accelerator=resolve_accelerator(t),
@@ -144,7 +145,7 @@ def build_trainer(cfg: Config, callbacks: list[Callback]) -> Trainer:
         num_sanity_val_steps=0,
         inference_mode=False,  # no_grad instead: FSDP2 + NCCL crash under inference_mode on torch builds before the fix
         log_every_n_steps=t.log_every_n_steps,
-        logger=build_loggers(cfg),
+        logger=build_loggers(cfg) if loggers is None else loggers,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO(), *slurm_environment()],
         enable_progress_bar=t.progress_bar,
@@ -249,6 +250,8 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> Trainer
     try:
         with attention_context(order):
             trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
+            while (monitor := stability_monitor(trainer)) is not None and monitor.rewind is not None:
+                module, trainer = rewind_fit(cfg, dataset, trainer, monitor, extra_callbacks, owner)
     finally:
         close_loggers(trainer)
     interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
@@ -264,10 +267,31 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> Trainer
     return trainer
 
 
+def stability_monitor(trainer: Trainer) -> StabilityMonitor | None:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
+
+
+def rewind_fit(cfg: Config, dataset, previous: Trainer, monitor: StabilityMonitor, extra_callbacks: list[Callback],
+               owner: bool) -> tuple[KeelLitModule, Trainer]:
+    """The fit after a rewind (callbacks.stability.rewind): from the checkpoint the monitor went back to, as a
+    resume, with its rewinds handed to the new monitor (which has the data skipped), the same loggers, and the same
+    signal handling: a signal the ended fit received stops the new one after its first step, with a checkpoint."""
+    module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
+                           empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
+    callbacks = build_callbacks(cfg, dataset)
+    interrupt = next(cb for cb in previous.callbacks if isinstance(cb, GracefulInterrupt))
+    interrupt.stopped_at = interrupt.signal = None
+    callbacks = [interrupt if isinstance(cb, GracefulInterrupt) else cb for cb in callbacks]
+    next(cb for cb in callbacks if isinstance(cb, StabilityMonitor)).carry(monitor.rewinds)
+    trainer = build_trainer(cfg, [*callbacks, *extra_callbacks], loggers=previous.loggers)
+    trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=monitor.rewind["checkpoint"])
+    return module, trainer
+
+
 def failure_exit_code(cfg: Config, trainer: Trainer) -> int:
     """1 when the stability monitor recorded a failure, said with its step, kind and max tolerable LR -
     unless callbacks.stability.stop_on_failure=false asked training to go on (said when it happened)."""
-    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
+    monitor = stability_monitor(trainer)
     if monitor is None or monitor.failure is None:
         return 0
     if not cfg.callbacks.stability.stop_on_failure and trainer.global_step >= cfg.trainer.max_steps:

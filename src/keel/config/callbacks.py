@@ -96,6 +96,15 @@ class StabilityConfig(CallbackConfig):
     stagnation_min_delta: float = 0.01  # nats that count as an improvement
     stagnation_below: float | None = None  # judge stagnation only once the loss has been <= this; null = always
     stop_on_failure: bool = True  # end the run (final checkpoint, non-zero exit) at the first failure; false: go on
+    # where a spike or max_nonfinite non-finite steps would stop the run (stop_on_failure): rewind every rank to the
+    # newest kept checkpoint at least rewind_steps_before_onset steps before the onset, skip the data from it through
+    # the detection plus rewind_skip_steps global batches, and go on; at most max_rewinds times (docs/failures.md)
+    rewind: bool = True
+    rewind_steps_before_onset: int = 10  # the smoothed loss lags the batch losses (~10 steps): look further back
+    rewind_skip_steps: int = 100  # global batches skipped past the detection (PaLM: 200-500 in all)
+    rewind_lr_scale: float = 1.0  # the LR times this ...
+    rewind_lr_steps: int = 0  # ... for this many optimizer steps after a rewind (0 = unchanged)
+    max_rewinds: int = 3  # then the failure stands (stop_on_failure)
     # what spikes and stagnation judge: train = EMA of the training-batch losses; val = the held-out loss of each
     # validation run (trainer.val_batches fixed batches every trainer.val_every_n_steps; the max-LR protocol's)
     signal: str = "train"
@@ -113,6 +122,9 @@ class StabilityConfig(CallbackConfig):
                 "loss): set it, or set learn_by_step=0")
         require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
         require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
+        for key in ("rewind_steps_before_onset", "rewind_skip_steps", "rewind_lr_steps", "max_rewinds"):
+            require(getattr(self, key) >= 0, self.key(key), "must be >= 0")
+        require(0 < self.rewind_lr_scale <= 1, self.key("rewind_lr_scale"), "must be in (0, 1] (1 = unchanged)")
 
 
 @dataclass

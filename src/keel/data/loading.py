@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +142,28 @@ def _stack_long(sequences: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(sequences).astype(np.int64))
 
 
+@dataclass
+class DataPosition:
+    """Where a rank is in the training data stream, counted across epochs: the micro-batches it has drawn (trained
+    on or skipped), and the ranges of global batches to skip (a rewind's, callbacks.stability.rewind). Global
+    batch g is micro-batches g x grad_accum ... (g + 1) x grad_accum - 1 of every rank: the same g on every rank."""
+
+    grad_accum: int
+    micro_batches: int = 0
+    skips: list[tuple[int, int]] = field(default_factory=list)  # [first, end) global batch indices
+
+    @property
+    def global_batch(self) -> int:
+        """The index of the global batch the next micro-batch belongs to."""
+        return self.micro_batches // self.grad_accum
+
+    def skipped(self) -> bool:
+        return any(first <= self.global_batch < end for first, end in self.skips)
+
+
 class _ResumableLoader(StreamingDataLoader):
-    """A StreamingDataLoader whose epochs after a resumed one start afresh.
+    """A StreamingDataLoader whose epochs after a resumed one start afresh, and that drops the global batches its
+    `position` says to skip (drawn and counted, never yielded).
 
     litdata clears its `restore` flag only when an epoch runs into StopIteration, but Lightning stops after
     len(loader) batches; the flag would stay set and every later epoch would replay from the restored position.
@@ -151,9 +171,11 @@ class _ResumableLoader(StreamingDataLoader):
 
     _resumed_epoch_begun = False
 
-    def __init__(self, dataset: StreamingDataset, data: DataConfig, **kwargs) -> None:
+    def __init__(self, dataset: StreamingDataset, data: DataConfig, position: DataPosition | None = None,
+                 **kwargs) -> None:
         super().__init__(dataset, **kwargs)
         self.data = data
+        self.position = position
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self._resumed_epoch_begun:
@@ -161,6 +183,11 @@ class _ResumableLoader(StreamingDataLoader):
         try:
             for batch in super().__iter__():
                 self._resumed_epoch_begun = self.restore
+                if self.position is not None:
+                    skip = self.position.skipped()
+                    self.position.micro_batches += 1
+                    if skip:
+                        continue
                 yield batch
         except FileNotFoundError:  # litdata's ChunkWaitTimeoutError among them: say which shard went, if one did
             try:
@@ -171,8 +198,9 @@ class _ResumableLoader(StreamingDataLoader):
             raise
 
 
-def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
-    """(micro_batch_size, seq_len + 1) int64 batches of consecutive tokens from one split of cfg.data.dir."""
+def token_loader(cfg: Config, split: str, shuffle: bool, position: DataPosition | None = None) -> StreamingDataLoader:
+    """(micro_batch_size, seq_len + 1) int64 batches of consecutive tokens from one split of cfg.data.dir; with a
+    `position`, counted there and without the global batches it skips."""
     dataset = StreamingDataset(
         data_path(cfg.data.dir, split),
         item_loader=TokensLoader(block_size=cfg.model.seq_len + 1),
@@ -185,7 +213,7 @@ def token_loader(cfg: Config, split: str, shuffle: bool) -> StreamingDataLoader:
         cache_dir=cfg.data.cache_dir,  # where chunks of an object-store data.dir are downloaded to
     )
     loader = _ResumableLoader(
-        dataset, cfg.data, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers,
+        dataset, cfg.data, position, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers,
         collate_fn=_stack_long,
         # page-locked batches: their copy to the GPU runs without a staging copy, and asynchronously
         pin_memory=resolve_accelerator(cfg.trainer) == "gpu",
@@ -206,7 +234,8 @@ class KeelDataModule(LightningDataModule):
     Lightning re-iterates the train loader every epoch (reshuffled), so runs longer than an epoch cycle
     through the data. The loader's position needs nothing here: a StreamingDataLoader is stateful, so
     Lightning's fit loop saves it in every checkpoint (`loops.fit_loop.state_dict.combined_loader`) and
-    restores it on resume. This module's own state is the identity of the shards that position refers to.
+    restores it on resume. This module's own state is the identity of the shards that position refers to and the
+    count of micro-batches drawn (`DataPosition`: what a rewind's skipped batches are numbered by).
     """
 
     def __init__(self, cfg: Config, info: DatasetInfo | None = None) -> None:
@@ -214,6 +243,11 @@ class KeelDataModule(LightningDataModule):
         self.cfg = cfg
         # fail before the Trainer starts when the shards don't fit; `info`: already opened (and verified)
         self.info = info if info is not None else open_dataset(cfg)
+        self.position = DataPosition(cfg.trainer.grad_accum)
+
+    def skip(self, ranges: list[tuple[int, int]]) -> None:
+        """Skip these [first, end) ranges of global batches from now on (those already drawn are unaffected)."""
+        self.position.skips = [tuple(r) for r in ranges]
 
     def setup(self, stage: str) -> None:
         if self.cfg.trainer.world_size > 1:
@@ -221,10 +255,17 @@ class KeelDataModule(LightningDataModule):
                                     self.trainer.strategy.root_device)
 
     def train_dataloader(self) -> StreamingDataLoader:
-        return token_loader(self.cfg, "train", shuffle=True)
+        return token_loader(self.cfg, "train", shuffle=True, position=self.position)
 
     def val_dataloader(self) -> StreamingDataLoader:
         return token_loader(self.cfg, "val", shuffle=False)
 
     def state_dict(self) -> dict:
-        return {"manifest_sha256": self.info.manifest_sha256}
+        return {"manifest_sha256": self.info.manifest_sha256, "micro_batches": self.position.micro_batches,
+                "grad_accum": self.position.grad_accum}
+
+    def load_state_dict(self, state: dict) -> None:
+        # an elastic resume at another grad_accum counts the same global batches in its own micro-batches (a
+        # checkpoint from before the count: counted from this resume on)
+        saved, accum = state.get("micro_batches", 0), state.get("grad_accum", self.position.grad_accum)
+        self.position.micro_batches = saved // accum * self.position.grad_accum + saved % accum

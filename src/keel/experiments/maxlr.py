@@ -144,6 +144,7 @@ def protocol(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"trainer.max_steps={args.steps}", f"trainer.val_every_n_steps={args.eval_every}",
         f"trainer.checkpoint_every_n_steps={args.checkpoint_every}",
         "callbacks.stability.enabled=true", "callbacks.stability.stop_on_failure=true",
+        "callbacks.stability.rewind=false",  # the failure is the measurement: a probe never rewinds past it
         "callbacks.stability.stagnation_window=0",  # the paper's criterion: divergence only, a plateau is no failure
         f"run.dir={run_dir}", "resume=auto",  # an interrupted probe continues; a finished one is skipped
     ]

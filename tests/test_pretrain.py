@@ -15,7 +15,7 @@ from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.training import train
-from keeltest.runs import CrashAtStep, scalars, tiny_config
+from keeltest.runs import EIGHT_STEP_RUN, CrashAtStep, scalars, tiny_config
 
 
 def test_cli_config_errors_name_the_key(capsys):
@@ -71,6 +71,17 @@ def test_a_run_ends_with_a_validation_of_its_final_model(tiny_data, tmp_path):
     assert sorted(val) == [4, 6] and sorted(scalars(run, "train/loss")) == list(range(7))
     heldout = torch.load(run / "checkpoints" / LAST, weights_only=True)["keel"]["heldout"]
     assert heldout["step"] == 7 and heldout["loss"] == pytest.approx(val[6], rel=1e-6)
+
+
+def test_a_checkpoint_of_a_validated_step_holds_that_steps_held_out_loss(tiny_data, tmp_path):
+    """Checkpoints and validations both every 4 steps: each checkpoint is written after its step's validation,
+    so step000004 holds step 4's held-out loss and the last checkpoint the final step's (it held step 4's)."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN))
+    val = scalars(run, "val/loss")
+    for name, step in (("step000004.ckpt", 4), ("step000008.ckpt", 8), (LAST, 8)):
+        heldout = torch.load(run / "checkpoints" / name, weights_only=True)["keel"]["heldout"]
+        assert heldout["step"] == step and heldout["loss"] == pytest.approx(val[step - 1], rel=1e-6), name
 
 
 def test_training_logs_scalars_and_learns(tiny_data, tmp_path):

@@ -1,6 +1,7 @@
 """The run directory's housekeeping, done by the one process that writes it (global rank 0) before anything is
-written: an exclusive lock, a writability check, leftovers of interrupted saves removed, and a record of what a
-resume changed."""
+written: an exclusive lock, a writability check, one run per directory (a fresh start into a directory that holds
+another run is refused, or clears it under run.overwrite=true), leftovers of interrupted saves removed, and a record
+of what a resume changed."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 import sys
 from pathlib import Path
 
-from keel.artifacts import CONFIG
+from keel.artifacts import CONFIG, TENSORBOARD
+from keel.checkpoint import checkpoint_dir
 from keel.checkpoint_io import remove_path
 from keel.config import Config, from_dict, to_dict, to_yaml
-from keel.dirlock import DirLock
+from keel.dirlock import LOCK, DirLock
+from keel.errors import ConfigError
+from keel.resume import resolve_resume
 
 IGNORED_ON_RESUME = ("resume", "run.dir")  # where a run is and how it was started: not its recipe
 
@@ -21,11 +25,55 @@ def say(message: str) -> None:
 
 
 class RunDirLock(DirLock):
-    """One writer per run directory: rank 0 holds it for the whole run (keel.dirlock.DirLock)."""
+    """One writer per run directory: rank 0 holds it for the whole run (keel.dirlock.DirLock). A start refused
+    before training began (a logger that cannot start, a bad checkpoint) removes what it wrote in a directory no
+    keel process had used (config.yaml, logs): it leaves nothing; once training has begun (`started`), a failure
+    keeps everything."""
 
     key = "run.dir"
     clash = "Two runs in one directory would mix their logs and checkpoints"
     command = "pretrain"
+    started = False
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is not None and not self.started and self._entries_before is not None:
+            for name in sorted(set(os.listdir(self.directory)) - self._entries_before - {LOCK}):
+                remove_path(self.directory / name)
+        super().__exit__(kind, *exc)
+
+
+def earlier_run(cfg: Config) -> list[str]:
+    """What in run.dir shows that a run has written there: its config, checkpoints or TensorBoard events."""
+    run_dir = Path(cfg.run.dir)
+    marks = [run_dir / CONFIG, checkpoint_dir(cfg), run_dir / TENSORBOARD]
+    return [f"{mark.name}/" if mark.is_dir() else mark.name for mark in marks
+            if mark.is_file() or (mark.is_dir() and any(mark.iterdir()))]
+
+
+def claim_run_dir(cfg: Config) -> None:
+    """One run per directory: a fresh start (resume=null, or resume=auto with no checkpoint to continue) into a
+    run.dir an earlier run wrote is refused with the choices, or under run.overwrite=true clears it first (all of it
+    but the lock this process holds), so that no two runs' checkpoints and logs ever mix (TensorBoard would draw them
+    as one). A resume continues the run it finds; under run.overwrite there is none to find."""
+    run_dir = Path(cfg.run.dir)
+    if not (found := earlier_run(cfg)):
+        return
+    if cfg.run.overwrite:
+        if cfg.resume not in (None, "", "none", "auto"):
+            raise ConfigError(f"run.overwrite=true deletes the earlier run in {run_dir} and starts afresh: it takes "
+                              f"resume=auto or resume=null, not resume={cfg.resume} (a checkpoint to continue)")
+        for entry in sorted(run_dir.iterdir()):
+            if entry.name != LOCK:
+                remove_path(entry)
+        say(f"run.overwrite=true: deleted the earlier run in {run_dir} ({', '.join(found)}); starting afresh")
+        return
+    if resolve_resume(cfg) is not None:
+        return
+    raise ConfigError(
+        f"run.dir={run_dir} holds an earlier run ({', '.join(found)}" + ("" if cfg.resume in (None, "", "none") else
+                                                                          ", and no checkpoint to continue")
+        + "): a fresh start there would mix two runs' checkpoints and logs. Continue it with resume=auto (where it "
+        "has a checkpoint), start in another run.dir=PATH, or delete it and start afresh with run.overwrite=true")
 
 
 def remove_orphans(checkpoint_dir: Path) -> None:

@@ -16,6 +16,7 @@ from keel.errors import ConfigError, require
 class RunConfig:
     dir: str = "runs/default"
     seed: int = 1337
+    overwrite: bool = False  # true: delete the earlier run run.dir holds (checkpoints, logs, config) and start afresh
 
 
 # callbacks.<name>: each registered callback's own config class (keel.config.callbacks.CALLBACKS), in that order

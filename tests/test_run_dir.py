@@ -162,3 +162,17 @@ def test_a_start_refused_after_writing_leaves_nothing(tiny_data, tmp_path, monke
     with pytest.raises(ConfigError, match="wandb cannot start"):
         train(tiny_config(tiny_data, tmp_path / "mine"))
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+def test_a_run_that_left_no_checkpoint_starts_again_only_under_its_own_config(tiny_data, tmp_path, capsys):
+    """resume=auto where an earlier start left logs but no checkpoint (a kill before the first): the same config
+    starts again with those logs deleted (TensorBoard would draw both starts as one); another config is refused."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, tb/, and no checkpoint to continue\)"):
+        train(tiny_config(tiny_data, run, "trainer.max_steps=2", "optim.lr=0.001"))
+    capsys.readouterr()
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))
+    assert "left no checkpoint: its logs (config.yaml, tb/) are deleted and it starts again" in capsys.readouterr().err
+    assert len(list((run / "tb").glob("events.*"))) == 1 and sorted(scalars(run, "train/loss")) == [0, 1]

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from keel.artifacts import CONFIG, TENSORBOARD
 from keel.checkpoint import checkpoint_dir
 from keel.checkpoint_io import remove_path
@@ -17,7 +19,7 @@ from keel.dirlock import LOCK, DirLock
 from keel.errors import ConfigError
 from keel.resume import resolve_resume
 
-IGNORED_ON_RESUME = ("resume", "run.dir")  # where a run is and how it was started: not its recipe
+IGNORED_ON_RESUME = ("resume", "run.dir", "run.overwrite")  # where a run is and how it was started: not its recipe
 
 
 def say(message: str) -> None:
@@ -50,6 +52,22 @@ def earlier_run(cfg: Config) -> list[str]:
             if mark.is_file() or (mark.is_dir() and any(mark.iterdir()))]
 
 
+def clear_run_dir(run_dir: Path) -> None:
+    """Delete everything in run_dir but the lock this process holds."""
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name != LOCK:
+            remove_path(entry)
+
+
+def same_run(cfg: Config) -> bool:
+    """Whether run.dir's config.yaml is cfg's (keys that say where a run is and how it was started aside)."""
+    saved = Path(cfg.run.dir) / CONFIG
+    try:
+        return saved.is_file() and not changed_keys(yaml.safe_load(saved.read_text()), cfg)
+    except (ValueError, ConfigError):  # unreadable, or of a config keel no longer reads: another run
+        return False
+
+
 def claim_run_dir(cfg: Config) -> None:
     """One run per directory: a fresh start (resume=null, or resume=auto with no checkpoint to continue) into a
     run.dir an earlier run wrote is refused with the choices, or under run.overwrite=true clears it first (all of it
@@ -62,12 +80,15 @@ def claim_run_dir(cfg: Config) -> None:
         if cfg.resume not in (None, "", "none", "auto"):
             raise ConfigError(f"run.overwrite=true deletes the earlier run in {run_dir} and starts afresh: it takes "
                               f"resume=auto or resume=null, not resume={cfg.resume} (a checkpoint to continue)")
-        for entry in sorted(run_dir.iterdir()):
-            if entry.name != LOCK:
-                remove_path(entry)
+        clear_run_dir(run_dir)
         say(f"run.overwrite=true: deleted the earlier run in {run_dir} ({', '.join(found)}); starting afresh")
         return
     if resolve_resume(cfg) is not None:
+        return
+    if cfg.resume == "auto" and same_run(cfg):  # its earlier start ended before its first checkpoint
+        clear_run_dir(run_dir)
+        say(f"run.dir={run_dir}: the earlier start of this run (the same config) left no checkpoint: its logs "
+            f"({', '.join(found)}) are deleted and it starts again")
         return
     raise ConfigError(
         f"run.dir={run_dir} holds an earlier run ({', '.join(found)}" + ("" if cfg.resume in (None, "", "none") else
@@ -99,8 +120,9 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 def changed_keys(saved: dict, cfg: Config) -> list[str]:
-    """`key: old -> new` for every setting of cfg that differs from the checkpoint's saved config."""
-    old, new = _flat(saved), _flat(to_dict(cfg))
+    """`key: old -> new` for every setting of cfg that differs from the checkpoint's saved config, read in today's
+    spelling (keel.config.from_dict): a key that moved, or one added since with its default, is no change."""
+    old, new = _flat(to_dict(from_dict(saved))), _flat(to_dict(cfg))
     return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
             if key not in IGNORED_ON_RESUME and old.get(key) != new.get(key)]
 

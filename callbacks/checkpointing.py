@@ -396,6 +396,7 @@ class GracefulInterrupt(Callback):
         self.signal: signal.Signals | None = None  # the one the processes agreed to stop on
         self.stopped_at: int | None = None
         self._step: int | None = None  # the global step at the last check
+        self._rank_zero = True
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
@@ -406,7 +407,8 @@ class GracefulInterrupt(Callback):
             return
         self.received = signum
         again = " (press Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
-        say(f"{SAID[signum]}: stopping after this step with a checkpoint{again}")
+        if self._rank_zero:  # a signal to the job reaches every rank: one says it
+            say(f"{SAID[signum]}: stopping after this step with a checkpoint{again}")
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # before Lightning installs its SIGTERM handler, which it removes at its teardown, before this one's
@@ -414,6 +416,7 @@ class GracefulInterrupt(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step = trainer.global_step
+        self._rank_zero = trainer.is_global_zero
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:  # over Lightning's SIGTERM one: it ends training with an exception
                 signal.signal(signum, self._handle)

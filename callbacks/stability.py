@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.artifacts import STABILITY
 from keel.callbacks.cadence import due
 from keel.config.callbacks import StabilityConfig, divergence_bar
 from keel.callbacks.log_writing import log_scalars, log_text
+from keel.rundir import say
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
 
@@ -269,11 +269,11 @@ class StabilityMonitor(Callback):
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
         if stop or self.config.stop_on_failure:
+            if not trainer.should_stop and trainer.is_global_zero:  # once (a stop can be asked again before it)
+                say(f"stability: stopping the run: {describe(self.failure)}")
             trainer.should_stop = True
-            rank_zero_warn(f"stability: stopping the run: {describe(self.failure)}")
-        elif first:  # the user asked to go on: say it once, not at every later failure
-            rank_zero_warn(f"stability: {describe(self.failure)}; training goes on (callbacks.stability."
-                           "stop_on_failure=false)")
+        elif first and trainer.is_global_zero:  # the user asked to go on: say it once, not at every later failure
+            say(f"stability: {describe(self.failure)}; training goes on (callbacks.stability.stop_on_failure=false)")
 
     def _event(self, trainer: Trainer, step: int, text: str) -> None:
         log_text(trainer, "stability/events", f"step {step}: {text}", step)

@@ -124,3 +124,12 @@ def test_two_processes_say_each_line_once(tiny_data, tmp_path):
     assert sum(line.startswith("downstream eval: step 1: ") for line in said) == 1
     [last] = [line for line in said if "re-run the same command" in line]
     assert last.startswith(f"keel pretrain: interrupted: saved step 4 to {run / 'checkpoints' / LAST}")
+
+
+def test_keel_eval_outside_a_git_checkout_prints_no_git_error(tmp_path):
+    """lm-eval records the working directory's git commit with `git describe`, whose 'fatal: not a git
+    repository' reached the console outside a checkout."""
+    done = subprocess.run([sys.executable, "-c", "import keel.evaluation.cli, lm_eval.evaluator as e; "
+                           "print(e.get_git_commit_hash())"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)})
+    assert done.returncode == 0 and done.stdout == "None\n" and "fatal" not in done.stderr, done.stderr

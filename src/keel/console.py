@@ -29,6 +29,8 @@ LOG_RECORDS = {
         ("`Trainer(limit_val_batches=1)` was configured", "Lightning's words for the trainer.val_batches=1 asked for"),
         ("distributed_backend=", "a banner of the backend and world size the summary already gave"),
         ("`Trainer.fit` stopped: ", "keel's own last line says where the run ended (keel.summary.run_result)"),
+        ("Restoring states from the checkpoint path at ", "the start-up summary's start line names the checkpoint"),
+        ("Restored all states from the checkpoint at ", "as Restoring states"),
     ],
     "lightning.fabric.utilities.distributed": [
         ("Initializing distributed: ", "one line per process; the summary gives the world size"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -65,8 +64,8 @@ def check_cpu_processes(cfg: Config) -> None:
         check_training_fits(cfg)
     cores = len(os.sched_getaffinity(0))
     if cfg.trainer.devices > cores:
-        warnings.warn(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they "
-                      "share the cores and each step is slower than with trainer.devices <= the cores", stacklevel=2)
+        say(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they share the "
+            "cores and each step is slower than with trainer.devices <= the cores")
 
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
-from keel.experiments.common import finished, non_embedding_params, resolve_alpha, width_for_budget
+from keel.experiments.common import non_embedding_params, resolve_alpha, trained, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.hold import WARMUP_HOLD, fit
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name, sign_test
@@ -453,9 +453,9 @@ def test_a_record_that_claims_more_steps_than_its_checkpoint_holds_is_not_finish
     record = {"steps": 40, "failed": False}
     (run / "stability.json").write_text(json.dumps(record))
     cfg = load_config(overrides=["trainer.max_steps=40"])
-    assert not finished(run, cfg)
+    assert not trained(run, cfg)
     (run / "stability.json").write_text(json.dumps({**record, "steps": 30}))
-    assert finished(run, load_config(overrides=["trainer.max_steps=30"]))
+    assert trained(run, load_config(overrides=["trainer.max_steps=30"]))
     shutil.rmtree(run / "checkpoints")
     (run / "stability.json").write_text(json.dumps(record))
-    assert finished(run, cfg)
+    assert trained(run, cfg)

@@ -172,28 +172,25 @@ def load_run_config(run_dir: str | Path) -> Config:
 
 def finished(run_dir: str | Path, cfg: Config) -> bool:
     """A run (a sweep's or a max-LR probe) is over once its stability monitor recorded every step, or a failure that
-    stopped it: told from its records, checkpoints gone or not, wherever the run directory now lies. A record of
-    every step beside a last checkpoint that holds fewer (a record from another run, or edited) is not believed:
-    the run trains on from its checkpoint."""
+    stopped it: told from its records alone, checkpoints gone or not, wherever the run directory now lies."""
     state = read_stability(run_dir)
-    if state is None:
+    return state is not None and (state["steps"] >= cfg.trainer.max_steps
+                                  or (state["failed"] and cfg.callbacks.stability.stop_on_failure))
+
+
+def trained(run_dir: str | Path, cfg: Config) -> bool:
+    """finished(), for a command that would train the run otherwise: a record of every step beside a last checkpoint
+    that holds fewer (another run's record, or an edited one) is not believed, and the run trains on from its
+    checkpoint. Records without checkpoints (committed ones) are believed."""
+    if not finished(run_dir, cfg):
         return False
-    if state["failed"] and cfg.callbacks.stability.stop_on_failure:
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    if not last.exists():
         return True
-    if state["steps"] < cfg.trainer.max_steps:
-        return False
-    saved = checkpoint_steps(run_dir)
-    return saved is None or saved >= state["steps"]
+    from keel.checkpoint import read_checkpoint  # torch: the training commands have it loaded
 
-
-def checkpoint_steps(run_dir: str | Path) -> int | None:
-    """The steps the run's last checkpoint holds, or None where it has none (records kept without checkpoints)."""
-    if not (Path(run_dir) / "checkpoints").is_dir():
-        return None
-    from keel.checkpoint import LAST, read_checkpoint  # torch: only where there are checkpoints to read
-
-    last = Path(run_dir) / "checkpoints" / LAST
-    return read_checkpoint(last, weights=False).get("global_step", 0) if last.exists() else None
+    state = read_stability(run_dir)
+    return state["failed"] or read_checkpoint(last, weights=False).get("global_step", 0) >= state["steps"]
 
 
 def run_row(run_dir: str | Path) -> dict[str, Any]:

@@ -17,6 +17,9 @@ WARNINGS = [
      "litdata's StreamingDataset deals its chunks out among the loader workers itself, so its length holds"),
     ("It is recommended to use `self.log('val/", UserWarning,  # Lightning's PossibleUserWarning
      "val/loss and val/ppl come from torchmetrics sums whose compute() has already reduced them over the ranks"),
+    ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided", UserWarning,
+     "a resume with a callback turned off (e.g. eval.enabled=false): keel's resume line lists it among the changed "
+     "settings, and the callback's saved state is left unused"),
 ]
 
 # logger -> (text in the record's message, why it is noise here)

@@ -77,7 +77,7 @@ def build_callbacks(cfg: Config, dataset) -> list[Callback]:
         LearningRateMonitor(logging_interval="step"),
     ]
     if cfg.trainer.progress_bar:
-        callbacks.append(StepProgressBar())
+        callbacks.append(StepProgressBar(cfg.device_tokens_per_step * cfg.trainer.world_size))
     return callbacks + configured_callbacks(cfg)
 
 

@@ -53,7 +53,8 @@ def test_cpu_processes_beyond_the_cores_are_said(monkeypatch, capsys):
     monkeypatch.setattr(training.os, "sched_getaffinity", lambda pid: {0, 1})
     cfg = load_config(overrides=["trainer.devices=3", "trainer.check_memory=false"])
     training.check_cpu_processes(cfg)
-    assert capsys.readouterr().err.startswith("keel pretrain: trainer.devices=3 starts that many processes on 2 core(s)")
+    said = capsys.readouterr().err
+    assert said.startswith("keel pretrain: trainer.devices=3 starts that many processes on 2 core(s)")
 
 
 def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_data, tmp_path, capsys):

@@ -90,11 +90,13 @@ def run_places(cfg: Config) -> list[str]:
     t = cfg.trainer
     kept = f" (and the newest {t.keep_last_k} step-numbered)" if t.keep_last_k else ""
     lines = [f"run dir     {cfg.run.dir} (config.yaml, checkpoints/, logs; one run per directory)",
-             f"checkpoints every {t.checkpoint_every_n_steps:,} steps and at the end: {checkpoint_dir(cfg) / LAST}{kept}",
+             f"checkpoints every {t.checkpoint_every_n_steps:,} steps and at the end: "
+             f"{checkpoint_dir(cfg) / LAST}{kept}",
              f"validation  every {t.val_every_n_steps:,} steps and at the end ({t.val_batches} batch(es))"
              + (f"; downstream tasks every {cfg.eval.every_n_steps:,} steps" if cfg.eval.enabled else "")]
     if "tensorboard" in t.loggers:
-        lines.append(f"tensorboard tensorboard --logdir {Path(cfg.run.dir) / TENSORBOARD}  (then http://localhost:6006)")
+        tensorboard = Path(cfg.run.dir) / TENSORBOARD
+        lines.append(f"tensorboard tensorboard --logdir {tensorboard}  (then http://localhost:6006)")
     return lines
 
 

@@ -35,7 +35,10 @@ install-test: $(VENV)/.installed-test
 data: install
 	$(KEEL) data $(ARGS)
 
-pretrain: data
+# the config is checked first (a fraction of a second): a typo in ARGS is said by keel pretrain, before keel data
+pretrain: install
+	@$(KEEL) pretrain --print-config $(ARGS) > /dev/null
+	$(KEEL) data $(ARGS)
 	$(KEEL) pretrain $(ARGS)
 
 test: install-test
@@ -123,8 +126,12 @@ gpu-check: install
 # Downstream tasks on a checkpoint with lm-eval (docs/evaluation.md); ARGS adds lm-eval options (e.g. --limit 200).
 CKPT ?= runs/default/checkpoints/last.ckpt
 TASKS ?= keel_generated
+# its results file, named after the checkpoint and the tasks: out/eval/<run>-<checkpoint>-<tasks>_<date>.json
+comma := ,
+EVAL_NAME = $(notdir $(patsubst %/checkpoints,%,$(patsubst %/,%,$(dir $(CKPT)))))-$(basename $(notdir $(CKPT)))-$(subst \
+	$(comma),+,$(TASKS))
 eval: install
-	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval $(ARGS)
+	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval/$(EVAL_NAME).json $(ARGS)
 
 # Sample from a checkpoint: make generate PROMPT="def main(" ARGS="--temperature 0"
 PROMPT ?= def

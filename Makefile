@@ -1,11 +1,12 @@
 # Two set-up commands: `make pretrain` (install, data, train) and `make test`. ARGS are config overrides.
+# `make install` installs what training, evaluation and export need (keel[hf]); `make test` adds the test extra.
 VENV ?= .venv
 PYTHON ?= python3
 KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data pretrain test test-extended test-fast test-lowest tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
+.PHONY: install install-test data pretrain test test-extended test-fast test-lowest tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
 
 # TORCH_INDEX: a PyTorch wheel index to take torch from, for a GPU driver older than PyPI's build needs (README,
 # "Scaling out"), e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu126` on a fresh venv. torchvision
@@ -20,25 +21,34 @@ ifneq ($(TORCH_INDEX),)
 	$(VENV)/bin/pip install --quiet --index-url $(TORCH_INDEX) torch torchvision
 	$(VENV)/bin/pip freeze | grep -E '^(torch|torchvision)==' > $(TORCH_PINS)
 endif
+	$(VENV)/bin/pip install --quiet$(if $(TORCH_INDEX), --constraint $(TORCH_PINS)) -e '.[hf]'
+	touch $@
+
+# the test extra (pytest, moto, trl, peft and every optional logger and backend, all tested), over the install
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(VENV)/bin/pip install --quiet$(if $(TORCH_INDEX), --constraint $(TORCH_PINS)) -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 data: install
 	$(KEEL) data $(ARGS)
 
-pretrain: data
+# the config is checked first (a fraction of a second): a typo in ARGS is said by keel pretrain, before keel data
+pretrain: install
+	@$(KEEL) pretrain --print-config $(ARGS) > /dev/null
+	$(KEEL) data $(ARGS)
 	$(KEEL) pretrain $(ARGS)
 
-test: install
+test: install-test
 	$(VENV)/bin/pytest -q -m 'not extended' $(PYTEST_ARGS)
 
 # The multi-process variants `make test` leaves out to stay under 15 minutes here; CI runs them after it
-test-extended: install
+test-extended: install-test
 	$(VENV)/bin/pytest -q -m extended $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install-test
 	$(VENV)/bin/pytest -q -m 'not slow and not extended' $(PYTEST_ARGS)
 
 # The declared lower bounds, tested: a throwaway venv with exactly the oldest version pyproject.toml allows of each
@@ -116,8 +126,12 @@ gpu-check: install
 # Downstream tasks on a checkpoint with lm-eval (docs/evaluation.md); ARGS adds lm-eval options (e.g. --limit 200).
 CKPT ?= runs/default/checkpoints/last.ckpt
 TASKS ?= keel_generated
+# its results file, named after the checkpoint and the tasks: out/eval/<run>-<checkpoint>-<tasks>_<date>.json
+comma := ,
+EVAL_NAME = $(notdir $(patsubst %/checkpoints,%,$(patsubst %/,%,$(dir $(CKPT)))))-$(basename $(notdir $(CKPT)))-$(subst \
+	$(comma),+,$(TASKS))
 eval: install
-	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval $(ARGS)
+	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval/$(EVAL_NAME).json $(ARGS)
 
 # Sample from a checkpoint: make generate PROMPT="def main(" ARGS="--temperature 0"
 PROMPT ?= def

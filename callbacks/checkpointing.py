@@ -1,7 +1,8 @@
 """Checkpoints of a run: `RunCheckpoint` decides when and where they are written, `GracefulInterrupt` turns
 Ctrl-C, SIGTERM and SIGUSR1 into a clean stop that writes one (and requeues a SLURM job after SIGUSR1).
 
-    <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end and on a raise;
+    <run.dir>/checkpoints/last.ckpt          every trainer.checkpoint_every_n_steps, at the end and on a raise
+                                             (after the step's validation and evaluation, where it has them);
                                              hard links to the step-numbered checkpoint of the same save
     <run.dir>/checkpoints/step000400.ckpt    the same saves, step-numbered: the newest trainer.keep_last_k kept
     <run.dir>/checkpoints/nonfinite.ckpt     a save whose weights are not finite, instead of the two above
@@ -83,13 +84,15 @@ class RunCheckpoint(ModelCheckpoint):
     - the step-numbered history is pruned by what is in the directory, so a copied dir, another keep_last_k or
       a resume from an older checkpoint keep exactly the newest k of this run's timeline;
     - the final state is saved at the end of training, whatever the cadence;
+    - a checkpoint of a step that is validated (every trainer.val_every_n_steps, and the last) is written after
+      its validation and in-loop evaluation, so that it records their results, not the previous ones;
     - non-finite weights are saved as nonfinite.ckpt only: they never replace last.ckpt nor enter the history,
       whose pruning would then delete the last finite checkpoint;
     - an exception in a single-process run saves the state of the last completed step (several processes
       would have to agree mid-step, which a failing one cannot).
     """
 
-    def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last_k: int) -> None:
+    def __init__(self, dirpath: str | Path, every_n_steps: int, keep_last_k: int, val_every_n_steps: int = 0) -> None:
         super().__init__(
             dirpath=dirpath,
             filename="step{step:06d}",
@@ -100,6 +103,8 @@ class RunCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.keep_last_k = keep_last_k
+        self.val_every_n_steps = val_every_n_steps
+        self._after_validation = False  # this step's checkpoint waits for the validation that follows the step
         self._start_step = 0
         self._boundary: tuple[int, dict] | None = None  # (global step, loop and loader state) after the last step
         self._replace: dict | None = None  # entries of the checkpoint being written that _boundary replaces
@@ -137,12 +142,34 @@ class RunCheckpoint(ModelCheckpoint):
             if trainer.strategy.reduce_boolean_decision(trainer.strategy.async_writer.done(), all=True):
                 self.finish_save(trainer)
         saved = self._last_global_step_saved
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if step is not None and self._validated_after(trainer):
+            every = self._every_n_train_steps
+            self._after_validation = every > 0 and trainer.global_step % every == 0
+        else:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._last_global_step_saved != saved:
             self._prune(trainer)
         step_done = trainer.global_step != (self._boundary[0] if self._boundary else self._start_step)
         if step_done and trainer.world_size == 1:  # not mid-accumulation
             self._boundary = (trainer.global_step, self._progress(trainer))
+
+    def _validated_after(self, trainer: Trainer) -> bool:
+        """Whether Lightning validates after the optimizer step just taken: every val_every_n_steps, at the last
+        step (KeelLitModule asks for it) and on a stop (a signal)."""
+        done = trainer.global_step
+        return (trainer.should_stop or done >= trainer.max_steps
+                or (self.val_every_n_steps > 0 and done % self.val_every_n_steps == 0))
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning runs the checkpoint callbacks last: the step's held-out loss and evaluation are recorded
+        deferred, self._after_validation = self._after_validation, False
+        if not deferred or self._should_skip_saving_checkpoint(trainer):
+            super().on_validation_end(trainer, pl_module)
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        self._prune(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.global_step not in (self._start_step, self._last_global_step_saved) and not self.abandoned:
@@ -409,6 +436,7 @@ class GracefulInterrupt(Callback):
         self.signal: signal.Signals | None = None  # the one the processes agreed to stop on
         self.stopped_at: int | None = None
         self._step: int | None = None  # the global step at the last check
+        self._rank_zero = True
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
@@ -419,7 +447,8 @@ class GracefulInterrupt(Callback):
             return
         self.received = signum
         again = " (press Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
-        say(f"{SAID[signum]}: stopping after this step with a checkpoint{again}")
+        if self._rank_zero:  # a signal to the job reaches every rank: one says it
+            say(f"{SAID[signum]}: stopping after this step with a checkpoint{again}")
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # before Lightning installs its SIGTERM handler, which it removes at its teardown, before this one's
@@ -427,6 +456,7 @@ class GracefulInterrupt(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._step = trainer.global_step
+        self._rank_zero = trainer.is_global_zero
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:  # over Lightning's SIGTERM one: it ends training with an exception
                 signal.signal(signum, self._handle)

@@ -100,6 +100,8 @@ class DownstreamEval(Callback):
         step = done - 1  # 0-based index of the last step: where Lightning logs this validation's val/loss
         if trainer.sanity_checking or not due or (self.history and self.history[-1]["step"] >= step):
             return
+        if (bar := trainer.progress_bar_callback) is not None and hasattr(bar, "status"):  # keel's StepProgressBar
+            bar.status(f"evaluating {', '.join(self.tasks)}")
         start = time.perf_counter()
         scores = self._evaluate(pl_module)
         entry = {"step": step, "val_loss": float(trainer.callback_metrics["val/loss"]),
@@ -107,7 +109,7 @@ class DownstreamEval(Callback):
         metrics = {f"eval/{task}/{name}": value for task, values in scores.items() for name, value in values.items()}
         metrics["time/downstream_eval_s"] = entry["wall_s"]
         primary = ", ".join(f"{task} {metric} {scores[task][metric]:.4g}" for task, (metric, _) in self.primary.items())
-        pl_module.print(f"downstream eval: step {step}: {primary} ({entry['wall_s']:.1f} s)")
+        pl_module.print(f"downstream eval: step {done}: {primary} ({entry['wall_s']:.1f} s)")  # steps as the bar counts
         if self.history:
             metrics.update(self._disagreements(pl_module, self.history[-1], entry))
         self.history.append(entry)

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 from keel.artifacts import STABILITY
 from keel.callbacks.cadence import due
@@ -335,11 +334,11 @@ class StabilityMonitor(Callback):
             self._write(trainer)
         self._event(trainer, step, f"FAILURE ({kind}, onset step {onset}): {message}")
         if stop or self.config.stop_on_failure:
+            if not trainer.should_stop and trainer.is_global_zero:  # once (a stop can be asked again before it)
+                say(f"stability: stopping the run: {describe(self.failure)}")
             trainer.should_stop = True
-            rank_zero_warn(f"stability: stopping the run: {describe(self.failure)}")
-        elif first:  # the user asked to go on: say it once, not at every later failure
-            rank_zero_warn(f"stability: {describe(self.failure)}; training goes on (callbacks.stability."
-                           "stop_on_failure=false)")
+        elif first and trainer.is_global_zero:  # the user asked to go on: say it once, not at every later failure
+            say(f"stability: {describe(self.failure)}; training goes on (callbacks.stability.stop_on_failure=false)")
 
     def _plan_rewind(self, trainer: Trainer, kind: str, onset: int, step: int, loss: float,
                      message: str) -> str | None:

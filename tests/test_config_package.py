@@ -102,3 +102,17 @@ def test_a_config_saved_before_the_sections_is_read_in_todays_spelling():
     assert (cfg.data.hf.dataset, cfg.data.hf.name, cfg.data.hf.split, cfg.data.hf.text_field) == ("x/y", None, "test",
                                                                                                    "body")
     assert from_dict(saved) == load_config(overrides=["data=text_files", "data.text_files.paths=[a/*.txt]"])
+
+
+def test_a_resume_of_a_config_saved_before_the_sections_reports_no_moved_key_as_a_change():
+    """Resuming a run saved with the flat data.* keys said each moved key was a changed setting (13 of them)."""
+    from keel.rundir import changed_keys  # (torch: after the torch-free checks above)
+
+    cfg = load_config(overrides=["data=text_files", "data.text_files.paths=[a/*.txt]"])
+    saved = to_dict(cfg)
+    flat = {key: value for key, value in saved["data"].items() if key not in SOURCES}
+    flat |= {old: saved["data"][section][new] for old, [(section, new), *_] in MOVED_KEYS.items()}
+    saved = {**saved, "data": flat, "run": {key: value for key, value in saved["run"].items() if key != "overwrite"}}
+    assert changed_keys(saved, cfg) == []
+    assert changed_keys(saved, load_config(overrides=["data=text_files", "data.text_files.paths=[b/*.txt]"])) == [
+        "data.text_files.paths: ['a/*.txt'] -> ['b/*.txt']"]

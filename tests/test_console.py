@@ -36,6 +36,8 @@ NOISE = [
     "evaluations = None",  # a Spearman correlation of too few evaluations
     "Tokenizing inputs",  # lm-eval's progress bars, nested in the step bar
     "Running loglikelihood requests",
+    "Restoring states from the checkpoint",  # Lightning's, on resume: the start line names the checkpoint
+    "Restored all states from the checkpoint",
 ]
 # Anything printed as a Python warning ("file.py:LINE: ..."): none is left that a Keel user could act on here
 WARNING_LINE = re.compile(r"\.py:\d+: ")
@@ -69,21 +71,50 @@ def run_overrides(tiny_data, run, *extra: str) -> list[str]:
             "eval.limit=4", f"run.dir={run}", *extra]
 
 
-def test_pretrain_prints_the_summary_the_bar_one_eval_line_and_the_result(tiny_data, tmp_path):
+def test_pretrain_piped_prints_where_the_run_is_its_steps_one_eval_line_and_the_result(tiny_data, tmp_path):
+    """Piped (a log file, a job's output): the summary names the run directory, the checkpoint cadence and the
+    TensorBoard command; then one plain line per step group (no bar redraws or cursor moves), what the run is doing
+    between steps, steps counted one way and losses at one precision. A resume says what it resumes and nothing of
+    Lightning's restoring; a rerun of the finished run says in one line that it is complete."""
     run = tmp_path / "run"
     done = keel("pretrain", *run_overrides(tiny_data, run))
     assert done.returncode == 0, done.stderr[-3000:]
     assert_no_noise(done)
-    out = done.stdout.splitlines()  # a bar's redraws (carriage returns) each a line
+    assert "\r" not in done.stdout + done.stderr and "\x1b[" not in done.stdout + done.stderr  # no bar, no cursor-up
+    out = done.stdout.splitlines()
     assert out[0].startswith("model       keel: depth 2 blocks (L = 4 sublayers), width 32")
-    assert "start       fresh initialization (seed 1337)" in out
-    assert any(line.startswith("step: 100%|") for line in out)  # the bar (Lightning draws it on stdout)
-    [evaluation] = [line for line in out if line.startswith("downstream eval: ")]
-    assert re.fullmatch(r"downstream eval: step 3: keel_next_line acc_mutual_info \S+, keel_last_token "
+    assert f"run dir     {run} (config.yaml, checkpoints/, logs; one run per directory)" in out
+    assert f"checkpoints every 100 steps and at the end: {run / 'checkpoints' / LAST} (and the newest 2 " \
+           "step-numbered)" in out
+    assert f"tensorboard tensorboard --logdir {run / 'tb'}  (then http://localhost:6006)" in out
+    start = out.index("start       fresh initialization (seed 1337)")
+    steps = out[start + 1:-1]
+    assert [line.split(",")[0] for line in steps if line.startswith("step ")] == [
+        "step 1/4 (25%)", "step 2/4 (50%)", "step 3/4 (75%)", "step 4/4: evaluating keel_next_line", "step 4/4 (100%)"]
+    assert re.fullmatch(r"step 2/4 \(50%\), ETA 0:00:\d\d, tokens/s [\d,]+, train/loss \d\.\d{4}", steps[1]), steps[1]
+    [evaluation] = [line for line in steps if line.startswith("downstream eval: ")]
+    assert re.fullmatch(r"downstream eval: step 4: keel_next_line acc_mutual_info \S+, keel_last_token "
                         r"perplexity \S+ \(\d+\.\d s\)", evaluation), evaluation
-    assert re.fullmatch(rf"end         step 4 of 4, val/loss \d+\.\d{{4}} at step 4; checkpoint "
+    assert steps.index(evaluation) == len(steps) - 2  # after "evaluating", before the last step line
+    loss = re.fullmatch(r"step 4/4 \(100%\), tokens/s [\d,]+, train/loss \d\.\d{4}, val/loss (\d\.\d{4})", steps[-1])
+    assert loss, steps[-1]
+    assert re.fullmatch(rf"end         step 4 of 4, val/loss {loss[1]} at step 4; checkpoint "
                         rf"{re.escape(str(run / 'checkpoints' / LAST))} \(step 4\)", out[-1]), out[-1]
     assert "Spearman" not in done.stdout  # one evaluation: no correlation to print
+
+    resumed = keel("pretrain", *run_overrides(tiny_data, run, "trainer.max_steps=6", "eval.enabled=false"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_no_noise(resumed)
+    out = resumed.stdout.splitlines()
+    assert f"start       resuming {run / 'checkpoints' / LAST}" in out
+    assert [line.split(",")[0] for line in out if line.startswith("step ")] == ["step 5/6 (83%)", "step 6/6 (100%)"]
+    assert out[-1].startswith("end         step 6 of 6, val/loss ")
+
+    again = keel("pretrain", *run_overrides(tiny_data, run, "trainer.max_steps=6", "eval.enabled=false"))
+    assert again.returncode == 0 and again.stdout == "", again.stdout
+    assert again.stderr == (f"keel pretrain: run.dir={run} is complete (step 6 of trainer.max_steps=6, val/loss "
+                            f"{out[-1].split()[6]} at step 6; {run / 'checkpoints' / LAST}): raise "
+                            "trainer.max_steps to train on, or start another run in a new run.dir\n")
 
 
 def test_data_prints_its_own_lines_only(tiny_data, tmp_path):
@@ -121,6 +152,15 @@ def test_two_processes_say_each_line_once(tiny_data, tmp_path):
     assert_no_noise(done)
     said = lines(done)
     assert sum(line.startswith("start       ") for line in said) == 1
-    assert sum(line.startswith("downstream eval: step 1: ") for line in said) == 1
+    assert sum(line.startswith("downstream eval: step 2: ") for line in said) == 1
     [last] = [line for line in said if "re-run the same command" in line]
     assert last.startswith(f"keel pretrain: interrupted: saved step 4 to {run / 'checkpoints' / LAST}")
+
+
+def test_keel_eval_outside_a_git_checkout_prints_no_git_error(tmp_path):
+    """lm-eval records the working directory's git commit with `git describe`, whose 'fatal: not a git
+    repository' reached the console outside a checkout."""
+    done = subprocess.run([sys.executable, "-c", "import keel.evaluation.cli, lm_eval.evaluator as e; "
+                           "print(e.get_git_commit_hash())"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)})
+    assert done.returncode == 0 and done.stdout == "None\n" and "fatal" not in done.stderr, done.stderr

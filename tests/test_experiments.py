@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
-from keel.experiments.common import non_embedding_params, resolve_alpha, width_for_budget
+from keel.experiments.common import non_embedding_params, resolve_alpha, trained, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.hold import WARMUP_HOLD, fit
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name, sign_test
@@ -442,3 +442,20 @@ def test_the_init_table_sets_each_schemes_recipe_beside_the_shared_init():
                      "own init": "gpt2", "own: learned": "2/2", "own: max LR median": "0.135",
                      "own: best held-out median": "6", "shared init": "normal", "shared: learned": "0/2",
                      "shared: max LR median": "-", "shared: best held-out median": "6.35"}
+
+
+def test_a_record_that_claims_more_steps_than_its_checkpoint_holds_is_not_finished(tiny_run, tmp_path):
+    """A stability.json of every step beside a last checkpoint of fewer (another run's record, or edited) was
+    'finished before, skipped': now the run trains on from its checkpoint. Records alone (committed, no
+    checkpoints) are still believed."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run / "checkpoints", run / "checkpoints")  # step 30
+    record = {"steps": 40, "failed": False}
+    (run / "stability.json").write_text(json.dumps(record))
+    cfg = load_config(overrides=["trainer.max_steps=40"])
+    assert not trained(run, cfg)
+    (run / "stability.json").write_text(json.dumps({**record, "steps": 30}))
+    assert trained(run, load_config(overrides=["trainer.max_steps=30"]))
+    shutil.rmtree(run / "checkpoints")
+    (run / "stability.json").write_text(json.dumps(record))
+    assert trained(run, cfg)

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="keel export needs the
 
 from keel.checkpoint import LAST, load_model, read_checkpoint  # noqa: E402
 from keel.cli import main as cli_main  # noqa: E402
+from keel.evaluation.generated import load_next_line  # noqa: E402
 from keel.config import to_dict  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
@@ -165,3 +166,13 @@ def test_keel_reads_an_export_back(tiny_data, tiny_run, exported, tmp_path, caps
     assert texts[0] == texts[1] and len(texts[0]) > len("def \n")
     with pytest.raises(ConfigError, match="exported model.*init_from="):
         train(tiny_config(tiny_data, tmp_path / "resumed", *FOUR_STEP_RUN, f"resume={exported}"))
+
+
+def test_the_generated_tasks_of_an_export_say_what_to_pass(tiny_data, exported):
+    """An export records data.dir cut to its last part (no machine paths): evaluating it on the generated tasks
+    asks for --metadata corpus_dir (it advised `keel data`), and with it reads the tasks the checkpoint's data.dir
+    holds."""
+    data_dir = next(o.split("=", 1)[1] for o in tiny_data if o.startswith("data.dir="))
+    with pytest.raises(FileNotFoundError, match=r"exported model.*--metadata '\{\"corpus_dir\": \"DIR\"\}'"):
+        load_next_line(checkpoint=str(exported))
+    assert load_next_line(checkpoint=str(exported), corpus_dir=data_dir)["test"].num_rows > 0

@@ -126,15 +126,16 @@ def test_a_diverged_run_fails_with_step_kind_and_max_lr(tiny_data, tmp_path, cap
     err = capsys.readouterr().err
     # the first update (LR 5e5) already broke the model: no LR was sustained, none is reported as tolerated
     assert "keel pretrain: the run failed at step 1 (nonfinite:" in err
+    assert err.count("keel pretrain: stability: stopping the run: the run failed at step 1") == 1  # as it stops
     assert "max tolerable LR none (it failed from the first step)" in err
     report = json.loads((tmp_path / "default" / "stability.json").read_text())
     assert report["failed"] and report["steps"] < 40 and report["max_tolerable_lr"] is None  # stopped, checkpointed
     assert read_checkpoint(tmp_path / "default" / "checkpoints" / LAST, weights=False)["global_step"] < 40
 
-    with pytest.warns(UserWarning) as warned:
-        assert cli_main([*argv, f"run.dir={tmp_path / 'on'}", "callbacks.stability.stop_on_failure=false"]) == 0
-    goes_on = [w for w in warned if "training goes on (callbacks.stability.stop_on_failure=false)" in str(w.message)]
-    assert len(goes_on) == 1 and "max tolerable LR" in str(goes_on[0].message)  # said once
+    assert cli_main([*argv, f"run.dir={tmp_path / 'on'}", "callbacks.stability.stop_on_failure=false"]) == 0
+    goes_on = [line for line in capsys.readouterr().err.splitlines() if "training goes on" in line]
+    assert goes_on == [line for line in goes_on if line.startswith("keel pretrain: stability: the run failed at ")]
+    assert len(goes_on) == 1 and "max tolerable LR" in goes_on[0]  # said once, in a Keel line
     assert json.loads((tmp_path / "on" / "stability.json").read_text())["steps"] == 40
 
 

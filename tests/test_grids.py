@@ -129,7 +129,8 @@ def test_settings_scale_and_args_change_only_what_they_name(tmp_path, capsys):
     assert dry_run(capsys, "linear-d16", "--paper-scale") == dry_run(capsys, "linear-d16")  # not a scaled grid
     for argv, message in ((["--set", "SEED=1", "ramp-2x"], "--set 'SEED=1': expected NAME=VALUE with NAME one of"),
                           (["--sbatch=--x", "table1-d16"], "--sbatch: only at paper scale"),
-                          (["table-d16"], "paper-run: unknown grid table-d16; the grids: linear-d16,")):
+                          (["tabel1-d16"], "config error: unknown grid tabel1-d16; did you mean table1-d16 or "),
+                          ([], "config error: no grid given; the grids: linear-d16,")):
         assert cli_main(["paper-run", *argv]) == 2
         assert message in capsys.readouterr().err
 

@@ -15,14 +15,19 @@ from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.training import train
-from keeltest.runs import CrashAtStep, scalars, tiny_config
+from keeltest.runs import EIGHT_STEP_RUN, CrashAtStep, scalars, tiny_config
 
 
 def test_cli_config_errors_name_the_key(capsys):
     assert cli_main(["pretrain", "--print-config", "model.dept=4"]) == 2
     assert "model.dept: unknown config key; did you mean model.depth" in capsys.readouterr().err
-    assert cli_main(["pretrain", "--print-config", "optim.lr=fast"]) == 2
-    assert "optim.lr" in capsys.readouterr().err
+    # a value of the wrong type: the type the key takes in Keel's words (not OmegaConf's), null where allowed
+    for override, said in (("model.depth=two", "model.depth: 'two' is not a whole number (e.g. model.depth=16)"),
+                           ("trainer.gpu_memory_gib=abc", "trainer.gpu_memory_gib: 'abc' is not a number or null"),
+                           ("run.overwrite=maybe", "run.overwrite: 'maybe' is not true or false (e.g. "
+                                                   "run.overwrite=false)")):
+        assert cli_main(["pretrain", "--print-config", override]) == 2
+        assert capsys.readouterr().err == f"keel pretrain: config error: {said}\n"
     assert cli_main(["pretrain", "--print-config", "trainer=nope"]) == 2
     assert "available: " in capsys.readouterr().err
     assert cli_main(["pretrain", "--print-config", "model.depth=3", "model=paper_d64"]) == 0
@@ -40,7 +45,7 @@ print(code, sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'lig
 @pytest.mark.parametrize(("args", "error"), [
     (["model.depth=-1"], "model.depth: must be >= 1, got -1"),
     (["model.sheme=keel"], "model.sheme: unknown config key; did you mean model.scheme"),
-    (["optim.lr=abc"], "optim.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    (["optim.lr=abc"], "optim.lr: 'abc' is not a number (e.g. optim.lr=0.003)"),
     (["trainer=fsdp", "optim.lr=-1"], "optim.lr: must be > 0, got -1.0"),  # compile: auto is resolved after the check
     (["--print-config", "model.depth=3"], None),
 ])
@@ -71,6 +76,17 @@ def test_a_run_ends_with_a_validation_of_its_final_model(tiny_data, tmp_path):
     assert sorted(val) == [4, 6] and sorted(scalars(run, "train/loss")) == list(range(7))
     heldout = torch.load(run / "checkpoints" / LAST, weights_only=True)["keel"]["heldout"]
     assert heldout["step"] == 7 and heldout["loss"] == pytest.approx(val[6], rel=1e-6)
+
+
+def test_a_checkpoint_of_a_validated_step_holds_that_steps_held_out_loss(tiny_data, tmp_path):
+    """Checkpoints and validations both every 4 steps: each checkpoint is written after its step's validation,
+    so step000004 holds step 4's held-out loss and the last checkpoint the final step's (it held step 4's)."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN))
+    val = scalars(run, "val/loss")
+    for name, step in (("step000004.ckpt", 4), ("step000008.ckpt", 8), (LAST, 8)):
+        heldout = torch.load(run / "checkpoints" / name, weights_only=True)["keel"]["heldout"]
+        assert heldout["step"] == step and heldout["loss"] == pytest.approx(val[step - 1], rel=1e-6), name
 
 
 def test_training_logs_scalars_and_learns(tiny_data, tmp_path):

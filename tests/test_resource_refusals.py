@@ -48,11 +48,13 @@ def test_a_cpu_run_too_big_for_the_machine_is_refused_before_anything_is_allocat
     assert cli_main([*argv, "trainer.check_memory=false"]) == 0
 
 
-def test_cpu_processes_beyond_the_cores_are_said(monkeypatch):
+def test_cpu_processes_beyond_the_cores_are_said(monkeypatch, capsys):
+    """In one Keel line, not as a Python warning with its source line."""
     monkeypatch.setattr(training.os, "sched_getaffinity", lambda pid: {0, 1})
     cfg = load_config(overrides=["trainer.devices=3", "trainer.check_memory=false"])
-    with pytest.warns(UserWarning, match=r"trainer.devices=3 starts that many processes on 2 core\(s\)"):
-        training.check_cpu_processes(cfg)
+    training.check_cpu_processes(cfg)
+    said = capsys.readouterr().err
+    assert said.startswith("keel pretrain: trainer.devices=3 starts that many processes on 2 core(s)")
 
 
 def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_data, tmp_path, capsys):

@@ -1,5 +1,7 @@
-"""The run directory (docs/failures.md): one process per run dir (the lock), an unwritable one refused before
-training, a copied one continuing from its newest checkpoint, orphan temporary files removed."""
+"""The run directory (docs/failures.md): one process per run dir (the lock), one run per run dir (a fresh start
+into a used one refused, or clearing it under run.overwrite; a finished one said complete), a refused start leaving
+nothing, an unwritable one refused before training, a copied one continuing from its newest checkpoint, orphan
+temporary files removed."""
 
 from __future__ import annotations
 
@@ -119,3 +121,58 @@ def test_orphan_temporary_files_are_removed_at_start_up(tiny_data, tmp_path, cap
     train(tiny_config(tiny_data, run, "trainer.max_steps=2", "trainer.keep_last_k=0"))
     assert sorted(p.name for p in checkpoints.iterdir()) == [LAST]
     assert "removed 2 temporary file(s) of interrupted checkpoint saves" in capsys.readouterr().err
+
+
+def test_a_run_dir_holds_one_run(tiny_data, tmp_path, capsys):
+    """A finished run rerun says it is complete and writes nothing; a fresh start into it is refused with the
+    choices; run.overwrite=true deletes the earlier run first, so TensorBoard reads the new run alone."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN))
+    written = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    capsys.readouterr()
+    assert train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN)) is None
+    [said] = capsys.readouterr().err.splitlines()
+    assert said.startswith(f"keel pretrain: run.dir={run} is complete (step 8 of trainer.max_steps=8, val/loss ")
+    assert said.endswith("raise trainer.max_steps to train on, or start another run in a new run.dir")
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == written
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, checkpoints/, tb/\): a fresh start "
+                                          r".*resume=auto .*run.dir=PATH.*run.overwrite=true"):
+        train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN, "resume=null"))
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == written
+    with pytest.raises(ConfigError, match="run.overwrite=true .* not resume="):
+        train(tiny_config(tiny_data, run, "run.overwrite=true", f"resume={run / 'checkpoints' / LAST}"))
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2", "run.overwrite=true"))
+    assert "run.overwrite=true: deleted the earlier run" in capsys.readouterr().err
+    assert sorted(scalars(run, "train/loss")) == [0, 1] and len(list((run / "tb").glob("events.*"))) == 1
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [LAST, "step000002.ckpt"]
+
+
+def test_a_start_refused_after_writing_leaves_nothing(tiny_data, tmp_path, monkeypatch):
+    """A logger that cannot start (W&B without a key) is refused after config.yaml and tb/ are written: they go,
+    with the directory the start made; an existing directory keeps what it held."""
+    def refuse(cfg, loggers):
+        raise ConfigError("trainer.loggers: wandb cannot start a run")
+
+    monkeypatch.setattr("keel.training.log_config", refuse)
+    with pytest.raises(ConfigError, match="wandb cannot start"):
+        train(tiny_config(tiny_data, tmp_path / "new" / "run"))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    with pytest.raises(ConfigError, match="wandb cannot start"):
+        train(tiny_config(tiny_data, tmp_path / "mine"))
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+def test_a_run_that_left_no_checkpoint_starts_again_only_under_its_own_config(tiny_data, tmp_path, capsys):
+    """resume=auto where an earlier start left logs but no checkpoint (a kill before the first): the same config
+    starts again with those logs deleted (TensorBoard would draw both starts as one); another config is refused."""
+    run = tmp_path / "run"
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, tb/, and no checkpoint to continue\)"):
+        train(tiny_config(tiny_data, run, "trainer.max_steps=2", "optim.lr=0.001"))
+    capsys.readouterr()
+    train(tiny_config(tiny_data, run, "trainer.max_steps=2"))
+    assert "left no checkpoint: its logs (config.yaml, tb/) are deleted and it starts again" in capsys.readouterr().err
+    assert len(list((run / "tb").glob("events.*"))) == 1 and sorted(scalars(run, "train/loss")) == [0, 1]

@@ -59,22 +59,26 @@ def test_summary_states_the_model_and_the_plan(scheme, alpha, init):
     assert lines[8].endswith("torch.compile per block (compiled during the first steps)")  # trainer=cpu's default
 
 
-def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys):
+def test_progress_bar_counts_optimizer_steps(tiny_data, tmp_path, capsys, monkeypatch):
+    """Piped, a line per step (of 3 here); on a terminal, a bar."""
     run = tmp_path / "run"
     trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=3", "trainer.grad_accum=2",
                                 "trainer.val_every_n_steps=3", "trainer.val_batches=1", "trainer.progress_bar=true"))
-    bar = trainer.progress_bar_callback
-    assert isinstance(bar, StepProgressBar)
-    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)  # 6 micro-batches, 3 steps
+    assert isinstance(trainer.progress_bar_callback, StepProgressBar)
     out = capsys.readouterr().out
-    assert "step: 100%" in out and "3/3" in out and "/6" not in out
+    steps = [line.split(",")[0] for line in out.splitlines() if line.startswith("step ")]
+    assert steps == ["step 1/3 (33%)", "step 2/3 (66%)", "step 3/3 (100%)"]  # 6 micro-batches, 3 steps
     assert out.count("parameters  57,536 (41,152 non-embedding)") == 1 and "start       fresh initialization" in out
 
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=5", "trainer.grad_accum=2", "trainer.val_every_n_steps=3",
                                 "trainer.val_batches=1", "trainer.progress_bar=true", "resume=auto"))
     bar = trainer.progress_bar_callback.train_progress_bar
-    assert (bar.initial, bar.n, bar.total) == (3, 5, 5)  # a resumed run's rate and ETA count its own steps only
-    assert f"start       resuming {run / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().out
+    # a resumed run's rate and ETA count its own steps only, from the end of its first (which restores, or compiles)
+    assert (bar.initial, bar.n, bar.total) == (4, 5, 5)
+    out = capsys.readouterr().out
+    assert f"start       resuming {run / 'checkpoints' / 'last.ckpt'}" in out
+    assert "step: 100%" in out and "/10" not in out
 
 
 LAUNCHER = '''

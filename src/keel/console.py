@@ -17,6 +17,9 @@ WARNINGS = [
      "litdata's StreamingDataset deals its chunks out among the loader workers itself, so its length holds"),
     ("It is recommended to use `self.log('val/", UserWarning,  # Lightning's PossibleUserWarning
      "val/loss and val/ppl come from torchmetrics sums whose compute() has already reduced them over the ranks"),
+    ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided", UserWarning,
+     "a resume with a callback turned off (e.g. eval.enabled=false): keel's resume line lists it among the changed "
+     "settings, and the callback's saved state is left unused"),
 ]
 
 # logger -> (text in the record's message, why it is noise here)
@@ -29,6 +32,8 @@ LOG_RECORDS = {
         ("`Trainer(limit_val_batches=1)` was configured", "Lightning's words for the trainer.val_batches=1 asked for"),
         ("distributed_backend=", "a banner of the backend and world size the summary already gave"),
         ("`Trainer.fit` stopped: ", "keel's own last line says where the run ended (keel.summary.run_result)"),
+        ("Restoring states from the checkpoint path at ", "the start-up summary's start line names the checkpoint"),
+        ("Restored all states from the checkpoint at ", "as Restoring states"),
     ],
     "lightning.fabric.utilities.distributed": [
         ("Initializing distributed: ", "one line per process; the summary gives the world size"),

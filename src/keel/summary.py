@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import torch
 
+from keel.artifacts import TENSORBOARD
 from keel.checkpoint import LAST, checkpoint_dir
 from keel.config import Config, resolve_accelerator, resolve_precision
 from keel.flops import flops_per_token
@@ -82,8 +84,24 @@ def nvidia_driver_version() -> str:
     return next(iter(query.stdout.split()), "unknown")  # one line per GPU, all the same driver
 
 
+def run_places(cfg: Config) -> list[str]:
+    """Where the run writes and how to watch it: the run directory, the checkpoint cadence, the TensorBoard
+    command (with the tensorboard logger) and the evaluation cadence."""
+    t = cfg.trainer
+    kept = f" (and the newest {t.keep_last_k} step-numbered)" if t.keep_last_k else ""
+    lines = [f"run dir     {cfg.run.dir} (config.yaml, checkpoints/, logs; one run per directory)",
+             f"checkpoints every {t.checkpoint_every_n_steps:,} steps and at the end: "
+             f"{checkpoint_dir(cfg) / LAST}{kept}",
+             f"validation  every {t.val_every_n_steps:,} steps and at the end ({t.val_batches} batch(es))"
+             + (f"; downstream tasks every {cfg.eval.every_n_steps:,} steps" if cfg.eval.enabled else "")]
+    if "tensorboard" in t.loggers:
+        tensorboard = Path(cfg.run.dir) / TENSORBOARD
+        lines.append(f"tensorboard tensorboard --logdir {tensorboard}  (then http://localhost:6006)")
+    return lines
+
+
 def run_summary(cfg: Config, model: KeelLM) -> str:
-    return "\n".join([*model_summary(model), *run_plan(cfg, model.num_params())])
+    return "\n".join([*model_summary(model), *run_plan(cfg, model.num_params()), *run_places(cfg)])
 
 
 def run_result(cfg: Config, step: int, heldout: dict | None, saved_step: int | None) -> str:

@@ -7,7 +7,6 @@ import getpass
 import json
 import os
 import tempfile
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from keel.memory import check_gpu_fits, check_training_fits, gpu_budget_bytes, r
 from keel.model import check_state_fits
 from keel.parallel import build_strategy
 from keel.resume import check_resume, check_same_model, resolve_resume
-from keel.rundir import RunDirLock, remove_orphans, say, write_config
+from keel.rundir import RunDirLock, claim_run_dir, remove_orphans, say, write_config
 from keel.summary import run_result, run_summary
 
 
@@ -76,19 +75,20 @@ def check_cpu_processes(cfg: Config) -> None:
         check_training_fits(cfg)
     cores = len(os.sched_getaffinity(0))
     if cfg.trainer.devices > cores:
-        warnings.warn(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they "
-                      "share the cores and each step is slower than with trainer.devices <= the cores", stacklevel=2)
+        say(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they share the "
+            "cores and each step is slower than with trainer.devices <= the cores")
 
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     """The fixed callbacks (trainer.*), then the enabled configurable ones (callbacks.*, eval) in their run order."""
     callbacks: list[Callback] = [
-        RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k),
+        RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k,
+                      cfg.trainer.val_every_n_steps),
         GracefulInterrupt(),
         LearningRateMonitor(logging_interval="step"),
     ]
     if cfg.trainer.progress_bar:
-        callbacks.append(StepProgressBar())
+        callbacks.append(StepProgressBar(cfg.device_tokens_per_step * cfg.trainer.world_size))
     return callbacks + configured_callbacks(cfg)
 
 
@@ -198,8 +198,9 @@ def close_loggers(trainer: Trainer) -> None:
         kind_of(logger).close(logger)
 
 
-def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer:
-    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. Rank 0 holds
+def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer | None:
+    """Train (or resume) the run cfg describes; extra_callbacks are added to the configured ones. None: the run
+    was complete already (its checkpoint has trainer.max_steps steps; said in a line). Rank 0 holds
     the run directory's lock throughout, taken before anything is written (the others write nothing before
     rank 0 has joined them)."""
     quiet_libraries()
@@ -216,20 +217,36 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer:
     # CUDA, keel.parallel.check_trainer refuses trainer.accelerator=gpu instead
     if accelerator == "gpu" and cfg.trainer.check_memory and torch.cuda.is_available():
         check_gpu_fits(cfg, gpu_budget_bytes(cfg.trainer))
-    with RunDirLock(cfg.run.dir) if owner else nullcontext():
-        return _train(cfg, extra_callbacks, owner)
+    with RunDirLock(cfg.run.dir) if owner else nullcontext() as lock:
+        return _train(cfg, extra_callbacks, lock)
 
 
-def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> Trainer:
+def complete_run(cfg: Config, ckpt_path: str, checkpoint: dict) -> str:
+    """The line a rerun of a finished run says instead of training."""
+    heldout = checkpoint["keel"].get("heldout")
+    loss = f", val/loss {heldout['loss']:.4f} at step {heldout['step']}" if heldout else ""
+    return (f"run.dir={cfg.run.dir} is complete (step {checkpoint.get('global_step', 0)} of trainer.max_steps="
+            f"{cfg.trainer.max_steps}{loss}; {ckpt_path}): raise trainer.max_steps to train on, or start another run "
+            "in a new run.dir")
+
+
+def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None) -> Trainer | None:
+    """lock: the run directory's, held by rank 0 (None on the other ranks)."""
+    owner = lock is not None
     dataset = open_dataset(cfg)
     check_splits_fit(cfg, dataset.chunk_tokens)
     if owner:  # no save runs now: temporary files in checkpoints/ were left by killed ones
         remove_orphans(checkpoint_dir(cfg))
+        claim_run_dir(cfg)
     ckpt_path = resolve_resume(cfg)
     checkpoint = None
     if ckpt_path is not None:  # fail before any work if the checkpoint is unreadable, of another model or layout
         checkpoint = read_checkpoint(ckpt_path, weights=False)
         check_resume(cfg, dataset, ckpt_path, checkpoint)
+        if checkpoint.get("global_step", 0) >= cfg.trainer.max_steps:
+            if owner:
+                say(complete_run(cfg, ckpt_path, checkpoint))
+            return None
     seed_everything(cfg.run.seed, workers=True, verbose=False)
     # under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard): they build nothing on the host
     module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
@@ -247,6 +264,8 @@ def _train(cfg: Config, extra_callbacks: list[Callback], owner: bool) -> Trainer
         print(f"{run_summary(cfg, module.model)}\n" + (f"attention   {attention}\n" if attention else "")
               + f"start       {start}", flush=True)
         log_config(cfg, trainer.loggers)
+    if owner:
+        lock.started = True  # a failure from here on keeps what the run wrote
     try:
         with attention_context(order):
             trainer.fit(module, datamodule=KeelDataModule(cfg, dataset), ckpt_path=ckpt_path)
@@ -288,9 +307,11 @@ def rewind_fit(cfg: Config, dataset, previous: Trainer, monitor: StabilityMonito
     return module, trainer
 
 
-def failure_exit_code(cfg: Config, trainer: Trainer) -> int:
+def failure_exit_code(cfg: Config, trainer: Trainer | None) -> int:
     """1 when the stability monitor recorded a failure, said with its step, kind and max tolerable LR -
     unless callbacks.stability.stop_on_failure=false asked training to go on (said when it happened)."""
+    if trainer is None:  # complete already
+        return 0
     monitor = stability_monitor(trainer)
     if monitor is None or monitor.failure is None:
         return 0

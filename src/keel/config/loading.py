@@ -5,7 +5,8 @@ values fail at start-up with the key named; and a config to and from YAML and di
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields, is_dataclass
+import re
+from dataclasses import MISSING, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,31 @@ def _explain(err: OmegaConfBaseException) -> ConfigError:
         close = difflib.get_close_matches(key, _valid_keys(Config()), n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         return ConfigError(f"{key}: unknown config key{hint}")
-    if isinstance(err, ValidationError):
-        return ConfigError(f"{key}: {str(err).splitlines()[0]}")
+    if isinstance(err, ValidationError) and (wrong_type := _wrong_type(key, err)):
+        return wrong_type
     return ConfigError(f"{key}: {str(err).splitlines()[0]}")
+
+
+# OmegaConf's words for a value of the wrong type (value, the type wanted), and what each type it names is in Keel's
+CONVERSIONS = (re.compile(r"Value '(.*)' of type '\w+' could not be converted to (\w+)"),
+               re.compile(r"Value '(.*)' is not a valid (bool) "))
+WANTED = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "bool": "true or false",
+          "String": "a string"}
+
+
+def _wrong_type(key: str, err: ValidationError) -> ConfigError | None:
+    """`model.depth: 'two' is not a whole number (e.g. model.depth=16)`: the type the key takes, and whether null
+    is allowed, from its dataclass field; an example from its default."""
+    said = str(err).splitlines()[0]
+    match = next((m for pattern in CONVERSIONS if (m := pattern.match(said))), None)
+    if match is None or match[2] not in WANTED:
+        return None
+    section = err.object_type if is_dataclass(err.object_type) else None
+    field = next((f for f in fields(section) if f.name == err.key), None) if section else None
+    wanted = WANTED[match[2]] + (" or null" if field is not None and "None" in str(field.type) else "")
+    default = field.default if field is not None and field.default not in (MISSING, None) else None
+    shown = str(default).lower() if isinstance(default, bool) else default
+    return ConfigError(f"{key}: {match[1]!r} is not {wanted}" + (f" (e.g. {key}={shown})" if shown is not None else ""))
 
 
 def _read_yaml(path: Path) -> DictConfig:

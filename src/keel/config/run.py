@@ -21,6 +21,7 @@ GPU_LOADER_WORKERS = 2
 class RunConfig:
     dir: str = "runs/default"
     seed: int = 1337
+    overwrite: bool = False  # true: delete the earlier run run.dir holds (checkpoints, logs, config) and start afresh
 
 
 # callbacks.<name>: each registered callback's own config class (keel.config.callbacks.CALLBACKS), in that order

@@ -14,8 +14,11 @@ the original benchmark files in --metadata data_dir=DIR.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 
+import lm_eval.evaluator
 import torch
 from lm_eval._cli import HarnessCLI
 from lm_eval.utils import setup_logging
@@ -47,6 +50,27 @@ def with_defaults(argv: list[str]) -> list[str]:
         if not _given(rest, flags):
             rest += [flags[0], value]
     return [command, *rest]
+
+
+def without_stderr(function):
+    """function with this process's stderr (file descriptor 2, which its subprocesses inherit) sent to /dev/null."""
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+    return call
+
+
+# lm-eval records the git commit of the working directory in its results (`git describe`, git's stderr inherited):
+# outside a git checkout git printed "fatal: not a git repository" on the console; the field is then null
+lm_eval.evaluator.get_git_commit_hash = without_stderr(lm_eval.evaluator.get_git_commit_hash)
 
 
 def main(argv: list[str]) -> int:

@@ -190,8 +190,15 @@ def _corpus_dir(corpus_dir: str | None, checkpoint: str | None) -> str:
     --model_args checkpoint=PATH` passes it), else the default data.dir."""
     if corpus_dir:
         return corpus_dir
-    if checkpoint:  # a file or a sharded directory; its weights are not read here (the adapter loads them)
-        return read_checkpoint(checkpoint, weights=False)["keel"]["config"]["data"]["dir"]
+    if checkpoint:  # a file, a sharded or an exported directory; its weights are not read here (the adapter loads them)
+        saved = read_checkpoint(checkpoint, weights=False)
+        data_dir = saved["keel"]["config"]["data"]["dir"]
+        if saved.get("exported") and "://" not in data_dir and not Path(data_dir).is_dir():  # export cut the path
+            raise FileNotFoundError(
+                f"{checkpoint} is an exported model, which records its training data.dir without the path it had "
+                f"on the machine that trained it ({data_dir!r}): pass that data.dir as --metadata "
+                f"'{{\"corpus_dir\": \"DIR\"}}' (its val_docs.jsonl holds the generated tasks' documents)")
+        return data_dir
     from keel.config import DataConfig
 
     return DataConfig().dir

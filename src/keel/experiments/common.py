@@ -178,6 +178,21 @@ def finished(run_dir: str | Path, cfg: Config) -> bool:
                                   or (state["failed"] and cfg.callbacks.stability.stop_on_failure))
 
 
+def trained(run_dir: str | Path, cfg: Config) -> bool:
+    """finished(), for a command that would train the run otherwise: a record of every step beside a last checkpoint
+    that holds fewer (another run's record, or an edited one) is not believed, and the run trains on from its
+    checkpoint. Records without checkpoints (committed ones) are believed."""
+    if not finished(run_dir, cfg):
+        return False
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return True
+    from keel.checkpoint import read_checkpoint  # torch: the training commands have it loaded
+
+    state = read_stability(run_dir)
+    return state["failed"] or read_checkpoint(last, weights=False).get("global_step", 0) >= state["steps"]
+
+
 def run_row(run_dir: str | Path) -> dict[str, Any]:
     """One run as a flat record: what it was (from its config.yaml) and what it left behind - the stability
     monitor's verdict (stability.json), the last validation loss with its TensorBoard step (the 0-based index

@@ -10,6 +10,7 @@ A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTIN
 from __future__ import annotations
 
 import argparse
+import difflib
 import glob
 import importlib
 import shlex
@@ -319,10 +320,13 @@ def main(argv: list[str]) -> int:
     if args.list or args.table:
         print(" ".join(grid_set(args.list, args.paper_scale)) if args.list else table())
         return 0
-    unknown = [grid for grid in args.grids if grid not in GRIDS]
-    if unknown or not args.grids:
-        raise ConfigError(f"paper-run: {'unknown grid ' + ', '.join(unknown) if unknown else 'no grid given'}; the "
-                          f"grids: {', '.join(GRIDS)}")
+    if not args.grids:
+        raise ConfigError(f"no grid given; the grids: {', '.join(GRIDS)} (`keel paper-run --table` describes them)")
+    for grid in args.grids:
+        if grid not in GRIDS:
+            close = difflib.get_close_matches(grid, GRIDS, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ConfigError(f"unknown grid {grid}; {hint}`keel paper-run --table` lists the {len(GRIDS)} grids")
     values = {**SETTINGS, "PAPER_OUT": args.out}
     for item in args.settings:
         key, sep, value = item.partition("=")

@@ -26,7 +26,7 @@ from keel.artifacts import read_stability
 from keel.callbacks.cadence import finished_step
 from keel.config import Config, load_config, to_yaml
 from keel.errors import ConfigError
-from keel.experiments.common import OneLineErrorParser, comma_list, finished, resolve_alpha, slug, unigram_loss
+from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, trained, unigram_loss
 from keel.experiments.cost import train_timed
 from keel.experiments.maxlr_report import COST, MARGIN, collect, unigram_key
 from keel.experiments.maxlr_report import main as report_main
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
     todo = [(run, cfg) for run, cfg in zip(runs, configs) if not args.only or run.name in args.only]
     for i, (run, cfg) in enumerate(todo, 1):
         run_dir = Path(cfg.run.dir)
-        if finished(run_dir, cfg):  # probes stop on failure (above)
+        if trained(run_dir, cfg):  # probes stop on failure (above)
             print(f"keel maxlr: {i}/{len(todo)} {run.name}: finished before, skipped", flush=True)
             continue
         key = unigram_key(cfg)

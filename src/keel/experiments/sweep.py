@@ -23,12 +23,12 @@ from keel.config import load_config
 from keel.experiments.common import (
     OneLineErrorParser,
     comma_list,
-    finished,
     non_embedding_params,
     plot_lines,
     resolve_alpha,
     run_row,
     slug,
+    trained,
     width_for_budget,
     write_table,
 )
@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
         from keel.experiments.cost import train_timed  # lightning: imported only when training
 
         for i, (run, cfg) in enumerate(zip(runs, configs), 1):
-            if finished(cfg.run.dir, cfg):  # from the records alone: a rerun never trains it again
+            if trained(cfg.run.dir, cfg):  # from its records (and checkpoint): a rerun never trains it again
                 print(f"keel sweep: run {i}/{len(runs)}: {run.name}: finished before, skipped", flush=True)
                 continue
             print(f"keel sweep: run {i}/{len(runs)}: {run.name}", flush=True)

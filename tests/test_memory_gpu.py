@@ -25,8 +25,10 @@ GB80 = 80 * 10**9
 
 
 def paper_d64(*overrides: str):
+    """paper_d64 on 8 GPUs with eager blocks, whose bytes the figures by hand below count (compiled blocks, the GPU
+    default: test_compiled_blocks_are_estimated_by_what_they_save)."""
     return load_config(overrides=["model=paper_d64", "trainer.accelerator=gpu", "trainer.devices=8",
-                                  "trainer.micro_batch_size=8", *overrides])
+                                  "trainer.micro_batch_size=8", "trainer.compile=false", *overrides])
 
 
 def test_paper_d64_on_8_gpus_of_80_gb_under_ddp_is_refused_with_numbers_and_keys():
@@ -85,7 +87,7 @@ def test_keel_pretrain_on_a_gpu_checks_before_anything_is_made(tmp_path, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(keel.memory, "gpu_memory_bytes", lambda: GB80)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set_threads writes it; restored after the test
-    argv = ["pretrain", "model=paper_d64", "trainer=ddp", "trainer.devices=8",
+    argv = ["pretrain", "model=paper_d64", "trainer=ddp", "trainer.devices=8", "trainer.compile=false",
             f"trainer.threads={torch.get_num_threads()}", f"run.dir={tmp_path / 'run'}"]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
@@ -165,17 +167,22 @@ def test_auto_on_cpu_takes_the_fewest_blocks_that_fit_the_memory_available(monke
 def test_keel_estimate_plans_a_gpu_run_without_a_gpu(capsys):
     # recipe=paper accumulates gradients (grad_accum 4): they are held through each micro-batch's forward, and the
     # estimate counts them beside the activations
+    # estimate, as on a GPU: the blocks compiled (trainer=fsdp's compile=auto, on with a GPU accelerator)
     paper = ["recipe=paper", "model=paper_d64", "trainer=fsdp", "trainer.devices=8", "trainer.accelerator=gpu"]
     assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=79"]) == 0
     out = capsys.readouterr().out
     assert "auto        trainer.activation_checkpointing=auto: no block (none)" in out
-    assert "estimate    60.5 GiB per GPU, 66.6 GiB with the 10% allocator margin" in out
-    assert "GPU         79.0 GiB (trainer.gpu_memory_gib)" in out and "verdict     fits, 12.4 GiB to spare" in out
+    assert "the others keep 43.0 KiB per token per block, compiled" not in out  # none checkpointed: no others
+    assert "activation checkpointing off: 43.0 KiB per token per block, compiled" in out
+    assert "estimate    48.6 GiB per GPU, 53.4 GiB with the 10% allocator margin" in out
+    assert "GPU         79.0 GiB (trainer.gpu_memory_gib)" in out and "verdict     fits, 25.6 GiB to spare" in out
     assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40"]) == 0  # auto checkpoints what it must
-    assert "auto        trainer.activation_checkpointing=auto: the first 31 of 64 blocks" in capsys.readouterr().out
+    assert "auto        trainer.activation_checkpointing=auto: the first 21 of 64 blocks" in capsys.readouterr().out
     assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40", "trainer.activation_checkpointing=none"]) == 1
-    assert ("verdict     does not fit; change, in this order: trainer.activation_checkpointing=auto (the first 31 "
+    assert ("verdict     does not fit; change, in this order: trainer.activation_checkpointing=auto (the first 21 "
             "of 64 blocks") in capsys.readouterr().out
+    assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40", "trainer.compile=false"]) == 0
+    assert "auto        trainer.activation_checkpointing=auto: the first 31 of 64 blocks" in capsys.readouterr().out
     assert cli_main(["estimate", *paper]) == 0
     assert "memory unknown: no GPU is visible here; give it as trainer.gpu_memory_gib=GIB" in capsys.readouterr().out
 
@@ -201,3 +208,31 @@ def test_gradients_are_counted_beside_the_activations_only_while_accumulating():
     accumulated = gpu_training_terms(accumulating.model, accumulating.trainer)
     assert "gradients made in freed activations' place" not in accumulated
     assert accumulated["gradients"] == terms["gradients"]
+
+
+def test_compiled_blocks_are_estimated_by_what_they_save(monkeypatch):
+    import torch
+
+    # by hand, Keel's block compiled under bf16 autocast (keel.memory.block_bytes_per_token; C 1,024, K 512, H 3,072):
+    # four 1/rms, the block's fp32 input, the attention's bf16 output, the FFN's fp32 sum, attention as eager, and
+    # SwiGLU without its SiLU output: 16 + 4C + 2C + 4C + 2 (5C + 3K) + 4 x 16 + 2 (C + 3H) = 44,112 bytes
+    eager, compiled = (paper_d64("trainer=ddp", f"trainer.compile={flag}") for flag in ("false", "true"))
+    saved = (gpu_training_terms(eager.model, eager.trainer)["activations"]
+             - gpu_training_terms(compiled.model, compiled.trainer)["activations"])
+    # block 0 is Pre-LN's (Keel's v1 first block): its second norm's fp32 input recomputed from the attention's bf16
+    # output (2C less) and SwiGLU's SiLU output (2H)
+    assert saved == (63 * (56_400 - 44_112) + 2 * 1024 + 2 * 3072) * 8 * 2048
+    # eager, the run is refused (test_paper_d64_on_8_gpus_of_80_gb_under_ddp_is_...); compiled, it fits
+    check_gpu_fits(compiled, GB80)
+    # auto recomputes only what compiled blocks need: fewer blocks than eager ones, and the fewest that fit
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(keel.memory, "gpu_memory_bytes", lambda: 40 * 2**30)
+    chosen = {}
+    for flag in ("false", "true"):
+        cfg = paper_d64("trainer=fsdp", "trainer.activation_checkpointing=auto", f"trainer.compile={flag}")
+        resolve_activation_checkpointing(cfg)
+        chosen[flag] = blocks = cfg.trainer.checkpointed_blocks(64)
+        for n, fits in ((blocks, True), (blocks - 1, False)):
+            trainer = checkpointing(n, "trainer=fsdp", f"trainer.compile={flag}").trainer
+            assert (with_margin(gpu_training_bytes(cfg.model, trainer)) <= 40 * 2**30) is fits
+    assert chosen["true"] < chosen["false"]

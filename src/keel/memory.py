@@ -3,12 +3,15 @@ exceeds its machine refused at start-up with the estimate and the keys to change
 `keel estimate`, the start-up check (trainer.check_memory) and trainer.activation_checkpointing=auto read it.
 
 One activation model, for CPU and GPU: what autograd keeps per token and block, counted from the tensors each
-sublayer saves (block_bytes_per_token), with activation checkpointing's peak (peak_activations). Around it:
-    CPU    weights, gradients and AdamW state; activations with CPU_ACTIVATION_SLACK; each block's Python objects
-           and autograd graph (BLOCK_BYTES); the process itself (PROCESS_BYTES); against MemAvailable
+sublayer saves, eager or compiled (block_bytes_per_token), with activation checkpointing's peak (peak_activations).
+Around it:
+    CPU    weights, gradients and AdamW state; eager blocks' activations whatever trainer.compile (a compiled CPU
+           run's measured peak sits under them too), with CPU_ACTIVATION_SLACK; each block's Python objects and
+           autograd graph (BLOCK_BYTES); the process itself (PROCESS_BYTES); against MemAvailable
     GPU    model state by precision and strategy (STATE_BYTES, DDP buckets, FSDP's unsharded units, autocast's
-           weight copies); the loss head's logits; the gradients, less what backward frees before making them
-           (GRADIENTS_IN_PLACE); CUDA's runtime; against the GPU's memory, with ALLOCATOR_MARGIN
+           weight copies); eager or compiled blocks' activations (trainer.compile); the loss head's logits; the
+           gradients, less what backward frees before making them (GRADIENTS_IN_PLACE); CUDA's runtime; against
+           the GPU's memory, with ALLOCATOR_MARGIN
 """
 
 from __future__ import annotations
@@ -54,31 +57,41 @@ def compute_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
 
 
-def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerSpec], compute_bytes: int) -> int:
-    """What autograd keeps per token for one block's backward, eager, in bytes; compute_bytes: 2 under bf16 autocast
-    (or bf16 weights), 4 in fp32. Counted from the distinct storages saved (saved_tensors_hooks) on CPU, which this
-    reproduces exactly for every scheme, GELU and SwiGLU, in fp32 and bf16 (tests/test_memory_activations.py), and
-    issue #35's figures at width 1024 (docs/model.md); on an H200 (CUDA's F.rms_norm and cuDNN attention), an eager
-    paper_d64 step peaked within 1% of the estimate. Compiled blocks save less for most schemes (docs/model.md)."""
+def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerSpec], compute_bytes: int,
+                          compiled: bool = False) -> int:
+    """What autograd keeps per token for one block's backward, in bytes; compute_bytes: 2 under bf16 autocast (or
+    bf16 weights), 4 in fp32; compiled: the block compiled (keel.parallel.compile_blocks), else eager. Counted from
+    the distinct storages saved (saved_tensors_hooks) on CPU, which this reproduces exactly for every scheme, GELU
+    and SwiGLU, in fp32 and bf16, eager and compiled (tests/test_memory_activations.py), and issue #35's eager
+    figures at width 1024 (docs/model.md). On an H200 (CUDA's F.rms_norm and cuDNN attention), an eager paper_d64
+    step peaked within 1% of the eager count."""
     c, kv, hidden = cfg.width, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
-    norms = sum(spec.norm_in + spec.norm_out for spec in specs)
-    fp32 = norms * (4 * c + 4)  # each norm's fp32 input (or normalized output) and its 1/rms
     # attention: the qkv projection's input and its output (held by v's view), q and k after RoPE, SDPA's output,
     # the out projection's input; SDPA's fp32 log-sum-exp per head
     attn = compute_bytes * (c + (c + 2 * kv) + c + kv + c + c) + 4 * cfg.n_heads
-    if specs[0].qkv_norm:  # HybridNorm: q, k, v normalized in fp32 (1/rms per head) and v cast back, instead of
-        # the projection's output
-        attn += (4 - compute_bytes) * (c + 2 * kv) + compute_bytes * kv + 4 * (cfg.n_heads + 2 * cfg.kv_heads)
-    # FFN: the up projection's input and output (SwiGLU: gate and up, held by their views), SiLU's output (SwiGLU),
-    # the down projection's input
-    ffn = compute_bytes * (c + (4 if cfg.ffn == "swiglu" else 2) * hidden)
-    return fp32 + attn + ffn
+    if specs[0].qkv_norm:  # HybridNorm: q, k and v's 1/rms per head, and v cast back
+        attn += compute_bytes * kv + 4 * (cfg.n_heads + 2 * cfg.kv_heads)
+        if not compiled:  # q, k, v normalized in fp32 instead of the projection's output (compiled: recomputed)
+            attn += (4 - compute_bytes) * (c + 2 * kv)
+    # FFN: the up projection's input and output (SwiGLU: gate and up, held by their views), the down projection's
+    # input, and eager SwiGLU's SiLU output, which a compiled block recomputes from the saved gate
+    ffn = compute_bytes * (c + (2 if cfg.ffn == "gelu" else 3 if compiled else 4) * hidden)
+    norms = sum(spec.norm_in + spec.norm_out for spec in specs)
+    if not compiled:  # each norm's fp32 input (or normalized output) and its 1/rms
+        return norms * (4 * c + 4) + attn + ffn
+    # Compiled (inductor's min-cut partitioner), each norm keeps its 1/rms; its input and output are recomputed in
+    # backward from: the block's fp32 input (in fp32 without Norm_in, the qkv projection's input, counted above),
+    # the attention branch's output in the compute dtype, and where the FFN sublayer has Norm_out, its fp32 sum
+    block_input = 0 if compute_bytes == 4 and not specs[0].norm_in else 4 * c
+    return norms * 4 + block_input + compute_bytes * c + 4 * c * specs[1].norm_out + attn + ffn
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int, checkpointed: int = 0) -> int:
+def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int, checkpointed: int = 0,
+                     compiled: bool = False) -> int:
     """One micro-batch's saved activations over every block at their peak; checkpointed: how many blocks (the first
-    ones) keep only their fp32 input, their activations recomputed one block at a time (peak_activations)."""
-    per_block = [block_bytes_per_token(cfg, specs, compute_bytes) for specs in sublayer_specs(cfg)]
+    ones) keep only their fp32 input, their activations recomputed one block at a time (peak_activations);
+    compiled: the blocks compiled (trainer.compile)."""
+    per_block = [block_bytes_per_token(cfg, specs, compute_bytes, compiled) for specs in sublayer_specs(cfg)]
     return tokens * peak_activations(per_block, 4 * cfg.width, checkpointed)
 
 
@@ -252,7 +265,7 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
         terms["FSDP unsharded units"] = FSDP_UNSHARDED_BYTES * unsharded
     elif precision.endswith("-mixed") and checkpointed < model.depth:  # cast per matmul, saved for its backward
         terms["autocast weight copies"] = 2 * counts["blocks"] * (model.depth - checkpointed) // model.depth
-    terms["activations"] = activation_bytes(model, tokens, compute_bytes(precision), checkpointed)
+    terms["activations"] = activation_bytes(model, tokens, compute_bytes(precision), checkpointed, trainer.compile)
     terms["loss head"] = loss_head_bytes(model, tokens)
     if trainer.grad_accum == 1:  # the gradients are made as backward frees what forward kept (zero_grad set them
         # to None): the two never peak together. Accumulated gradients stay through the next micro-batch's forward.
@@ -363,8 +376,9 @@ def run_shape(model: ModelConfig, trainer) -> str:
     """The sizes and layout a GPU estimate depends on, in words (with activation checkpointing's per-block cost)."""
     params = parameter_count(model)
     checkpointed = trainer.checkpointed_blocks(model.depth)
-    per_block = activation_bytes(model, 1, compute_bytes(gpu_precision(trainer))) / model.depth
-    saved = f"{per_block / 2**10:.1f} KiB per token per block"
+    per_block = activation_bytes(model, 1, compute_bytes(gpu_precision(trainer)), compiled=trainer.compile)
+    per_block /= model.depth
+    saved = f"{per_block / 2**10:.1f} KiB per token per block{', compiled' if trainer.compile else ''}"
     checkpointing = ("on, every block" if checkpointed == model.depth else
                      f"on, the first {checkpointed} of {model.depth} blocks; the others keep {saved}" if checkpointed
                      else f"off: {saved}")

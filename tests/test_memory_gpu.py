@@ -17,6 +17,7 @@ from keel.memory import (
     gpu_training_bytes,
     gpu_training_terms,
     resolve_activation_checkpointing,
+    resolve_gradient_reduction,
     with_margin,
 )
 from keel.model import parameter_counts
@@ -174,8 +175,11 @@ def test_keel_estimate_plans_a_gpu_run_without_a_gpu(capsys):
     assert "auto        trainer.activation_checkpointing=auto: no block (none)" in out
     assert "the others keep 43.0 KiB per token per block, compiled" not in out  # none checkpointed: no others
     assert "activation checkpointing off: 43.0 KiB per token per block, compiled" in out
-    assert "estimate    48.6 GiB per GPU, 53.4 GiB with the 10% allocator margin" in out
-    assert "GPU         79.0 GiB (trainer.gpu_memory_gib)" in out and "verdict     fits, 25.6 GiB to spare" in out
+    # room for the unsharded gradients of the 3 micro-batches before each step's last (4 bytes x 0.91 B: 3.4 GiB)
+    assert "auto        trainer.reduce_every_micro_batch=auto: gradients reduced once per optimizer step" in out
+    assert "unsharded gradients while accumulating 3.4 GiB" in out
+    assert "estimate    52.0 GiB per GPU, 57.2 GiB with the 10% allocator margin" in out
+    assert "GPU         79.0 GiB (trainer.gpu_memory_gib)" in out and "verdict     fits, 21.8 GiB to spare" in out
     assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40"]) == 0  # auto checkpoints what it must
     assert "auto        trainer.activation_checkpointing=auto: the first 21 of 64 blocks" in capsys.readouterr().out
     assert cli_main(["estimate", *paper, "trainer.gpu_memory_gib=40", "trainer.activation_checkpointing=none"]) == 1
@@ -236,3 +240,50 @@ def test_compiled_blocks_are_estimated_by_what_they_save(monkeypatch):
             trainer = checkpointing(n, "trainer=fsdp", f"trainer.compile={flag}").trainer
             assert (with_margin(gpu_training_bytes(cfg.model, trainer)) <= 40 * 2**30) is fits
     assert chosen["true"] < chosen["false"]
+
+
+def paper_recipe(model: str, *overrides: str):
+    """recipe=paper under FSDP on 8 GPUs of 79 GiB (4 micro-batches a step), compiled blocks."""
+    return load_config(overrides=["recipe=paper", f"model={model}", "trainer=fsdp", "trainer.devices=8",
+                                  "trainer.accelerator=gpu", "trainer.gpu_memory_gib=79", *overrides])
+
+
+@pytest.mark.parametrize("model, defers", [("paper_d64", True), ("paper_d128", False), ("paper_d512", False)])
+def test_fsdp_defers_the_reduction_only_where_it_costs_no_recomputed_block(model, defers):
+    """trainer.reduce_every_micro_batch=auto: once per optimizer step where the unsharded gradients that keeps fit
+    beside the activations at the checkpointing reducing every micro-batch needs, else every micro-batch."""
+    cfg = paper_recipe(model)
+    every = paper_recipe(model, "trainer.reduce_every_micro_batch=true")
+    for config in (cfg, every):
+        resolve_activation_checkpointing(config)
+    said = resolve_gradient_reduction(cfg)
+    assert cfg.trainer.reduce_every_micro_batch is (not defers) and said.endswith(f"({str(not defers).lower()})")
+    assert cfg.trainer.activation_checkpointing == every.trainer.activation_checkpointing  # no block more
+    terms = gpu_training_terms(cfg.model, cfg.trainer)
+    kept = terms.get("unsharded gradients while accumulating")
+    assert kept == (4 * sum(parameter_counts(cfg.model).values()) if defers else None)
+    assert with_margin(sum(terms.values())) <= 79 * 2**30
+
+
+@pytest.mark.parametrize("overrides, resolved", [
+    (["trainer.gpu_memory_gib=null"], True),  # the GPU's memory unknown: as before
+    (["trainer.accelerator=cpu", "trainer.devices=2", "model=tiny"], False),  # the host's memory: defer
+    (["trainer=ddp"], False),  # nothing to decide: DDP reduces once per step (Lightning's no_sync)
+    (["trainer.global_batch_size=64"], False),  # one micro-batch a step: nothing to defer
+])
+def test_the_reduction_s_auto_elsewhere(overrides, resolved):
+    cfg = paper_recipe("paper_d64", *overrides)
+    resolve_gradient_reduction(cfg)
+    assert cfg.trainer.reduce_every_micro_batch is resolved
+
+
+def test_a_deferred_reduction_that_does_not_fit_names_reducing_every_micro_batch():
+    cfg = paper_recipe("paper_d512", "trainer.reduce_every_micro_batch=false", "trainer.activation_checkpointing=all")
+    with pytest.raises(ConfigError, match=r"change, in this order: trainer.reduce_every_micro_batch=true \(-> "):
+        check_gpu_fits(cfg, 79 * 2**30)
+
+
+def test_reduce_every_micro_batch_is_fsdp_s_alone():
+    with pytest.raises(ConfigError, match="trainer.reduce_every_micro_batch: chooses when FSDP reduces accumulated "
+                                          "gradients: it needs trainer.strategy=fsdp"):
+        load_config(overrides=["trainer=ddp", "trainer.reduce_every_micro_batch=true"])

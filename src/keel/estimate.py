@@ -27,6 +27,7 @@ from keel.memory import (
     gpu_training_terms,
     remedies,
     resolve_activation_checkpointing,
+    resolve_gradient_reduction,
     run_shape,
     with_margin,
 )
@@ -78,9 +79,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="group=choice (model=paper_d64) or key.path=value")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
-    chosen = resolve_activation_checkpointing(cfg)
+    chosen = [line for line in (resolve_activation_checkpointing(cfg), resolve_gradient_reduction(cfg)) if line]
     lines, fits = (gpu_plan if resolve_accelerator(cfg.trainer) == "gpu" else cpu_plan)(cfg)
-    if chosen:
-        lines.insert(1, f"auto        {chosen}")
+    lines[1:1] = [f"auto        {line}" for line in chosen]
     print("\n".join(lines))
     return 0 if fits else 1

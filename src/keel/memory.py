@@ -32,9 +32,10 @@ from keel.ops.chunked_ce import DEFAULT_CHUNK
 STATE_BYTES = {"32-true": (4, 4, 8), "bf16-mixed": (4, 4, 8), "16-mixed": (4, 4, 8), "bf16-true": (2, 2, 4)}
 BLOCK_BYTES = 112 * 2**10  # CPU: a block's module objects and one step's autograd graph, whatever its width
 PROCESS_BYTES = 2**30  # CPU: a process before its model (torch, Lightning, the loggers)
-# FSDP holds a few units unsharded at once: the root (embedding, final norm, head: not resharded after forward) and
-# about two blocks (the one computing, the one prefetched), each with its gathered compute copy and its unsharded
-# gradient (bf16 under bf16-mixed, then fp32 for the reduce-scatter): ~8 bytes per parameter of those units
+# FSDP holds a few units unsharded at once: the root (final norm, head: not resharded after forward), the embedding
+# (an upper bound: its own unit, freed after forward) and about two blocks (the one computing, the one prefetched),
+# each with its gathered compute copy and its unsharded gradient (bf16 under bf16-mixed, then fp32 for the
+# reduce-scatter): ~8 bytes per parameter of those units
 FSDP_UNSHARDED_BYTES = 8
 RUNTIME_BYTES = 2 * 2**30  # GPU: CUDA context, cuBLAS workspaces, NCCL buffers: an allowance
 GRADIENTS_IN_PLACE = "gradients made in freed activations' place"  # a negative GPU term
@@ -146,6 +147,39 @@ def resolve_activation_checkpointing(cfg) -> str | None:
     blocks = t.checkpointed_blocks(depth)
     which = "no block" if blocks == 0 else "every block" if blocks == depth else f"the first {blocks} of {depth} blocks"
     return f"trainer.activation_checkpointing=auto: {which} ({t.activation_checkpointing})"
+
+
+def defers_reduction(trainer) -> bool:
+    """Whether FSDP keeps an optimizer step's gradients unsharded until its last micro-batch (auto counts as not,
+    until resolve_gradient_reduction has decided)."""
+    return trainer.resolved_strategy == "fsdp" and trainer.grad_accum > 1 and trainer.reduce_every_micro_batch is False
+
+
+def resolve_gradient_reduction(cfg) -> str | None:
+    """trainer.reduce_every_micro_batch=auto made concrete in cfg, after the activation checkpointing: under FSDP with
+    micro-batches to accumulate, false (one reduction per optimizer step) where the run still fits each GPU with the
+    unsharded gradients that keeps, at the checkpointing it has (so deferring never costs a recomputed block);
+    else true. On CPU false; where the GPU's memory is unknown (keel estimate without trainer.gpu_memory_gib) true.
+    What was chosen, in words, or None when there was no choice to make. The processes agree on it at start-up
+    (keel.parallel.FSDP2Strategy)."""
+    t = cfg.trainer
+    if t.reduce_every_micro_batch != "auto":
+        return None
+    if t.resolved_strategy != "fsdp" or t.grad_accum == 1:
+        t.reduce_every_micro_batch = False  # nothing is reduced between micro-batches to begin with
+        return None
+    why = ""
+    if resolve_accelerator(t) == "cpu":
+        t.reduce_every_micro_batch = False
+    elif (have := gpu_budget_bytes(t)) is None:
+        t.reduce_every_micro_batch, why = True, ": the GPU's memory is unknown (trainer.gpu_memory_gib)"
+    else:
+        deferred = dataclasses.replace(t, reduce_every_micro_batch=False)
+        t.reduce_every_micro_batch = with_margin(gpu_training_bytes(cfg.model, deferred)) > have
+        why = ": deferring would not fit beside the activations" if t.reduce_every_micro_batch else ""
+    how = "every micro-batch" if t.reduce_every_micro_batch else "once per optimizer step"
+    return (f"trainer.reduce_every_micro_batch=auto: gradients reduced {how}{why} "
+            f"({str(t.reduce_every_micro_batch).lower()})")
 
 
 # CPU: this machine's memory, shared by a run's processes (keel pretrain, keel bench, keel gradflow, model readers)
@@ -263,6 +297,8 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
     if trainer.resolved_strategy == "fsdp":
         unsharded = params - counts["blocks"] + 2 * counts["blocks"] // model.depth
         terms["FSDP unsharded units"] = FSDP_UNSHARDED_BYTES * unsharded
+        if defers_reduction(trainer):  # keel.parallel.deferred_gradient_reduction
+            terms["unsharded gradients while accumulating"] = (2 if trainer.reduce_dtype == "bf16" else 4) * params
     elif precision.endswith("-mixed") and checkpointed < model.depth:  # cast per matmul, saved for its backward
         terms["autocast weight copies"] = 2 * counts["blocks"] * (model.depth - checkpointed) // model.depth
     terms["activations"] = activation_bytes(model, tokens, compute_bytes(precision), checkpointed, trainer.compile)
@@ -326,6 +362,8 @@ def remedies(model: ModelConfig, trainer, have: int) -> list[str]:
         options["activation checkpointing"] = {"activation_checkpointing": "all"}
     if trainer.resolved_strategy != "fsdp" and trainer.world_size > 1 and trainer.precision != "16-mixed":
         options["trainer.strategy=fsdp"] = {"strategy": "fsdp"}
+    if defers_reduction(trainer):
+        options["trainer.reduce_every_micro_batch=true"] = {"reduce_every_micro_batch": True}
     steps = []
     need = gpu_training_bytes(model, trainer)
     while options and with_margin(need) > have:

@@ -258,6 +258,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        # every rank reduces at the same micro-batches (each resolved auto from its own GPU): once per step only if
+        # all can hold the unsharded gradients
+        self.reduce_every_micro_batch = not self.reduce_boolean_decision(not self.reduce_every_micro_batch, all=True)
         if self.async_writer is not None:
             self.async_writer.open(self.root_device)
 
@@ -321,7 +324,7 @@ def build_strategy(trainer):
         return FSDP2Strategy(
             data_parallel_size=trainer.world_size, tensor_parallel_size=1, save_distributed_checkpoint=True,
             process_group_backend=backend, async_checkpoint=resolve_async_checkpoint(trainer),
-            reduce_every_micro_batch=trainer.reduce_every_micro_batch,
+            reduce_every_micro_batch=trainer.reduce_every_micro_batch is not False,  # auto unresolved: as before
         )
     # bf16: DDP's own hook casts each gradient bucket to bf16 for the all-reduce and back (torch's default_hooks)
     hook = bf16_compress_hook if trainer.reduce_dtype == "bf16" else None

@@ -31,7 +31,8 @@ from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule
 from keel.loggers import LOGGERS, kind_of
-from keel.memory import check_gpu_fits, check_training_fits, gpu_budget_bytes, resolve_activation_checkpointing
+from keel.memory import (check_gpu_fits, check_training_fits, gpu_budget_bytes, resolve_activation_checkpointing,
+                          resolve_gradient_reduction)
 from keel.model import check_state_fits
 from keel.parallel import build_strategy
 from keel.resume import check_resume, check_same_model, resolve_resume
@@ -209,8 +210,9 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer | None:
     node_local_compile_cache(cfg)
     owner = launched_as_rank_zero()
     accelerator = resolve_accelerator(cfg.trainer)
-    if (chosen := resolve_activation_checkpointing(cfg)) and owner:
-        say(chosen)
+    for chosen in (resolve_activation_checkpointing(cfg), resolve_gradient_reduction(cfg)):  # in this order
+        if chosen and owner:
+            say(chosen)
     if owner and accelerator == "cpu":
         check_cpu_processes(cfg)
     # every GPU rank checks its own GPU (one that refused alone would leave the others waiting for it); without

@@ -78,10 +78,12 @@ class TrainerConfig:
     # the dtype gradients are summed over processes in: fp32 | bf16 (half the bytes, sums rounded to bf16's 8-bit
     # mantissa); FSDP's reduce-scatter, DDP's all-reduce (its bf16 compression hook): docs/distributed.md
     reduce_dtype: str = "fp32"
-    # under fsdp with grad_accum > 1: false (default) reduces gradients once per optimizer step, on its last
-    # micro-batch (the earlier ones accumulate each unit's unsharded fp32 gradient: + 4 bytes per parameter per GPU);
-    # true reduce-scatters every micro-batch (no unsharded gradients kept; HSDP's all-reduce across nodes still once)
-    reduce_every_micro_batch: bool = False
+    # under fsdp with grad_accum > 1: false reduces gradients once per optimizer step, on its last micro-batch (the
+    # earlier ones accumulate each unit's unsharded fp32 gradient: + 4 bytes per parameter per GPU); true
+    # reduce-scatters every micro-batch (no unsharded gradients kept; HSDP's all-reduce across nodes still once);
+    # auto: false where that fits each GPU with no more activation checkpointing than true needs, else true
+    # (keel.memory.resolve_gradient_reduction, at start-up; false on CPU)
+    reduce_every_micro_batch: bool | str = "auto"
     # refuse a run whose estimated memory exceeds what this machine (CPU) or each GPU has (keel.memory)
     check_memory: bool = True
     threads: int = 0  # intra-op threads; 0 = one per physical core available to this process
@@ -174,10 +176,12 @@ class TrainerConfig:
         require(self.reduce_dtype == "fp32" or self.resolved_strategy != "single", "trainer.reduce_dtype",
                 "bf16 sums gradients over processes in bf16; a single-process run sums none: use trainer=fsdp or "
                 "trainer=ddp, or leave it fp32")
-        require(not self.reduce_every_micro_batch or self.resolved_strategy == "fsdp",
+        require(self.reduce_every_micro_batch in (True, False, "auto"), "trainer.reduce_every_micro_batch",
+                f"allowed: true, false, auto; got {self.reduce_every_micro_batch!r}")
+        require(self.reduce_every_micro_batch is not True or self.resolved_strategy == "fsdp",
                 "trainer.reduce_every_micro_batch",
                 "chooses when FSDP reduces accumulated gradients: it needs trainer.strategy=fsdp (DDP reduces once per "
-                f"optimizer step, one process never; got {self.resolved_strategy})")
+                f"optimizer step, one process never; got {self.resolved_strategy}); leave it auto")
         require(self.attention in ATTENTION, "trainer.attention",
                 f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}")
         require(self.compile in (True, False, "auto"), "trainer.compile", f"allowed: true, false, auto; got {self.compile!r}")

@@ -144,3 +144,20 @@ def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_run, tmp
     assert [resumed[s] for s in range(4, 8)] == pytest.approx([uninterrupted[s] for s in range(4, 8)], rel=1e-5)
     # validation at the configured steps, though a step is now another number of Lightning batches
     assert scalars(run, "val/loss").keys() == scalars(straight_run(strategy), "val/loss").keys() == {3, 7}
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce_every", ["auto", "true"])
+def test_fsdp_accumulating_micro_batches_trains_like_one_micro_batch(tiny_data, straight_run, tmp_path, reduce_every):
+    """The straight FSDP run's global batch of 8 as 2 processes x 2 micro-batches of 2: Lightning enters the
+    strategy's block_backward_sync for the first micro-batch of each step, where FSDP reduces nothing (auto, on CPU)
+    or reduce-scatters as usual (true); either way the same sequences and, within float rounding, the same gradients."""
+    run = tmp_path / "run"
+    pretrain(tiny_data, run, "fsdp", overrides=["trainer.micro_batch_size=2", "trainer.grad_accum=2",
+                                                f"trainer.reduce_every_micro_batch={reduce_every}"])
+    straight = straight_run("fsdp")
+    assert sorted(seen(run)) == sorted(seen(straight))
+    for tag in ("grad/global", "val/loss"):
+        ours, theirs = scalars(run, tag), scalars(straight, tag)
+        assert ours.keys() == theirs.keys() and list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-5)

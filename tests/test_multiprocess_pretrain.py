@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from keel.checkpoint import LAST, load_model, read_checkpoint
 from keel.checkpoint_io import SHARDED_META
@@ -148,16 +149,18 @@ def test_elastic_resume_continues_the_sample_stream(tiny_data, straight_run, tmp
 
 @pytest.mark.extended
 @pytest.mark.slow
-@pytest.mark.parametrize("reduce_every", ["auto", "true"])
-def test_fsdp_accumulating_micro_batches_trains_like_one_micro_batch(tiny_data, straight_run, tmp_path, reduce_every):
-    """The straight FSDP run's global batch of 8 as 2 processes x 2 micro-batches of 2: Lightning enters the
-    strategy's block_backward_sync for the first micro-batch of each step, where FSDP reduces nothing (auto, on CPU)
-    or reduce-scatters as usual (true); either way the same sequences and, within float rounding, the same gradients."""
-    run = tmp_path / "run"
-    pretrain(tiny_data, run, "fsdp", overrides=["trainer.micro_batch_size=2", "trainer.grad_accum=2",
-                                                f"trainer.reduce_every_micro_batch={reduce_every}"])
-    straight = straight_run("fsdp")
-    assert sorted(seen(run)) == sorted(seen(straight))
-    for tag in ("grad/global", "val/loss"):
-        ours, theirs = scalars(run, tag), scalars(straight, tag)
-        assert ours.keys() == theirs.keys() and list(ours.values()) == pytest.approx(list(theirs.values()), rel=1e-5)
+def test_fsdp_deferring_the_reduction_trains_like_reducing_every_micro_batch(tiny_data, tmp_path):
+    """2 processes x 2 micro-batches a step: Lightning enters the strategy's block_backward_sync for the first
+    micro-batch of each step, where FSDP reduces nothing (auto, on CPU: once per step) or reduce-scatters as usual
+    (true); the same sequences and, within float rounding, the same gradients at every step."""
+    runs = {}
+    for reduce_every in ("auto", "true"):
+        runs[reduce_every] = tmp_path / reduce_every
+        pretrain(tiny_data, runs[reduce_every], "fsdp", attempt=reduce_every,
+                 overrides=["trainer.micro_batch_size=2", "trainer.grad_accum=2",
+                            f"trainer.reduce_every_micro_batch={reduce_every}"])
+    assert yaml.safe_load((runs["auto"] / "config.yaml").read_text())["trainer"]["reduce_every_micro_batch"] is False
+    assert sorted(seen(runs["auto"], "auto")) == sorted(seen(runs["true"], "true"))
+    deferred, every = scalars(runs["auto"], "grad/global"), scalars(runs["true"], "grad/global")
+    assert sorted(deferred) == list(range(8))
+    assert [deferred[s] for s in range(8)] == pytest.approx([every[s] for s in range(8)], rel=1e-5)

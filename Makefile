@@ -128,8 +128,8 @@ CKPT ?= runs/default/checkpoints/last.ckpt
 TASKS ?= keel_generated
 # its results file, named after the checkpoint and the tasks: out/eval/<run>-<checkpoint>-<tasks>_<date>.json
 comma := ,
-EVAL_NAME = $(notdir $(patsubst %/checkpoints,%,$(patsubst %/,%,$(dir $(CKPT)))))-$(basename $(notdir $(CKPT)))-$(subst \
-	$(comma),+,$(TASKS))
+EVAL_RUN = $(notdir $(patsubst %/checkpoints,%,$(patsubst %/,%,$(dir $(CKPT)))))
+EVAL_NAME = $(EVAL_RUN)-$(basename $(notdir $(CKPT)))-$(subst $(comma),+,$(TASKS))
 eval: install
 	$(KEEL) eval --model_args checkpoint=$(CKPT) --tasks $(TASKS) --output_path out/eval/$(EVAL_NAME).json $(ARGS)
 

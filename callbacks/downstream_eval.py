@@ -153,7 +153,7 @@ class DownstreamEval(Callback):
             flags[f"eval/disagree/{task}"] = float(disagree)
             if disagree:
                 pl_module.print(
-                    f"downstream eval: step {after['step']}: "
+                    f"downstream eval: step {after['step'] + 1}: "  # history steps are 0-based; the console counts
                     f"val loss {before['val_loss']:.4f} -> {after['val_loss']:.4f} "
                     f"({'better' if loss_moved > 0 else 'worse'}) but {task} {metric} {old:.4f} -> {new:.4f} "
                     f"({'worse' if loss_moved > 0 else 'better'})"

@@ -66,7 +66,7 @@ class StepProgressBar(TQDMProgressBar):
         """What the run is doing between steps, shown until the next step."""
         if self.interactive:
             self.train_progress_bar.set_description_str(f"step ({text})")
-        else:
+        elif self.is_enabled:  # (Lightning disables the bar on every rank but 0)
             print(f"step {self.trainer.global_step}/{self.trainer.max_steps}: {text}", flush=True)
 
     def on_train_batch_start(self, trainer: Trainer, *_) -> None:
@@ -94,7 +94,7 @@ class StepProgressBar(TQDMProgressBar):
             if self._should_update(done, bar.total):
                 bar.n = done
                 bar.set_postfix(self._postfix(trainer), refresh=done < trainer.max_steps)  # the end: printed once
-        elif done % self._every == 0 and done < trainer.max_steps:  # the last after its validation (on_train_end)
+        elif self.is_enabled and done % self._every == 0 and done < trainer.max_steps:  # the last: on_train_end
             print(self._line(trainer, now), flush=True)
 
     def _postfix(self, trainer: Trainer) -> dict[str, str]:
@@ -138,7 +138,7 @@ class StepProgressBar(TQDMProgressBar):
             self.train_progress_bar.set_description_str(self.train_description, refresh=False)
             self.train_progress_bar.set_postfix(self._postfix(trainer), refresh=False)
         super().on_train_end(trainer, pl_module)  # the bar's last state, drawn once as it closes
-        if not self.interactive:
+        if not self.interactive and self.is_enabled:
             print(self._line(trainer, time.perf_counter()), flush=True)
 
     def print(self, *args, sep: str = " ", **kwargs) -> None:

@@ -153,6 +153,7 @@ def test_two_processes_say_each_line_once(tiny_data, tmp_path):
     said = lines(done)
     assert sum(line.startswith("start       ") for line in said) == 1
     assert sum(line.startswith("downstream eval: step 2: ") for line in said) == 1
+    assert sum(line.startswith("step 2/8 (25%)") for line in said) == 1  # the step lines, rank 0's alone
     [last] = [line for line in said if "re-run the same command" in line]
     assert last.startswith(f"keel pretrain: interrupted: saved step 4 to {run / 'checkpoints' / LAST}")
 

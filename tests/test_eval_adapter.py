@@ -129,3 +129,20 @@ def test_the_standard_suite_is_one_list():
 
     tasks = yaml.safe_load((conf_dir() / "eval" / "standard.yaml").read_text())["tasks"]
     assert [t for t in tasks if not t.startswith("keel_")] == [t for t in LM_EVAL_STANDARD if t != "gsm8k"]
+
+
+def test_a_disagreement_is_said_at_the_step_the_bar_counts():
+    """The history keeps 0-based steps (TensorBoard's x-axis); the console counts steps taken, as the bar does: the
+    evaluation after step 200 said 'step 199'."""
+    from keel.callbacks.downstream_eval import DownstreamEval
+    from keel.config import load_config
+
+    said = []
+    evaluation = DownstreamEval(load_config())
+    evaluation.primary = {"keel_next_line": ("acc_mutual_info", True)}
+    module = type("Module", (), {"print": staticmethod(said.append)})()
+    before = {"step": 99, "val_loss": 5.5676, "scores": {"keel_next_line": {"acc_mutual_info": 0.55}}}
+    after = {"step": 199, "val_loss": 5.2072, "scores": {"keel_next_line": {"acc_mutual_info": 0.54}}}
+    assert evaluation._disagreements(module, before, after) == {"eval/disagree/keel_next_line": 1.0}
+    assert said == ["downstream eval: step 200: val loss 5.5676 -> 5.2072 (better) but keel_next_line acc_mutual_info "
+                    "0.5500 -> 0.5400 (worse)"]

@@ -48,11 +48,13 @@ def test_the_paper_recipe_keeps_its_global_batch_on_any_number_of_gpus(devices, 
                             "trainer.micro_batch_size 8 = 24 sequences per micro-batch; no micro-batch size divides it "
                             "on 3 processes: change the device count, or set trainer.global_batch_size=null and "
                             "trainer.grad_accum by hand"),
-    (["trainer.devices=8", "trainer.micro_batch_size=3"], "trainer.global_batch_size=256: not a multiple of 8 device(s) "
-     "x 1 node(s) x trainer.micro_batch_size 3 = 24 sequences per micro-batch; trainer.micro_batch_size=2 divides it"),
-    (["trainer.devices=8", "trainer.grad_accum=2"], "trainer.grad_accum: 2 disagrees with trainer.global_batch_size=256 "
-     "/ (8 device(s) x 1 node(s) x trainer.micro_batch_size 8 = 64 sequences per micro-batch) = 4; leave "
-     "trainer.grad_accum unset (it is derived), or set trainer.global_batch_size=null"),
+    (["trainer.devices=8", "trainer.micro_batch_size=3"],
+     "trainer.global_batch_size=256: not a multiple of 8 device(s) x 1 node(s) x trainer.micro_batch_size 3 = 24 "
+     "sequences per micro-batch; trainer.micro_batch_size=2 divides it"),
+    (["trainer.devices=8", "trainer.grad_accum=2"],
+     "trainer.grad_accum: 2 disagrees with trainer.global_batch_size=256 / (8 device(s) x 1 node(s) x "
+     "trainer.micro_batch_size 8 = 64 sequences per micro-batch) = 4; leave trainer.grad_accum unset (it is derived), "
+     "or set trainer.global_batch_size=null"),
     (["trainer.global_batch_size=0"], "trainer.global_batch_size: must be >= 1 sequences per optimizer step, or null"),
 ])
 def test_a_global_batch_the_layout_cannot_reach_is_refused_with_the_arithmetic(overrides, message):

@@ -50,14 +50,19 @@ def attention_context(order: list[str] | None):
     return sdpa_kernel([BACKENDS[name] for name in order], set_priority=True)
 
 
-def describe_attention(preferred: str, model_cfg, micro_batch: int, dtype: torch.dtype) -> tuple[list[str] | None, str]:
+# what the attention's inputs are under each trainer.precision
+PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                    "32-true": torch.float32}
+
+
+def describe_attention(preferred: str, model_cfg, micro_batch: int, precision: str) -> tuple[list[str] | None, str]:
     """The order a GPU run on this process's GPU trains with, and the start-up line that names the backend in use."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))  # this rank's GPU, before Lightning sets it
     capability = torch.cuda.get_device_capability(device)
     order = backend_order(preferred, capability)
     if order is None:
         return None, f"SDPA in torch's own order (trainer.attention={preferred}, sm{capability[0]}{capability[1]})"
-    query = torch.empty(micro_batch, model_cfg.n_heads, model_cfg.seq_len, model_cfg.head_dim, dtype=dtype,
-                        device=device)
+    query = torch.empty(micro_batch, model_cfg.n_heads, model_cfg.seq_len, model_cfg.head_dim,
+                        dtype=PRECISION_DTYPES[precision], device=device)
     used = backend_in_use(order, query, model_cfg.kv_heads)
     return order, f"SDPA {used} (order {', '.join(order)}; trainer.attention={preferred})"

@@ -259,9 +259,8 @@ def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None
         write_config(cfg, checkpoint)
     order, attention = None, None
     if resolve_accelerator(cfg.trainer) == "gpu":
-        precision = resolve_precision(cfg.trainer)
-        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision == "16-mixed" else torch.float32
-        order, attention = describe_attention(cfg.trainer.attention, cfg.model, cfg.trainer.micro_batch_size, dtype)
+        order, attention = describe_attention(cfg.trainer.attention, cfg.model, cfg.trainer.micro_batch_size,
+                                              resolve_precision(cfg.trainer))
     if trainer.is_global_zero:
         print(f"{run_summary(cfg, module.model)}\n" + (f"attention   {attention}\n" if attention else "")
               + f"start       {start}", flush=True)

@@ -35,6 +35,7 @@ class StepProgressBar(TQDMProgressBar):
         self.tokens_per_step = tokens_per_step  # over every process (the global batch, in tokens)
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self._loss: str | None = None  # train/loss at the last logging step
+        self._val_loss: str | None = None  # val/loss of the last validation, read as it ended (the host waits there)
         self._speed: float | None = None  # tokens/s over the last logging interval without a validation in it
         self._mark: tuple[float, int] | None = None  # (time, step) where the speed's interval starts
         self._timed_from: tuple[float, int] | None = None  # (time, step) after this process's first step
@@ -103,8 +104,8 @@ class StepProgressBar(TQDMProgressBar):
             shown["tokens/s"] = f"{self._speed:,.0f}"
         if self._loss is not None:
             shown["train/loss"] = self._loss
-        if (val := trainer.callback_metrics.get("val/loss")) is not None:
-            shown["val/loss"] = loss_text(float(val))
+        if self._val_loss is not None:  # not read from the device here: the line is drawn at steps that must not wait
+            shown["val/loss"] = self._val_loss
         return shown
 
     def _line(self, trainer: Trainer, now: float) -> str:
@@ -127,6 +128,8 @@ class StepProgressBar(TQDMProgressBar):
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._mark = None  # the next speed counts training only
+        if (val := trainer.callback_metrics.get("val/loss")) is not None:
+            self._val_loss = loss_text(float(val))
         if self.interactive and trainer.state.fn == "fit":
             self.train_progress_bar.set_postfix(self._postfix(trainer), refresh=trainer.global_step < trainer.max_steps)
 

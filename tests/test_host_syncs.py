@@ -129,7 +129,7 @@ def test_the_host_waits_only_at_logging_steps(tiny_data, tmp_path, counter):
     assert [e.step for e in acc.Scalars("perf/step_ms")] == [3, 7, 11]
     assert [e.step for e in acc.Scalars("perf/tokens_per_s_per_device")] == [7, 11]  # once the window has filled
     last_loss = acc.Scalars("train/loss")[-1]
-    assert last_loss.step == 11 and trainer.progress_bar_callback._loss == f"{last_loss.value:.3f}"
+    assert last_loss.step == 11 and trainer.progress_bar_callback._loss == f"{last_loss.value:.4f}"
     # validation (and the in-loop evaluation in its end hook) under no_grad, not inference_mode
     assert counter.validation_modes == [(False, False), (False, False)]
 

@@ -250,9 +250,7 @@ def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None
                 say(complete_run(cfg, ckpt_path, checkpoint))
             return None
     seed_everything(cfg.run.seed, workers=True, verbose=False)
-    # under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard): they build nothing on the host
-    module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
-                           empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
+    module = build_module(cfg, dataset, owner)
     start = start_from(cfg, module, ckpt_path)
     trainer = build_trainer(cfg, [*build_callbacks(cfg, dataset), *extra_callbacks])
     if owner:
@@ -287,6 +285,13 @@ def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None
     return trainer
 
 
+def build_module(cfg: Config, dataset, owner: bool) -> KeelLitModule:
+    """The LightningModule a fit trains. Under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard):
+    they build nothing on the host."""
+    return KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
+                         empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
+
+
 def stability_monitor(trainer: Trainer) -> StabilityMonitor | None:
     return next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
 
@@ -296,8 +301,7 @@ def rewind_fit(cfg: Config, dataset, previous: Trainer, monitor: StabilityMonito
     """The fit after a rewind (callbacks.stability.rewind): from the checkpoint the monitor went back to, as a
     resume, with its rewinds handed to the new monitor (which has the data skipped), the same loggers, and the same
     signal handling: a signal the ended fit received stops the new one after its first step, with a checkpoint."""
-    module = KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
-                           empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
+    module = build_module(cfg, dataset, owner)
     callbacks = build_callbacks(cfg, dataset)
     interrupt = next(cb for cb in previous.callbacks if isinstance(cb, GracefulInterrupt))
     interrupt.stopped_at = interrupt.signal = None

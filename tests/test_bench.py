@@ -165,7 +165,7 @@ def test_the_cpu_peak_probe_is_sized_to_the_cpus_speed():
 
 
 def test_a_bench_too_big_for_this_machine_is_refused_before_any_model_is_built(monkeypatch, capsys):
-    """`--depth 100000 --width 4096` went past 10 GB in 73 s: it had no memory check."""
+    """`--depth 100000 --width 4096` once ran the machine out of memory: bench had no memory check."""
     built = []
     monkeypatch.setattr(KeelLM, "__init__", lambda *args: built.append(args))
     assert cli_main(["bench", "--depth", "100000", "--width", "4096", "--device", "cpu", "--threads", "1,2"]) == 2

@@ -200,9 +200,9 @@ def test_keel_estimate_on_cpu_says_whether_this_machine_holds_the_run(capsys, mo
 
 
 def test_gradients_are_counted_beside_the_activations_only_while_accumulating():
-    # measured on an H200 (docs/bench.md): paper_d64 at 4 x 2,048 tokens with every block checkpointed peaked at
-    # 14.89 GB allocated, the weights, gradients and AdamW state (14.53 GB) and little more: backward makes the
-    # gradients as it frees what forward kept, so the two never peak together
+    # docs/bench.md's H200 run: paper_d64 at 4 x 2,048 tokens with every block checkpointed peaked at the weights,
+    # gradients and AdamW state and little more: backward makes the gradients as it frees what forward kept, so the
+    # two never peak together
     one = paper_d64("trainer=ddp", "trainer.devices=1", "trainer.micro_batch_size=4", "trainer.activation_checkpointing=all")
     terms = gpu_training_terms(one.model, one.trainer)
     kept = terms["activations"] + terms["loss head"]

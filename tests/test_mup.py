@@ -22,11 +22,10 @@ WIDTHS = (32, 64, 128, 256, 512)
 BASE_WIDTH = 32
 STEPS, LR = 4, 1e-2
 SMALL = dict(depth=2, n_heads=4, vocab_size=256, seq_len=32)
-# The log-log slope of each activation's rms over WIDTHS. Under mup none may grow (slope < GROWS_NOT; measured
-# <= +0.001), and none may vanish faster than n^-1/2 (slope > VANISHES_NOT): muP's own finite-width terms decay
-# so - the readout's init part (std-0.02 head x base/width: ~n^-1/2) and attention's init part (q.k/d of
-# uncorrelated q, k: ~n^-1/2) - and gave slopes down to -0.35 here (pytest -s prints them), while the update's part
-# is flat. A hidden LR left at sp's would give ~+1 and one scaled twice ~-1. Under sp the branches grow with slope
+# The log-log slope of each activation's rms over WIDTHS. Under mup none may grow (slope < GROWS_NOT), and none
+# may vanish faster than n^-1/2 (slope > VANISHES_NOT): muP's own finite-width terms decay so - the readout's init
+# part (std-0.02 head x base/width: ~n^-1/2) and attention's init part (q.k/d of uncorrelated q, k: ~n^-1/2) - while
+# the update's part is flat (pytest -s prints the slopes). A hidden LR left at sp's would give ~+1 and one scaled twice ~-1. Under sp the branches grow with slope
 # ~2 and the logits ~0.9 (Adam's updates sum width coherent terms): both must exceed GROWS.
 GROWS_NOT, VANISHES_NOT, GROWS = 0.15, -0.45, 0.5
 

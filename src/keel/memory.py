@@ -64,8 +64,7 @@ def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerS
     bf16 weights), 4 in fp32; compiled: the block compiled (keel.parallel.compile_blocks), else eager. Counted from
     the distinct storages saved (saved_tensors_hooks) on CPU, which this reproduces exactly for every scheme, GELU
     and SwiGLU, in fp32 and bf16, eager and compiled (tests/test_memory_activations.py), and issue #35's eager
-    figures at width 1024 (docs/model.md). On an H200 (CUDA's F.rms_norm and cuDNN attention), an eager paper_d64
-    step peaked within 1% of the eager count."""
+    figures at width 1024 (docs/model.md, which also sets the eager count beside a GPU step's peak)."""
     c, kv, hidden = cfg.width, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
     # attention: the qkv projection's input and its output (held by v's view), q and k after RoPE, SDPA's output,
     # the out projection's input; SDPA's fp32 log-sum-exp per head

@@ -24,9 +24,8 @@ from torch.autograd.function import once_differentiable
 
 from keel.ops import under_vmap
 
-# Tokens per chunk where model.loss_chunk is null, per device type (docs/bench.md, "Loss head"): on CPU the chunk
-# whose logits stay in cache (measured fastest at vocab 4,096 and 50,304); on CUDA (not measured yet) a chunk big
-# enough to fill the GPU, whose fp32 logits at vocab 50,304 are ~200 MB.
+# Tokens per chunk where model.loss_chunk is null, per device type (docs/bench.md, "Loss head", has the timings):
+# on CPU a chunk whose logits stay in cache; on CUDA a chunk big enough to fill the GPU.
 DEFAULT_CHUNK = {"cpu": 128, "cuda": 1024}
 
 # what computes one chunk (chunk_loss, or compiled_chunk_loss's): (x, weight, targets, dtype, want_grad) -> (the sum

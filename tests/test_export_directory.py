@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers", reason="keel export needs the hf extra: pip install 'keel[hf]'")
 
-from keel.checkpoint import LAST, load_model, read_checkpoint  # noqa: E402
+from keel.checkpoint.layout import LAST  # noqa: E402
+from keel.checkpoint.read import load_model, read_checkpoint
 from keel.cli import main as cli_main  # noqa: E402
 from keel.evaluation.generated import load_next_line  # noqa: E402
 from keel.config import to_dict  # noqa: E402

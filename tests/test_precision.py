@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keel.model import KeelLM, RMSNorm, sublayer_update_error
+from keel.gpu_check.precision import sublayer_update_error
+from keel.model import KeelLM, RMSNorm
 from keel.ops.rms_norm import RMSNormFunction
 from keeltest.model import capture, tiny
 

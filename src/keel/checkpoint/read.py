@@ -90,7 +90,7 @@ def model_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
 
 def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """KeelLM(cfg).state_dict()'s names and shapes (a tied head named too), without building it."""
-    specs, blocks = _layouts(cfg)
+    specs, blocks = block_layouts(cfg)
     per_layout = {spec: {name: tuple(t.shape) for name, t in block.state_dict().items()}
                   for spec, block in blocks.items()}
     shapes = {"embed.weight": (cfg.vocab_size, cfg.width)}

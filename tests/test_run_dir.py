@@ -20,7 +20,7 @@ from keel.checkpoint.layout import LAST
 from keel.checkpoint.read import read_checkpoint
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
-from keel.rundir import RunDirLock, RunDirLock
+from keel.rundir import RunDirLock
 from keel.training import launched_as_rank_zero, train
 
 from keeltest.runs import EIGHT_STEP_RUN, scalars, tiny_config
@@ -28,6 +28,7 @@ from keeltest.runs import EIGHT_STEP_RUN, scalars, tiny_config
 
 HOLD_LOCK = """
 import sys
+from keel.rundir import RunDirLock
 lock = RunDirLock(sys.argv[1])
 lock.acquire()
 print("locked", flush=True)

@@ -85,8 +85,8 @@ def test_the_payload_names_the_shards_whatever_the_data_module_is_called():
 def test_no_module_but_the_payload_indexes_the_payload_entry():
     """Every reader goes through read_payload: none indexes a checkpoint's "keel" entry itself."""
     payload = ROOT / "src" / "keel" / "checkpoint" / "payload.py"
-    indexing = [f"{path.relative_to(ROOT)}:{node.lineno}"
-                for root in (ROOT / "src", ROOT / "callbacks") for path in sorted(root.rglob("*.py")) if path != payload
+    sources = [path for root in (ROOT / "src", ROOT / "callbacks") for path in sorted(root.rglob("*.py"))]
+    indexing = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sources if path != payload
                 for node in ast.walk(ast.parse(path.read_text()))
-                if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "keel"]
+                if isinstance(node, ast.Subscript) and getattr(node.slice, "value", None) == "keel"]
     assert not indexing, indexing

@@ -49,7 +49,8 @@ def _read_sharded(path: Path, weights: bool) -> dict:
         for info in reader.read_metadata().storage_data.values():  # every shard file there, none truncated
             shard = path / info.relative_path
             if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
-                raise ConfigError(f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or truncated")
+                raise ConfigError(f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or "
+                                  "truncated")
         refuse_payloads(path)
         checkpoint = torch_load(path / SHARDED_META)
         if weights:

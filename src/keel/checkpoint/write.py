@@ -51,7 +51,8 @@ def remove_path(path: Path) -> None:
 def commit_dir(staging: Path, path: Path) -> None:
     """Move a complete checkpoint directory to `path`. A directory cannot be renamed over another, so the
     old checkpoint is first renamed aside to previous_path(path) and deleted only once the new one is in
-    place: a crash between the two renames leaves it there, where keel.checkpoint.resume.resolve_resume(auto) looks next."""
+    place: a crash between the two renames leaves it there, where keel.checkpoint.resume.resolve_resume(auto) looks
+    next."""
     for written in (staging / SHARDED_META, staging):  # torch's writer syncs the shards and .metadata itself
         _fsync(written)
     previous = previous_path(path)

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException:
 from torch.distributed.tensor import DTensor
 
 from keel.callbacks.cadence import due, finished_step
-from keel.checkpoint import LAST, describe_error
-from keel.checkpoint_io import link_checkpoint
-from keel.errors import STORAGE_FAILURES, StorageError
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.write import link_checkpoint
+from keel.errors import STORAGE_FAILURES, StorageError, describe_error
 from keel.rundir import say
 
 STEP_NAME = re.compile(r"^step(\d+)\.ckpt$")

@@ -139,7 +139,7 @@ def tokenizer_json(tiny_data) -> str:
 @pytest.fixture(scope="session")
 def exported(tiny_run, tmp_path_factory) -> Path:
     """tiny_run's last checkpoint, `keel export`ed (a Hugging Face directory)."""
-    from keel.checkpoint import LAST
+    from keel.checkpoint.layout import LAST
     from keel.cli import main as cli_main
 
     out = tmp_path_factory.mktemp("export") / "hf"
@@ -183,6 +183,6 @@ def baseline(eval_data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def checkpoint(baseline) -> Path:
     """The evaluation tests' fixed checkpoint: baseline's last.ckpt."""
-    from keel.checkpoint import LAST
+    from keel.checkpoint.layout import LAST
 
     return baseline / "checkpoints" / LAST

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.checkpoint import LAST, read_checkpoint
-from keel.checkpoint_io import SHARDED_META
+from keel.checkpoint.layout import LAST, SHARDED_META
+from keel.checkpoint.read import read_checkpoint
 from keel.config import load_config
 from keel.errors import ConfigError
-from keel.parallel import resolve_async_checkpoint
+from keel.strategy import resolve_async_checkpoint
 
 from keeltest.distributed import _command, _env, pretrain, seen
 from keeltest.runs import scalars
@@ -68,7 +68,7 @@ def test_one_background_writer_saves_twice_in_one_process(one_process_group, tmp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from keel.checkpoint_io import AsyncShardedWriter, stager_outlives_a_save
+    from keel.checkpoint.sharded import AsyncShardedWriter, stager_outlives_a_save
 
     if spent_after_a_stage:
         stage = DefaultStager.stage

@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import load as dcp_load
 
-from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint, read_dcp_metadata
+from keel.checkpoint.layout import DCP_METADATA, LAST
+from keel.checkpoint.read import read_checkpoint
+from keel.checkpoint.safe import read_dcp_metadata
 from keel.cli import main as cli_main
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
@@ -97,7 +99,7 @@ def _train(request, run: Path, *overrides: str) -> str:
 
 
 def _fsdp_load(path: Path) -> None:
-    from keel.parallel import FSDP2Strategy
+    from keel.strategy import FSDP2Strategy
 
     FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=1, save_distributed_checkpoint=True).load_checkpoint(path)
 

@@ -15,7 +15,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from keel.checkpoint import DCP_METADATA, LAST, read_checkpoint, read_dcp_metadata
+from keel.checkpoint.layout import DCP_METADATA, LAST
+from keel.checkpoint.read import read_checkpoint
+from keel.checkpoint.safe import read_dcp_metadata
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
 from keel.training import train
@@ -123,7 +125,7 @@ def test_payload_in_sharded_checkpoint_is_refused_on_resume_and_init_from(hostil
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_fsdp_strategy_checks_the_checkpoint_before_torch_loads_it(hostile_checkpoint):
-    from keel.parallel import FSDP2Strategy
+    from keel.strategy import FSDP2Strategy
 
     strategy = FSDP2Strategy(data_parallel_size=1, tensor_parallel_size=1, save_distributed_checkpoint=True)
     with pytest.raises(ConfigError) as err:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.checkpoint import LAST, read_checkpoint
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import read_checkpoint
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
 from keel.training import train

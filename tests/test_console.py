@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from keel.checkpoint import LAST
+from keel.checkpoint.layout import LAST
 from keel.evaluation.cli import with_defaults
 
 from keeltest import QUIET_TRAINER, TINY_MODEL

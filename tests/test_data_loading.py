@@ -8,6 +8,7 @@ import json
 import random
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 import keel.data.spooling
+from keel.checkpoint.payload import LEGACY_DATA_STATE, read_payload, write_payload
 from keel.config import Config, DataConfig, load_config
 from keel.data.loading import KeelDataModule, open_dataset, token_loader
 from keel.data.preparation import prepare
@@ -278,7 +280,8 @@ def test_resume_refuses_other_shards_or_read_shuffle(tiny_data, tmp_path):
         run("trainer.max_steps=4", "data.shuffle_window=256")
 
     checkpoint = torch.load(last, weights_only=True)
-    older = {**checkpoint, "KeelDataModule": {}}  # as written before keel recorded the shards' identity
+    older = {**checkpoint, LEGACY_DATA_STATE: {}}  # as written before keel recorded the shards' identity
+    write_payload(older, replace(read_payload(checkpoint), data_manifest_sha256=None))
     torch.save(older, last)
     with pytest.raises(ConfigError, match="built before `keel data` shuffled documents"):
         run("trainer.max_steps=4")

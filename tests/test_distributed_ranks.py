@@ -153,7 +153,7 @@ def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_
     step) has the scores one process gives the final checkpoint."""
     import json
 
-    from keel.checkpoint import LAST
+    from keel.checkpoint.layout import LAST
     from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
 
     from keeltest.distributed import pretrain

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 
-from keel.checkpoint import load_model
+from keel.checkpoint.read import load_model
 from keel.cli import main as cli_main
 from keel.evaluation import KeelEvalLM
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD

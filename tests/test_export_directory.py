@@ -15,7 +15,9 @@ from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers", reason="keel export needs the hf extra: pip install 'keel[hf]'")
 
-from keel.checkpoint import LAST, load_model, read_checkpoint  # noqa: E402
+from keel.checkpoint.layout import LAST  # noqa: E402
+from keel.checkpoint.payload import read_payload  # noqa: E402
+from keel.checkpoint.read import load_model, read_checkpoint  # noqa: E402
 from keel.cli import main as cli_main  # noqa: E402
 from keel.evaluation.generated import load_next_line  # noqa: E402
 from keel.config import to_dict  # noqa: E402
@@ -84,6 +86,16 @@ def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(
         content = path.read_bytes()
         assert not [place for place in machine if place.encode() in content], path.name
 
+
+
+def test_an_export_keeps_the_held_out_loss_for_the_model_card_of_its_export(tiny_run, exported, tmp_path):
+    """An export carries the checkpoint's payload, held-out loss included: exported again (an export reads as a
+    checkpoint), it writes the same model card."""
+    source = read_payload(read_checkpoint(tiny_run / "checkpoints" / LAST, weights=False))
+    assert source.heldout is not None and source.heldout["step"] == 30
+    assert read_payload(read_checkpoint(exported, weights=False)).heldout == source.heldout
+    again = export(str(exported), tmp_path / "again")
+    assert (again / "README.md").read_text() == (exported / "README.md").read_text()
 
 TRANSFORMERS_4 = """
     import transformers

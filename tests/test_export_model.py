@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 transformers = pytest.importorskip("transformers", reason="keel export needs the hf extra: pip install 'keel[hf]'")
 
-from keel.checkpoint import LAST  # noqa: E402
+from keel.checkpoint.layout import LAST  # noqa: E402
 from keel.cli import main as cli_main  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
 from keel.decoding import generate  # noqa: E402

@@ -15,7 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="keel export needs the hf extra: pip install 'keel[hf]'")
 
-from keel.checkpoint import LAST, load_model, read_checkpoint  # noqa: E402
+from keel.checkpoint.layout import LAST  # noqa: E402
+from keel.checkpoint.read import load_model, read_checkpoint  # noqa: E402
 from keel.cli import main as cli_main  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
 from keel.export import export, verify  # noqa: E402

@@ -13,8 +13,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from keel.checkpoint import LAST, read_checkpoint
-from keel.checkpoint_io import AtomicCheckpointIO
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import read_checkpoint
+from keel.checkpoint.write import AtomicCheckpointIO
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
 from keel import training

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer
 
-from keel.checkpoint import LAST, load_model
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import load_model
 from keel.cli import main as cli_main
 from keel.data.tokenizer import eos_id_of
 from keel.generate import decoded_pieces

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.checkpoint import LAST, load_model, read_checkpoint
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import load_model, read_checkpoint
 from keel.config import load_config
 from keel.data.loading import open_dataset
 from keel.data.preparation import main as data_main

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from keel.checkpoint import LAST, read_checkpoint
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import read_checkpoint
 from keel.cli import main as cli_main
 from keel.lit import lr_factor
 from keel import training

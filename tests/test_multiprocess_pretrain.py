@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from keel.checkpoint import LAST, load_model, read_checkpoint
-from keel.checkpoint_io import SHARDED_META
-from keel.checkpoint import main as consolidate
+from keel.checkpoint.layout import LAST, SHARDED_META
+from keel.checkpoint.read import load_model, read_checkpoint
+from keel.checkpoint.consolidate import main as consolidate
 
 from keeltest.runs import scalars
 from keeltest.distributed import LAUNCHER, RUN, _command, _env, pretrain, seen

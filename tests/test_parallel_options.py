@@ -19,7 +19,8 @@ from keel.config import load_config
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import compiled_chunk_loss
-from keel.parallel import build_strategy, parallelize
+from keel.parallel import parallelize
+from keel.strategy import build_strategy
 
 from keeltest import QUIET_TRAINER, TINY_MODEL
 

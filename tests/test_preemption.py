@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from keel.callbacks import checkpointing
-from keel.checkpoint import LAST, read_checkpoint
-from keel.checkpoint_io import AtomicCheckpointIO, link_checkpoint, previous_path, staging_path
+from keel.checkpoint.layout import LAST, previous_path, staging_path
+from keel.checkpoint.read import read_checkpoint
+from keel.checkpoint.write import AtomicCheckpointIO, link_checkpoint
 from keel.config import load_config
 from keel.dirlock import LOCK
 from keel.errors import ConfigError

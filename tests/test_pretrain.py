@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from keel.checkpoint import LAST, load_model
-from keel.checkpoint_io import AtomicCheckpointIO
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import load_model
+from keel.checkpoint.write import AtomicCheckpointIO
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.checkpoint import LAST
+from keel.checkpoint.layout import LAST
 from keel.cli import main as cli_main
 from keel.data.preparation import main as data_main
 from keel.data.spooling import SPOOL

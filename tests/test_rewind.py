@@ -20,7 +20,8 @@ from lightning.pytorch.callbacks import Callback
 
 from keel import training
 from keel.callbacks.stability import StabilityMonitor
-from keel.checkpoint import LAST, read_checkpoint
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import read_checkpoint
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.training import train

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from keel.checkpoint import LAST, read_checkpoint
+from keel.checkpoint.layout import LAST
+from keel.checkpoint.read import read_checkpoint
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.rundir import RunDirLock

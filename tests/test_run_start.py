@@ -150,7 +150,7 @@ def test_compile_on_gpu_without_a_c_compiler_is_refused(monkeypatch, tmp_path):
     """Triton builds its GPU kernels' launchers with a C compiler ($CC, gcc or clang): without one a GPU run with
     trainer.compile=true is refused at start-up (decided from the config and the environment: no GPU needed)."""
     from keel.errors import ConfigError
-    from keel.parallel import check_trainer
+    from keel.trainer_checks import check_trainer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -181,7 +181,7 @@ def test_one_gpu_bound_per_slurm_task_is_refused_naming_the_layout(monkeypatch):
     among all of its node's: refused in one line that names the layout to submit with; the same task seeing its
     node's 8 GPUs passes; outside SLURM, too few GPUs are refused with the plain count."""
     from keel.errors import ConfigError
-    from keel.parallel import check_trainer
+    from keel.trainer_checks import check_trainer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -251,22 +251,22 @@ def test_auto_on_a_machine_whose_driver_torch_cannot_use_is_refused(monkeypatch,
     """A driver older than the torch build needs makes torch see no GPU (it only warns): trainer.accelerator=auto
     (trainer=ddp, fsdp) would then train on the CPU for hours. With an NVIDIA driver loaded and no GPU usable, auto is
     refused naming the driver and the two ways out; a machine without the driver, or accelerator=cpu, runs."""
-    import keel.parallel as parallel
+    import keel.trainer_checks as trainer_checks
     from keel.errors import ConfigError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     driver = tmp_path / "version"
     driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\nGCC\n")
-    monkeypatch.setattr(parallel, "NVIDIA_DRIVER", driver)
+    monkeypatch.setattr(trainer_checks, "NVIDIA_DRIVER", driver)
     fsdp = load_config(overrides=["trainer=fsdp", "trainer.devices=2"]).trainer
     with pytest.raises(ConfigError, match=r"^trainer.accelerator=auto: torch .* sees no GPU, yet this machine has an "
                        r"NVIDIA driver loaded \(NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05 .*\); install "
                        r"the torch build the driver supports .* or set trainer.accelerator=cpu to train on the CPU$"):
-        parallel.check_trainer(fsdp)
+        trainer_checks.check_trainer(fsdp)
     cpu = ["trainer=fsdp", "trainer.devices=2", "trainer.compile=false"]
-    parallel.check_trainer(load_config(overrides=[*cpu, "trainer.accelerator=cpu"]).trainer)
-    monkeypatch.setattr(parallel, "NVIDIA_DRIVER", tmp_path / "absent")
-    parallel.check_trainer(fsdp)
+    trainer_checks.check_trainer(load_config(overrides=[*cpu, "trainer.accelerator=cpu"]).trainer)
+    monkeypatch.setattr(trainer_checks, "NVIDIA_DRIVER", tmp_path / "absent")
+    trainer_checks.check_trainer(fsdp)
 
 
 @pytest.mark.parametrize("nodes, preset", [(2, None), (1, None), (2, "/scratch/triton")])

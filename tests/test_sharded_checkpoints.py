@@ -8,11 +8,12 @@ import os
 import pytest
 import torch
 
-from keel.checkpoint import LAST, load_model, read_checkpoint
-from keel.checkpoint_io import SHARDED_META, commit_dir, previous_path, staging_path
+from keel.checkpoint.layout import LAST, SHARDED_META, previous_path, staging_path
+from keel.checkpoint.read import load_model, read_checkpoint
+from keel.checkpoint.write import commit_dir
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
-from keel.resume import check_training_state, resolve_resume
+from keel.checkpoint.resume import check_training_state, resolve_resume
 from keeltest.distributed import _sharded_checkpoint, _tiny_cfg
 
 

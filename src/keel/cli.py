@@ -21,7 +21,7 @@ COMMANDS = {
     "paper-report": ("keel.experiments.paper", "the report of `make paper`'s grids (docs/experiments.md)"),
     "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
     "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),
-    "consolidate": ("keel.checkpoint", "turn a sharded (FSDP) checkpoint into one file"),
+    "consolidate": ("keel.checkpoint.consolidate", "turn a sharded (FSDP) checkpoint into one file"),
     "export": ("keel.export", "a checkpoint as a Hugging Face model directory (transformers, lm-eval hf, TRL)"),
     "bench": ("keel.bench.cli", "training-step throughput, memory and MFU"),
     "gpu-check": ("keel.gpu_check.cli", "GPU acceptance: throughput, training, resume, depth, precision"),

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from keel.checkpoint import checked_config, model_state_dict, read_checkpoint, refuse_output
+from keel.checkpoint.payload import read_payload
+from keel.checkpoint.read import checked_config, model_state_dict, read_checkpoint
 from keel.config import from_dict, to_dict
 from keel.data.tokenizer import eos_id_of
-from keel.errors import ConfigError
+from keel.errors import ConfigError, refuse_output
 from keel.export_format import to_hf_names
 from keel.model_card import model_card
 from keel.config.model import needs_final_norm, sublayer_specs
@@ -55,8 +56,9 @@ def _transformers():
     return KeelConfig, KeelForCausalLM
 
 
-def hf_config(cfg, eos: int, step: int | None):
-    """The exported model's KeelConfig for a run's Config, trained for step optimizer steps."""
+def hf_config(cfg, eos: int, step: int | None, heldout: dict | None = None):
+    """The exported model's KeelConfig for a run's Config, trained for step optimizer steps; heldout: its last
+    validation ({"step", "loss"}), kept for the model card of an export of the export."""
     KeelConfig, _ = _transformers()
     model = cfg.model
     return KeelConfig(
@@ -67,7 +69,8 @@ def hf_config(cfg, eos: int, step: int | None):
         final_norm=needs_final_norm(model), scheme=model.scheme, logits_multiplier=model.mup_ratio,
         attention_scale=model.attention_scale,
         sublayers=[[asdict(attn), asdict(ffn)] for attn, ffn in sublayer_specs(model)],
-        keel=without_machine_paths(to_dict(cfg)), trained_steps=step, tie_word_embeddings=model.tie_embeddings,
+        keel=without_machine_paths(to_dict(cfg)), trained_steps=step, heldout=heldout,
+        tie_word_embeddings=model.tie_embeddings,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
     )
 
@@ -112,13 +115,14 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     out = Path(out)
     refuse_output(out, "export", "--out", empty_dir_ok=True)
     checkpoint = read_checkpoint(checkpoint_path)
-    tokenizer_json = checkpoint["keel"].get("tokenizer_json")
+    payload = read_payload(checkpoint)
+    tokenizer_json = payload.tokenizer_json
     if not tokenizer_json:
         raise ConfigError(f"export: {checkpoint_path} holds no tokenizer (tokenizer_json); a model without its "
                           "tokenizer cannot be used outside Keel")
     cfg = checked_config(checkpoint, checkpoint_path)
     tokenizer, eos = hf_tokenizer(tokenizer_json, cfg.model.seq_len)
-    config = hf_config(cfg, eos, checkpoint.get("global_step"))
+    config = hf_config(cfg, eos, checkpoint.get("global_step"), payload.heldout)
     with torch.device("meta"):
         model = KeelForCausalLM(config)
     # checked against the config above; tied: KeelLM's state names the shared head too
@@ -140,7 +144,7 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(partial)
         name_tokenizer_class_for_every_version(partial / "tokenizer_config.json")
-        card = model_card(from_dict(config.keel), config.trained_steps, checkpoint["keel"].get("heldout"), license)
+        card = model_card(from_dict(config.keel), config.trained_steps, payload.heldout, license)
         (partial / "README.md").write_text(card)
         mode = 0o666 & ~_umask()  # transformers writes the weights 0600: readable as every other file here
         for path in partial.iterdir():
@@ -175,7 +179,7 @@ def verify(checkpoint_path: str, out: Path, new_tokens: int = 32) -> dict[str, f
     KV-cache decoding."""
     from transformers import AutoModelForCausalLM
 
-    from keel.checkpoint import load_model
+    from keel.checkpoint.read import load_model
     from keel.decoding import generate
 
     keel_model, cfg, _ = load_model(checkpoint_path)

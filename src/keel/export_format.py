@@ -1,6 +1,7 @@
 """The layout of a directory `keel export` writes (keel.export), as far as Keel reads it back: the parameter names
-of the exported model, and the directory as a checkpoint (keel.checkpoint.read_checkpoint) for init_from, eval
-and generate. Needs safetensors, not transformers."""
+of the exported model, and the directory as a checkpoint (keel.checkpoint.read.read_checkpoint) for init_from, eval
+and generate, its payload (keel.checkpoint.payload) built from config.json and tokenizer.json. Needs safetensors,
+not transformers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from keel.checkpoint.payload import KeelPayload, write_payload
 from keel.config import from_dict
 from keel.errors import ConfigError
 
@@ -80,14 +82,16 @@ def _load_weights(path: Path, shards: list[str]) -> dict[str, torch.Tensor]:
 
 
 def read_export(path: Path, weights: bool = True) -> dict:
-    """An exported directory read back as keel.checkpoint.read_checkpoint reads a checkpoint: the run's config,
-    tokenizer, step and (unless weights=False) the model's state_dict under KeelLM's names; no optimizer state."""
+    """An exported directory read back as keel.checkpoint.read.read_checkpoint reads a checkpoint: its payload (the
+    run's config, tokenizer and held-out loss), step and (unless weights=False) the model's state_dict under KeelLM's
+    names; no optimizer state."""
     config = _read_json(path / "config.json")
-    if config.get("model_type") != MODEL_TYPE or not isinstance(config.get("keel"), dict):
+    run_config = config.get("keel")  # the run's whole config (keel.export.hf_config)
+    if config.get("model_type") != MODEL_TYPE or not isinstance(run_config, dict):
         raise ConfigError(f"checkpoint: {path} is a model directory that `keel export` did not write (model_type "
                           f"{config.get('model_type')!r}); Keel reads back only its own exports")
     try:  # here, naming the file: checked later, its error would read as one in the user's own settings
-        from_dict(config["keel"])
+        from_dict(run_config)
     except ConfigError as err:
         raise ConfigError(f"checkpoint: {path / 'config.json'} holds an invalid keel config ({err}); it was edited: "
                           "export the checkpoint it came from again") from None
@@ -95,8 +99,9 @@ def read_export(path: Path, weights: bool = True) -> dict:
     missing = [name for name in ["tokenizer.json", *(shards if weights else [])] if not (path / name).is_file()]
     if missing:
         raise ConfigError(f"checkpoint: {path} is an incomplete export (no {', '.join(missing)})")
-    checkpoint = {"keel": {"config": config["keel"], "tokenizer_json": (path / "tokenizer.json").read_text()},
-                  "global_step": config.get("trained_steps"), "exported": True}
+    checkpoint = {"global_step": config.get("trained_steps"), "exported": True}
+    write_payload(checkpoint, KeelPayload(config=run_config, tokenizer_json=(path / "tokenizer.json").read_text(),
+                                          heldout=config.get("heldout")))
     if weights:
         state = _load_weights(path, shards)
         if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in state:  # saved once, as the embedding

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from tokenizers import Tokenizer
 
-from keel.checkpoint import load_model
+from keel.checkpoint.read import load_model
 from keel.data.tokenizer import eos_id_of
 from keel.decoding import stream
 from keel.errors import ConfigError

@@ -243,7 +243,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _trained(args: argparse.Namespace) -> tuple[str, ModelConfig, KeelLM]:
-    from keel.checkpoint import load_model  # Lightning's import cost only where a checkpoint is read
+    from keel.checkpoint.read import load_model  # Lightning's import cost only where a checkpoint is read
 
     model, cfg, _ = load_model(args.checkpoint)
     model.float().train()  # fp32 measurement; train(): the same forward as in training (no dropout exists)

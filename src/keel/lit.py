@@ -17,10 +17,11 @@ from torchmetrics import SumMetric
 
 from keel import tensor_norms
 from keel.callbacks.cadence import due, finished_step
+from keel.checkpoint.payload import KeelPayload, read_payload, write_payload
+from keel.checkpoint.resume import rescale_batch_progress
 from keel.config import Config, OptimConfig, to_dict
 from keel.model import KeelLM, next_token_loss
 from keel.parallel import parallelize
-from keel.resume import rescale_batch_progress
 
 
 def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
@@ -57,12 +58,15 @@ def make_optimizer(model: KeelLM, optim: OptimConfig) -> torch.optim.AdamW:
 
 
 class KeelLitModule(LightningModule):
-    def __init__(self, cfg: Config, tokenizer_json: str | None = None, empty_init: bool = False) -> None:
+    def __init__(self, cfg: Config, tokenizer_json: str | None = None, empty_init: bool = False,
+                 data_manifest_sha256: str | None = None) -> None:
         """empty_init: build the model on the meta device (no memory, no values): for a process whose weights
-        come from another's when the model is parallelized (configure_model)."""
+        come from another's when the model is parallelized (configure_model). tokenizer_json and
+        data_manifest_sha256 (the shards' identity) go into every checkpoint (keel.checkpoint.payload)."""
         super().__init__()
         self.cfg = cfg
-        self.tokenizer_json = tokenizer_json  # stored in every checkpoint: evaluation needs nothing else
+        self.tokenizer_json = tokenizer_json  # evaluation needs nothing else beside the weights
+        self.data_manifest_sha256 = data_manifest_sha256
         with torch.device("meta") if empty_init else nullcontext():
             self.model = KeelLM(cfg.model)
         # validation loss summed over tokens, and the tokens, over batches and processes; a NaN loss stays NaN
@@ -163,12 +167,12 @@ class KeelLitModule(LightningModule):
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["keel"] = {"config": to_dict(self.cfg), "tokenizer_json": self.tokenizer_json,
-                              "heldout": self.heldout}
+        write_payload(checkpoint, KeelPayload(config=to_dict(self.cfg), tokenizer_json=self.tokenizer_json,
+                                              heldout=self.heldout, data_manifest_sha256=self.data_manifest_sha256))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        # keel.resume.check_resume has checked it (keel.training) before any work
-        self.heldout = checkpoint["keel"].get("heldout")
+        # keel.checkpoint.resume.check_resume has checked it (keel.training) before any work
+        self.heldout = read_payload(checkpoint).heldout
         rescale_batch_progress(checkpoint, self.cfg.trainer.grad_accum)
 
 

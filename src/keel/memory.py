@@ -160,7 +160,7 @@ def resolve_gradient_reduction(cfg) -> str | None:
     unsharded gradients that keeps, at the checkpointing it has (so deferring never costs a recomputed block);
     else true. On CPU false; where the GPU's memory is unknown (keel estimate without trainer.gpu_memory_gib) true.
     What was chosen, in words, or None when there was no choice to make. The processes agree on it at start-up
-    (keel.parallel.FSDP2Strategy)."""
+    (keel.strategy.FSDP2Strategy)."""
     t = cfg.trainer
     if t.reduce_every_micro_batch != "auto":
         return None

@@ -19,7 +19,6 @@ from torch import nn
 
 from keel.config import ModelConfig
 from keel.config.model import SublayerSpec, deepnorm_beta, needs_final_norm, sublayer_specs
-from keel.errors import ConfigError
 from keel.ops.chunked_ce import ChunkKernel, chunk_loss, default_chunk, linear_cross_entropy
 from keel.ops.rms_norm import rms_norm
 
@@ -304,7 +303,7 @@ class KeelLM(nn.Module):
         return sum(counts.values()) - (0 if embeddings else counts["embedding"])
 
 
-def _layouts(cfg: ModelConfig) -> tuple[list, dict]:
+def block_layouts(cfg: ModelConfig) -> tuple[list, dict]:
     """Each block's sublayer layout, and one meta-device Block per distinct layout (nothing allocated)."""
     specs = sublayer_specs(cfg)
     with torch.device("meta"):
@@ -314,78 +313,14 @@ def _layouts(cfg: ModelConfig) -> tuple[list, dict]:
 def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     """KeelLM(cfg)'s parameters by part, counted without building it (one meta-device block per distinct layout,
     so no depth allocates anything): embedding, blocks, final_norm, head (0 when tied to the embedding)."""
-    specs, blocks = _layouts(cfg)
+    specs, blocks = block_layouts(cfg)
     per_layout = {spec: sum(p.numel() for p in block.parameters()) for spec, block in blocks.items()}
     return {"embedding": cfg.vocab_size * cfg.width, "blocks": sum(per_layout[spec] for spec in specs),
             "final_norm": cfg.width if needs_final_norm(cfg) else 0,
             "head": 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.width}
 
 
-def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """KeelLM(cfg).state_dict()'s names and shapes (a tied head named too), without building it."""
-    specs, blocks = _layouts(cfg)
-    per_layout = {spec: {name: tuple(t.shape) for name, t in block.state_dict().items()}
-                  for spec, block in blocks.items()}
-    shapes = {"embed.weight": (cfg.vocab_size, cfg.width)}
-    for index, spec in enumerate(specs):
-        shapes.update({f"blocks.{index}.{name}": shape for name, shape in per_layout[spec].items()})
-    if needs_final_norm(cfg):
-        shapes["final_norm.weight"] = (cfg.width,)
-    shapes["head.weight"] = (cfg.vocab_size, cfg.width)
-    return shapes
-
-
-def check_state_fits(cfg: ModelConfig, state: dict[str, torch.Tensor], what: str) -> None:
-    """Refuse weights (a KeelLM state_dict) that KeelLM(cfg) cannot hold, before anything of cfg's size is built:
-    the depth first (counted from the weights' names, so a config's depth alone costs nothing), then every name
-    and shape. what: e.g. "checkpoint: PATH" (a config read from a file is as untrusted as its weights)."""
-    depth = len({name.split(".")[1] for name in state if name.startswith("blocks.")})
-    if depth != cfg.depth:
-        raise ConfigError(f"{what}: its config says model.depth={cfg.depth}, its weights hold {depth} blocks; the "
-                          "config or the weights were edited or mixed up: use the checkpoint they came from")
-    expected = state_shapes(cfg)
-    shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    wrong = [f"{name} {shapes[name]} (config: {shape})" for name, shape in expected.items()
-             if name in shapes and shapes[name] != shape]
-    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
-    if wrong or missing or unexpected:
-        found = "; ".join(f"{kind} {', '.join(names[:3])}" + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
-                          for kind, names in (("shapes", wrong), ("missing", missing), ("unexpected", unexpected))
-                          if names)
-        raise ConfigError(f"{what}: its weights do not match its model config ({found}): the config or the "
-                          "weights were edited or mixed up: use the checkpoint they came from")
-
-
 def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; batch: (B, T + 1) token ids. Computed by
     the model's loss head (model.loss_chunk): by default without the full (B, T, vocab) logits."""
     return model(batch[:, :-1], targets=batch[:, 1:])
-
-
-def sublayer_update_error(model: KeelLM, idx: torch.Tensor, bf16_stream: bool) -> tuple[float, float]:
-    """What the fp32 stream keeps under bf16 autocast (the module docstring): (relative logits error, median
-    relative error of the per-sublayer stream update out - in) of a bf16 autocast forward against the fp32 forward,
-    on idx's device. bf16_stream rounds every sublayer output and every outer norm's input to bf16: what a model
-    whose residual stream is bf16 computes. Blocks 1 and up (Keel's block 0 is plain Pre-LN)."""
-
-    def run(autocast: bool):
-        updates: list[torch.Tensor] = []
-        handles = []
-        if bf16_stream and autocast:
-            for sub in model.sublayers():
-                handles.append(sub.register_forward_hook(lambda m, args, out: out.bfloat16().float()))
-                if sub.norm_out is not None:
-                    rounded = sub.norm_out.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(),))
-                    handles.append(rounded)
-        for sub in model.sublayers():  # registered last: sees the rounded output
-            handles.append(sub.register_forward_hook(lambda m, args, out: updates.append(out - args[0])))
-        with torch.no_grad(), torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(idx).float()
-        for handle in handles:
-            handle.remove()
-        return logits, updates
-
-    (ref_logits, ref_updates), (logits, updates) = run(False), run(True)
-    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    update_errors = torch.tensor([rel(u, r) for u, r in zip(updates[2:], ref_updates[2:])])
-    return rel(logits, ref_logits), float(update_errors.median())

@@ -12,12 +12,13 @@ from pathlib import Path
 import yaml
 
 from keel.artifacts import CONFIG, TENSORBOARD
-from keel.checkpoint import checkpoint_dir
-from keel.checkpoint_io import remove_path
+from keel.checkpoint.layout import checkpoint_dir
+from keel.checkpoint.payload import read_payload
+from keel.checkpoint.resume import resolve_resume
+from keel.checkpoint.write import remove_path
 from keel.config import Config, from_dict, to_dict, to_yaml
 from keel.dirlock import LOCK, DirLock
 from keel.errors import ConfigError
-from keel.resume import resolve_resume
 
 IGNORED_ON_RESUME = ("resume", "run.dir", "run.overwrite")  # where a run is and how it was started: not its recipe
 
@@ -100,7 +101,7 @@ def claim_run_dir(cfg: Config) -> None:
 def remove_orphans(checkpoint_dir: Path) -> None:
     """Temporary files and staging directories of saves a kill interrupted (AtomicCheckpointIO's
     .NAME.tmpPID, the FSDP strategy's .NAME.partial); the lock says no save is running. A .NAME.previous is no
-    orphan: keel.resume.resolve_resume falls back to it."""
+    orphan: keel.checkpoint.resume.resolve_resume falls back to it."""
     orphans = sorted([*checkpoint_dir.glob(".*.tmp[0-9]*"), *checkpoint_dir.glob(".*.partial")])
     for orphan in orphans:
         remove_path(orphan)
@@ -131,14 +132,15 @@ def write_config(cfg: Config, checkpoint: dict | None) -> None:
     """<run.dir>/config.yaml; on a resume with other settings (the model's are refused earlier) say which, and
     keep the config they replace as config.<step>.yaml."""
     run_dir = Path(cfg.run.dir)
-    if checkpoint is not None and (changes := changed_keys(checkpoint["keel"]["config"], cfg)):
+    saved = read_payload(checkpoint).config if checkpoint is not None else None
+    if saved is not None and (changes := changed_keys(saved, cfg)):
         step = checkpoint.get("global_step", 0)
         kept = run_dir / f"config.{step}.yaml"
         current = run_dir / CONFIG
         if current.is_file():
             os.replace(current, kept)
         else:  # a checkpoint from elsewhere: its own config
-            kept.write_text(to_yaml(from_dict(checkpoint["keel"]["config"])))
+            kept.write_text(to_yaml(from_dict(saved)))
         say(f"resuming at step {step} with {len(changes)} changed setting(s) (the previous config is kept as "
             f"{kept}):\n  " + "\n  ".join(changes))
     (run_dir / CONFIG).write_text(to_yaml(cfg))

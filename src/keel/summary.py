@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from keel.artifacts import TENSORBOARD
-from keel.checkpoint import LAST, checkpoint_dir
+from keel.checkpoint.layout import LAST, checkpoint_dir
 from keel.config import Config, resolve_accelerator, resolve_precision
 from keel.flops import flops_per_token
 from keel.model import KeelLM
-from keel.resume import batch_layout
+from keel.checkpoint.resume import batch_layout
 from keel.config.model import formulas, init_description, sublayer_specs
 
 

@@ -22,9 +22,12 @@ from keel.callbacks.checkpointing import SAID, GracefulInterrupt, RunCheckpoint
 from keel.callbacks.progress import StepProgressBar
 from keel.callbacks.registry import configured_callbacks
 from keel.callbacks.stability import StabilityMonitor, describe
-from keel.checkpoint import LAST, checkpoint_dir, model_state_dict, read_checkpoint
-from keel.checkpoint_io import AtomicCheckpointIO
-from keel.config import Config, from_dict, resolve_accelerator, resolve_precision, to_dict
+from keel.checkpoint.layout import LAST, checkpoint_dir
+from keel.checkpoint.payload import read_payload
+from keel.checkpoint.read import check_state_fits, model_state_dict, read_checkpoint
+from keel.checkpoint.resume import check_resume, check_same_model, resolve_resume
+from keel.checkpoint.write import AtomicCheckpointIO
+from keel.config import Config, resolve_accelerator, resolve_precision, to_dict
 from keel.console import quiet_libraries
 from keel.data.loading import KeelDataModule, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
@@ -33,11 +36,10 @@ from keel.lit import KeelLitModule
 from keel.loggers import LOGGERS, kind_of
 from keel.memory import (check_gpu_fits, check_training_fits, gpu_budget_bytes, resolve_activation_checkpointing,
                           resolve_gradient_reduction)
-from keel.model import check_state_fits
-from keel.parallel import build_strategy
-from keel.resume import check_resume, check_same_model, resolve_resume
 from keel.rundir import RunDirLock, claim_run_dir, remove_orphans, say, write_config
+from keel.strategy import build_strategy
 from keel.summary import run_result, run_summary
+from keel.trainer_checks import check_trainer
 
 
 def set_threads(cfg: Config) -> None:
@@ -129,8 +131,10 @@ def slurm_environment() -> list[SLURMEnvironment]:
 
 
 def build_trainer(cfg: Config, callbacks: list[Callback], loggers: list[Logger] | None = None) -> Trainer:
-    """loggers: those of the fit a rewind ended (their runs go on), else trainer.loggers built afresh."""
+    """loggers: those of the fit a rewind ended (their runs go on), else trainer.loggers built afresh. A trainer config
+    this machine cannot run is refused first."""
     t = cfg.trainer
+    check_trainer(t)
     return Trainer(
         accelerator=resolve_accelerator(t),
         devices=t.devices,
@@ -183,8 +187,9 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
     cfg.init_from = str(Path(cfg.init_from).resolve())
     checkpoint = read_checkpoint(cfg.init_from)
     check_same_model(cfg, checkpoint, key="init_from")
-    if not same_tokenizer(checkpoint["keel"]["tokenizer_json"], module.tokenizer_json):
-        source_data = from_dict(checkpoint["keel"]["config"]).data.dir
+    payload = read_payload(checkpoint)
+    if not same_tokenizer(payload.tokenizer_json, module.tokenizer_json):
+        source_data = payload.run_config().data.dir
         raise ConfigError(f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
                           f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")
     state = model_state_dict(checkpoint)
@@ -216,7 +221,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer | None:
     if owner and accelerator == "cpu":
         check_cpu_processes(cfg)
     # every GPU rank checks its own GPU (one that refused alone would leave the others waiting for it); without
-    # CUDA, keel.parallel.check_trainer refuses trainer.accelerator=gpu instead
+    # CUDA, keel.trainer_checks.check_trainer refuses trainer.accelerator=gpu instead
     if accelerator == "gpu" and cfg.trainer.check_memory and torch.cuda.is_available():
         check_gpu_fits(cfg, gpu_budget_bytes(cfg.trainer))
     with RunDirLock(cfg.run.dir) if owner else nullcontext() as lock:
@@ -225,7 +230,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer | None:
 
 def complete_run(cfg: Config, ckpt_path: str, checkpoint: dict) -> str:
     """The line a rerun of a finished run says instead of training."""
-    heldout = checkpoint["keel"].get("heldout")
+    heldout = read_payload(checkpoint).heldout
     loss = f", val/loss {heldout['loss']:.4f} at step {heldout['step']}" if heldout else ""
     return (f"run.dir={cfg.run.dir} is complete (step {checkpoint.get('global_step', 0)} of trainer.max_steps="
             f"{cfg.trainer.max_steps}{loss}; {ckpt_path}): raise trainer.max_steps to train on, or start another run "
@@ -289,7 +294,8 @@ def build_module(cfg: Config, dataset, owner: bool) -> KeelLitModule:
     """The LightningModule a fit trains. Under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard):
     they build nothing on the host."""
     return KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
-                         empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner)
+                         empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner,
+                         data_manifest_sha256=dataset.manifest_sha256)
 
 
 def stability_monitor(trainer: Trainer) -> StabilityMonitor | None:

@@ -46,7 +46,7 @@ def write_sharded(checkpoint_file: Path, out: Path) -> Path:
     import torch
     from torch.distributed.checkpoint import save
 
-    from keel.checkpoint_io import SHARDED_META
+    from keel.checkpoint.layout import SHARDED_META
 
     checkpoint = torch.load(checkpoint_file, weights_only=True)
     with warnings.catch_warnings():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from keel.checkpoint_io import SHARDED_META
+from keel.checkpoint.layout import SHARDED_META
 from keel.config import load_config, to_dict
 from keel.model import KeelLM
 

@@ -55,7 +55,7 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 100
     keep_last_k: int = 2  # step-numbered checkpoints kept besides last.ckpt (the newest k); 0 = last.ckpt only
     # write sharded (FSDP) checkpoints in the background: true | false | auto (on under fsdp where the accelerator
-    # resolves to a GPU, off on CPU: keel.parallel.resolve_async_checkpoint)
+    # resolves to a GPU, off on CPU: keel.strategy.resolve_async_checkpoint)
     async_checkpoint: bool | str = "auto"
     # the attention kernel SDPA prefers on GPUs: auto (cuDNN first on Hopper, sm90, and later; elsewhere torch's own
     # order) | cudnn | flash | efficient | math (that one first, the others after); the one in use is said at start-up

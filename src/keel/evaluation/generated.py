@@ -26,7 +26,8 @@ from pathlib import Path
 
 import fsspec
 
-from keel.checkpoint import read_checkpoint
+from keel.checkpoint.payload import read_payload
+from keel.checkpoint.read import read_checkpoint
 from keel.data.shards import VAL_DOCS, data_path, storage
 
 TASKS_SUBDIR = "eval_tasks/v2"  # bump when the generator changes: files of an older one are not reused
@@ -192,7 +193,7 @@ def _corpus_dir(corpus_dir: str | None, checkpoint: str | None) -> str:
         return corpus_dir
     if checkpoint:  # a file, a sharded or an exported directory; its weights are not read here (the adapter loads them)
         saved = read_checkpoint(checkpoint, weights=False)
-        data_dir = saved["keel"]["config"]["data"]["dir"]
+        data_dir = read_payload(saved).config["data"]["dir"]
         if saved.get("exported") and "://" not in data_dir and not Path(data_dir).is_dir():  # export cut the path
             raise FileNotFoundError(
                 f"{checkpoint} is an exported model, which records its training data.dir without the path it had "

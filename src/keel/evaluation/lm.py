@@ -29,7 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from keel.checkpoint import load_model
+from keel.checkpoint.read import load_model
 from keel.data.tokenizer import eos_id_of
 from keel.decoding import stream
 from keel.errors import ConfigError

@@ -187,7 +187,7 @@ def trained(run_dir: str | Path, cfg: Config) -> bool:
     last = Path(run_dir) / "checkpoints" / "last.ckpt"
     if not last.exists():
         return True
-    from keel.checkpoint import read_checkpoint  # torch: the training commands have it loaded
+    from keel.checkpoint.read import read_checkpoint  # torch: the training commands have it loaded
 
     state = read_stability(run_dir)
     return state["failed"] or read_checkpoint(last, weights=False).get("global_step", 0) >= state["steps"]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from keel.layer_skip import skip_losses
-from keel.checkpoint import load_model
+from keel.checkpoint.read import load_model
 from keel.data.loading import token_loader
 from keel.errors import ConfigError
 from keel.experiments.common import plot_lines, write_table

@@ -109,7 +109,7 @@ def _paper_run(cfg: Config, dev: torch.device, steps: int, out: Path) -> dict:
     blocks compiled where trainer.compile): the figures of the steps after PAPER_WARMUP."""
     from torch._dynamo.utils import counters
 
-    from keel.checkpoint_io import AtomicCheckpointIO
+    from keel.checkpoint.write import AtomicCheckpointIO
     from keel.flops import device_peak_flops, flops_per_token
     from keel.memory import gpu_training_terms
 

@@ -13,12 +13,40 @@ import torch.nn.functional as F
 
 from keel.config import ModelConfig
 from keel.gpu_check.common import Sizes
-from keel.model import KeelLM, sublayer_update_error
+from keel.model import KeelLM
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
+
+
+def sublayer_update_error(model: KeelLM, idx: torch.Tensor, bf16_stream: bool) -> tuple[float, float]:
+    """What the fp32 stream keeps under bf16 autocast (keel.model's docstring): (relative logits error, median
+    relative error of the per-sublayer stream update out - in) of a bf16 autocast forward against the fp32 forward,
+    on idx's device. bf16_stream rounds every sublayer output and every outer norm's input to bf16: what a model
+    whose residual stream is bf16 computes. Blocks 1 and up (Keel's block 0 is plain Pre-LN)."""
+
+    def run(autocast: bool):
+        updates: list[torch.Tensor] = []
+        handles = []
+        if bf16_stream and autocast:
+            for sub in model.sublayers():
+                handles.append(sub.register_forward_hook(lambda m, args, out: out.bfloat16().float()))
+                if sub.norm_out is not None:
+                    rounded = sub.norm_out.register_forward_pre_hook(lambda m, args: (args[0].bfloat16().float(),))
+                    handles.append(rounded)
+        for sub in model.sublayers():  # registered last: sees the rounded output
+            handles.append(sub.register_forward_hook(lambda m, args, out: updates.append(out - args[0])))
+        with torch.no_grad(), torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(idx).float()
+        for handle in handles:
+            handle.remove()
+        return logits, updates
+
+    (ref_logits, ref_updates), (logits, updates) = run(False), run(True)
+    update_errors = torch.tensor([_relative(u, r) for u, r in zip(updates[2:], ref_updates[2:])])
+    return _relative(logits, ref_logits), float(update_errors.median())
 
 
 def _residual_stream(dev: torch.device) -> dict:

@@ -10,7 +10,8 @@ file and modeling_keel.py need not know the schemes: `sublayers[i] = [attention,
     skip_from_norm_in  skip = Norm_in(x) instead of x (HybridNorm's FFN)
     qkv_norm           RMSNorm q, k and v per head (HybridNorm's attention)
 
-`keel` holds the whole run config the model was trained with (its `model` section is every model key).
+`keel` holds the whole run config the model was trained with (its `model` section is every model key), `heldout`
+the last held-out loss before the checkpoint exported ({"step", "loss"}; null if none was recorded).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class KeelConfig(PreTrainedConfig):
     scheme: str = "preln"
     keel: dict | None = None
     trained_steps: int | None = None  # the optimizer steps of the checkpoint exported
+    heldout: dict | None = None  # its last validation before that checkpoint: {"step", "loss"}
     tie_word_embeddings: bool = False
     use_cache: bool = True
     pad_token_id: int | None = None

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keel.checkpoint import LAST, checkpoint_dir
-from keel.checkpoint_io import previous_path
-from keel.config import Config, from_dict
+from keel.checkpoint.layout import LAST, checkpoint_dir, previous_path
+from keel.checkpoint.payload import read_payload
+from keel.config import Config
 from keel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
 # model.* keys a resumed run may change: they set how the loss is computed, not what the model is
 FREE_ON_RESUME = ("loss_chunk",)
-DATA_STATE = "KeelDataModule"  # Lightning keeps a data module's state_dict under its class name
 
 
 def resolve_resume(cfg: Config) -> str | None:
@@ -51,9 +50,7 @@ def check_resume(cfg: Config, dataset: DatasetInfo, path: str, checkpoint: dict)
 def check_same_model(cfg: Config, checkpoint: dict, key: str = "resume") -> None:
     """Refuse to resume (or, key="init_from", start from) a checkpoint of another model: name every differing
     model.* key."""
-    if "keel" not in checkpoint:
-        raise ConfigError(f"{key}: not a keel checkpoint (no 'keel' entry)")
-    saved = from_dict(checkpoint["keel"]["config"]).model
+    saved = read_payload(checkpoint, key).run_config().model
     diffs = [
         f"model.{name}: checkpoint {getattr(saved, name)!r} != config {getattr(cfg.model, name)!r}"
         for name in vars(cfg.model)
@@ -77,7 +74,7 @@ def check_training_state(trainer, path: str | Path, checkpoint: dict) -> None:
     if checkpoint.get("exported"):
         raise ConfigError(f"resume: {path} is an exported model (`keel export`: weights only, no optimizer state); "
                           f"start a new run from its weights with init_from={path}")
-    saved = from_dict(checkpoint["keel"]["config"]).trainer
+    saved = read_payload(checkpoint).run_config().trainer
     if saved.global_batch != trainer.global_batch:
         raise ConfigError(
             f"resume: {path} was trained with {batch_layout(saved)} sequences per step; this config has "
@@ -96,7 +93,7 @@ def check_training_state(trainer, path: str | Path, checkpoint: dict) -> None:
 def check_same_data(cfg: Config, dataset: DatasetInfo, path: str | Path, checkpoint: dict) -> None:
     """A checkpoint's train-loader position is only meaningful on the shards it was saved on and with the same
     read-time shuffle (litdata would otherwise fail mid-start, or continue on other data)."""
-    saved_build = checkpoint.get(DATA_STATE, {}).get("manifest_sha256")
+    saved_build = read_payload(checkpoint).data_manifest_sha256
     if saved_build is None and "shuffle_documents" in dataset.manifest["settings"]:
         raise ConfigError(
             f"resume: {path} was written on shards built before `keel data` shuffled documents, and the shards at "
@@ -127,7 +124,7 @@ def rescale_batch_progress(checkpoint: dict, accum: int) -> None:
     (val_check_interval = val_every_n_steps x grad_accum) and the epoch's end in them. An elastic resume at another
     trainer.grad_accum (`accum`) gets, before the loops are restored, the counts this accumulation would have
     reached after the same optimizer steps; otherwise validation would run at other steps than configured."""
-    saved_accum = from_dict(checkpoint["keel"]["config"]).trainer.grad_accum
+    saved_accum = read_payload(checkpoint).run_config().trainer.grad_accum
     if saved_accum == accum:
         return
     progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]

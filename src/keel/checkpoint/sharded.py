@@ -1,80 +1,70 @@
-"""Writing checkpoints so that a crash never leaves a half-written one in place: single files through a temporary
-file and a rename (AtomicCheckpointIO), sharded directories staged beside their target and swapped in whole
-(commit_dir), sharded saves in the background (AsyncShardedWriter), and `last.ckpt` as hard links to a save."""
+"""The FSDP strategy's sharded checkpoints (keel.strategy.FSDP2Strategy delegates its save and load here): a
+directory of per-rank shards plus rank 0's meta.pt, written to a staging directory first, then swapped in whole
+(keel.checkpoint.write.commit_dir), so a crash mid-save leaves the previous checkpoint readable; its `.metadata` and
+byte entries checked for code before torch reads them (keel.checkpoint.safe.refuse_payloads). With async_checkpoint
+the shards are written in the background (AsyncShardedWriter) and swapped in by finish_sharded, which the checkpoint
+callback calls (through the strategy) once the write is done."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 # imported here, not at the first save: an install without them fails at start-up, not 20 minutes into a run
 from torch.distributed.checkpoint import async_save
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-SHARDED_META = "meta.pt"  # Lightning's name for rank 0's part of a distributed checkpoint
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file in the same directory, fsync, then rename over the target:
-    a crash mid-save leaves the previous checkpoint intact."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+from keel.checkpoint.layout import SHARDED_META, staging_path
+from keel.checkpoint.safe import refuse_payloads
+from keel.checkpoint.write import commit_dir
 
 
-def staging_path(path: Path) -> Path:
-    """Where a sharded checkpoint is written before commit_dir moves it to `path`."""
-    return path.with_name(f".{path.name}.partial")
+def save_sharded(strategy, checkpoint: dict, filepath, write: Callable[[dict, Path], None]) -> None:
+    """Save checkpoint (Lightning's dict, the model's and optimizer's state sharded) at filepath on every rank of
+    strategy (its broadcast, barrier, is_global_zero and async_writer). write: the strategy's own synchronous
+    sharded save into a directory (Lightning's ModelParallelStrategy.save_checkpoint), returning once every rank
+    wrote its shards."""
+    path = Path(strategy.broadcast(str(filepath)))
+    staging = staging_path(path)
+    if strategy.is_global_zero:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+    strategy.barrier()
+    if strategy.async_writer is not None:  # Lightning's layout: the tensors by DCP, the rest in rank 0's meta.pt
+        staging.mkdir(parents=True, exist_ok=True)
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        strategy.async_writer.start(tensors, staging, path)
+        if strategy.is_global_zero:
+            torch.save(checkpoint, staging / SHARDED_META)
+        return
+    write(checkpoint, staging)
+    if strategy.is_global_zero:
+        commit_dir(staging, path)
+    strategy.barrier()
 
 
-def previous_path(path: Path) -> Path:
-    """Where commit_dir keeps the checkpoint it replaces until the new one is in place."""
-    return path.with_name(f".{path.name}.previous")
+def finish_sharded(strategy) -> Path | None:
+    """Wait for the checkpoint strategy's async_writer is writing in the background, raise what failed there, and
+    move it into place; its path, or None if none was being written."""
+    if strategy.async_writer is None or strategy.async_writer.in_flight is None:
+        return None
+    path = strategy.async_writer.finish(commit=strategy.is_global_zero)
+    strategy.barrier()
+    return path
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_path(path: Path) -> None:
+def load_sharded(strategy, checkpoint_path, read: Callable[[Path], dict]) -> dict:
+    """The checkpoint at checkpoint_path (the same on every rank of strategy) through read, the strategy's own
+    loader (Lightning's ModelParallelStrategy.load_checkpoint), a sharded one refused first if it would run code:
+    torch would unpickle its .metadata and byte entries as they are."""
+    path = Path(strategy.broadcast(str(checkpoint_path)))
     if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def commit_dir(staging: Path, path: Path) -> None:
-    """Move a complete checkpoint directory to `path`. A directory cannot be renamed over another, so the
-    old checkpoint is first renamed aside to previous_path(path) and deleted only once the new one is in
-    place: a crash between the two renames leaves it there, where keel.resume.resolve_resume(auto) looks next."""
-    for written in (staging / SHARDED_META, staging):  # torch's writer syncs the shards and .metadata itself
-        _fsync(written)
-    previous = previous_path(path)
-    if path.exists():
-        remove_path(previous)  # stale: `path` is newer
-        os.replace(path, previous)
-    os.replace(staging, path)
-    _fsync(path.parent)
-    remove_path(previous)
+        refuse_payloads(path)
+    return read(path)
 
 
 def stager_outlives_a_save() -> bool:
@@ -164,31 +154,3 @@ class AsyncShardedWriter:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-
-
-def link_checkpoint(source: Path, path: Path, copy: bool = False) -> None:
-    """Make `path` the checkpoint `source` holds without writing it again: hard links to its file (or to each file of
-    a sharded directory), swapped in whole like a save (os.replace, commit_dir), so `path` is replaced atomically and
-    deleting `source` later (keep_last_k pruning) leaves it whole. Raises OSError where the filesystem has no hard
-    links; copy=True copies the files instead (a second write)."""
-    link = shutil.copy2 if copy else os.link
-    if source.is_dir():
-        staging = staging_path(path)
-        remove_path(staging)  # left by a link that crashed
-        staging.mkdir()
-        try:
-            for file in source.iterdir():  # flat: the shards, .metadata, meta.pt
-                link(file, staging / file.name)
-        except OSError:
-            remove_path(staging)
-            raise
-        commit_dir(staging, path)
-        return
-    staging = path.with_name(f".{path.name}.tmp{os.getpid()}")  # AtomicCheckpointIO's name: removed if orphaned
-    staging.unlink(missing_ok=True)
-    try:
-        link(source, staging)
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
-    _fsync(path.parent)

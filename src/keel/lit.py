@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import SumMetric
 
 from keel import tensor_norms
-from keel.callbacks.cadence import due, finished_step
+from keel.cadence import due, finished_step
 from keel.config import Config, OptimConfig, to_dict
 from keel.model import KeelLM, next_token_loss
 from keel.parallel import parallelize

@@ -27,6 +27,7 @@ from scipy.stats import spearmanr
 
 from keel.artifacts import EVAL_HISTORY
 from keel.callbacks.log_writing import log_scalars
+from keel.callbacks.options.downstream_eval import EvalConfig
 from keel.config import Config
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import load_tasks, primary_metric, run_tasks
@@ -62,6 +63,10 @@ class DownstreamEval(Callback):
         self.history: list[dict] = []  # {"step", "val_loss", "wall_s", "scores": {task: {metric: value}}}
         self.tasks: dict = {}
         self.lm: KeelEvalLM | None = None
+
+    @classmethod
+    def from_config(cls, options: EvalConfig, cfg: Config) -> DownstreamEval:
+        return cls(cfg)
 
     # Saved in checkpoints, so a resumed run continues the same history.
     def state_dict(self) -> dict:

@@ -18,10 +18,11 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks.cadence import due, finished_step
-from keel.config import GradNormsConfig
+from keel.cadence import due, finished_step
 from keel.callbacks.log_writing import log_scalars
+from keel.callbacks.options.grad_norms import GradNormsConfig
 from keel.callbacks.per_layer import Heatmap, evenly_spaced
+from keel.config import Config
 from keel.gradflow import bottom_middle_top, measure_model
 from keel.tensor_norms import grad_norms
 
@@ -55,6 +56,10 @@ def parameter_groups(model) -> list[tuple[str, list[torch.nn.Parameter]]]:
 class GradNormMonitor(Callback):
     def __init__(self, config: GradNormsConfig | None = None) -> None:
         self.config = config if config is not None else GradNormsConfig()
+
+    @classmethod
+    def from_config(cls, options: GradNormsConfig, cfg: Config) -> GradNormMonitor:
+        return cls(options)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # After the strategy's setup: under FSDP the parameters are now the DTensors the optimizer updates.

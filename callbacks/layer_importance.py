@@ -15,16 +15,21 @@ import time
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
-from keel.callbacks.cadence import due, finished_step
-from keel.config import LayerImportanceConfig
+from keel.cadence import due, finished_step
 from keel.callbacks.log_writing import log_scalars
+from keel.callbacks.options.layer_importance import LayerImportanceConfig
 from keel.callbacks.per_layer import Heatmap, evenly_spaced
+from keel.config import Config
 from keel.layer_skip import skip_losses
 
 
 class LayerImportance(Callback):
     def __init__(self, config: LayerImportanceConfig | None = None) -> None:
         self.config = config if config is not None else LayerImportanceConfig()
+
+    @classmethod
+    def from_config(cls, options: LayerImportanceConfig, cfg: Config) -> LayerImportance:
+        return cls(options)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.datamodule is None:

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-from keel.callbacks.cadence import due, finished_step
+from keel.cadence import due, finished_step
 
 LINES_PER_RUN = 20  # piped: a line every max_steps / LINES_PER_RUN steps
 

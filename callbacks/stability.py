@@ -36,10 +36,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
 from keel.artifacts import STABILITY
-from keel.callbacks.cadence import due
+from keel.cadence import due
 from keel.callbacks.checkpointing import RunCheckpoint
-from keel.config.callbacks import StabilityConfig, divergence_bar
 from keel.callbacks.log_writing import log_scalars, log_text
+from keel.callbacks.options.stability import StabilityConfig
+from keel.config import Config
+from keel.config.callbacks import divergence_bar
 from keel.rundir import say
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
@@ -111,6 +113,10 @@ class StabilityMonitor(Callback):
             if self.config.signal == "train" else None)
         self._scaler = None
         self._elapsed_s, self._timed_steps = 0.0, 0
+
+    @classmethod
+    def from_config(cls, options: StabilityConfig, cfg: Config) -> StabilityMonitor:
+        return cls(options, cfg.run.dir, cfg.device_tokens_per_step * cfg.trainer.world_size)
 
     @property
     def max_tolerable_lr(self) -> float | None:

@@ -20,10 +20,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from keel.callbacks.cadence import due, finished_step
-from keel.config import ThroughputConfig
+from keel.cadence import due, finished_step
 from keel.callbacks.log_writing import log_scalars
-from keel.flops import device_peak_flops
+from keel.callbacks.options.throughput import ThroughputConfig
+from keel.config import Config
+from keel.flops import device_peak_flops, flops_per_token
 
 HALF_PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed", "16-true")
 
@@ -49,6 +50,10 @@ class ThroughputMonitor(Callback):
         self.flops_per_token = flops_per_token
         self.config = config if config is not None else ThroughputConfig()
         self._val_s = 0.0  # validation time since the last training batch (validation also runs outside fit)
+
+    @classmethod
+    def from_config(cls, options: ThroughputConfig, cfg: Config) -> ThroughputMonitor:
+        return cls(cfg.device_tokens_per_step, flops_per_token(cfg.model), options)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.peak = peak_flops(trainer, self.config.peak_flops)

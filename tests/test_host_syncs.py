@@ -179,7 +179,7 @@ def test_processes_agree_on_a_signal_at_logging_steps_only(capsys):
     import signal
     from types import SimpleNamespace
 
-    from keel.callbacks.checkpointing import GracefulInterrupt
+    from keel.callbacks.interrupt import GracefulInterrupt
 
     def run(signal_at: int | None) -> tuple[list[int], GracefulInterrupt]:
         agreements = []

@@ -5,21 +5,24 @@ module imports on its own in dependency order, and no module imports another's p
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-PACKAGES = {"keel": ROOT / "src" / "keel", "keel.callbacks": ROOT / "callbacks"}  # as pyproject's package-dir
+PACKAGE = ROOT / "src" / "keel"  # keel.callbacks and keel.conf through its symlinks to callbacks/ and conf/
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for package, root in PACKAGES.items():
-        for path in root.rglob("*.py"):
-            parts = [part for part in path.relative_to(root).with_suffix("").parts if part != "__init__"]
-            found[".".join([package, *parts])] = path
+    for folder, _, names in os.walk(PACKAGE, followlinks=True):
+        for name in names:
+            if name.endswith(".py"):
+                path = Path(folder) / name
+                parts = [part for part in path.relative_to(PACKAGE).with_suffix("").parts if part != "__init__"]
+                found[".".join(["keel", *parts])] = path
     return found
 
 

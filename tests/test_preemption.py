@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from keel.callbacks import checkpointing
+from keel.callbacks.interrupt import requeue_slurm_job
 from keel.checkpoint.layout import LAST, previous_path, staging_path
 from keel.checkpoint.read import read_checkpoint
 from keel.checkpoint.write import AtomicCheckpointIO, link_checkpoint
@@ -119,7 +120,7 @@ def test_a_signal_mid_run_saves_the_step_and_the_same_command_resumes_exactly(ti
 def test_requeue_says_what_to_do_without_scontrol_or_when_it_fails(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
-    checkpointing.requeue_slurm_job()
+    requeue_slurm_job()
     assert capsys.readouterr().err == ("keel pretrain: SLURM job 77: no scontrol on PATH to requeue it; run "
                                        "`scontrol requeue 77` where there is one (or submit the same sbatch script "
                                        "again)\n")
@@ -127,11 +128,11 @@ def test_requeue_says_what_to_do_without_scontrol_or_when_it_fails(tmp_path, mon
     (tmp_path / "scontrol").chmod(0o755)
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
-    checkpointing.requeue_slurm_job()
+    requeue_slurm_job()
     assert capsys.readouterr().err.startswith("keel pretrain: scontrol requeue 70_7 failed (Requested operation not "
                                               "supported on this job): submit the job with sbatch --requeue")
     monkeypatch.delenv("SLURM_JOB_ID")
-    checkpointing.requeue_slurm_job()  # not a SLURM job: nothing to requeue
+    requeue_slurm_job()  # not a SLURM job: nothing to requeue
     assert capsys.readouterr().err == ""
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import SumMetric
 
 from keel import tensor_norms
-from keel.callbacks.cadence import due, finished_step
+from keel.cadence import due, finished_step
 from keel.checkpoint.payload import KeelPayload, read_payload, write_payload
 from keel.checkpoint.resume import rescale_batch_progress
 from keel.config import Config, OptimConfig, to_dict

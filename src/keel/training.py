@@ -8,6 +8,7 @@ import json
 import os
 import tempfile
 from contextlib import nullcontext
+from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -18,9 +19,9 @@ from lightning.pytorch.loggers import Logger
 
 from keel.artifacts import LOGGER_RUNS
 from keel.attention import attention_context, describe_attention
-from keel.callbacks.checkpointing import SAID, GracefulInterrupt, RunCheckpoint
+from keel.callbacks.checkpointing import RunCheckpoint
+from keel.callbacks.interrupt import SAID, GracefulInterrupt
 from keel.callbacks.progress import StepProgressBar
-from keel.callbacks.registry import configured_callbacks
 from keel.callbacks.stability import StabilityMonitor, describe
 from keel.checkpoint.layout import LAST, checkpoint_dir
 from keel.checkpoint.payload import read_payload
@@ -80,6 +81,17 @@ def check_cpu_processes(cfg: Config) -> None:
     if cfg.trainer.devices > cores:
         say(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they share the "
             "cores and each step is slower than with trainer.devices <= the cores")
+
+
+def configured_callbacks(cfg: Config) -> list[Callback]:
+    """The enabled configurable callbacks (callbacks.*, eval) in their run order (Config.callback_configs), each
+    the class its options name, built by its from_config. A callback's module is imported only here, when a run
+    builds it: lm-eval, behind the downstream evaluation, loads slowly."""
+    callbacks = []
+    for options in cfg.callback_configs():
+        module, _, name = options.callback.rpartition(".")
+        callbacks.append(getattr(import_module(module), name).from_config(options, cfg))
+    return callbacks
 
 
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:

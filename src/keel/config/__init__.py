@@ -11,9 +11,7 @@ The package holds every schema, one module per subject, and imports nothing of t
 the engine maps the names it validates (schemes, inits, sources, callbacks, loggers) to its own code.
 """
 
-from keel.config.callbacks import (
-    CALLBACKS, CallbackConfig, EvalConfig, GradNormsConfig, LayerImportanceConfig, StabilityConfig, ThroughputConfig,
-)
+from keel.config.callbacks import CALLBACKS
 from keel.config.data import SOURCES, DataConfig, HFConfig, SourceConfig, StdlibConfig, TextFilesConfig
 from keel.config.loading import GROUPS, conf_dir, from_dict, load_config, to_dict, to_yaml
 from keel.config.model import ModelConfig
@@ -22,8 +20,7 @@ from keel.config.run import Config, RunConfig
 from keel.config.trainer import TrainerConfig, resolve_accelerator, resolve_precision
 
 __all__ = [
-    "CALLBACKS", "GROUPS", "SOURCES", "CallbackConfig", "Config", "DataConfig", "EvalConfig", "GradNormsConfig",
-    "HFConfig", "LayerImportanceConfig", "ModelConfig", "OptimConfig", "RunConfig", "SourceConfig", "StabilityConfig",
-    "StdlibConfig", "TextFilesConfig", "ThroughputConfig", "TrainerConfig", "conf_dir", "from_dict", "load_config",
+    "CALLBACKS", "GROUPS", "SOURCES", "Config", "DataConfig", "HFConfig", "ModelConfig", "OptimConfig", "RunConfig",
+    "SourceConfig", "StdlibConfig", "TextFilesConfig", "TrainerConfig", "conf_dir", "from_dict", "load_config",
     "resolve_accelerator", "resolve_precision", "to_dict", "to_yaml",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 
-from keel.config.callbacks import CALLBACKS, CallbackConfig, EvalConfig
+from keel.callbacks.options import CallbackConfig
+from keel.callbacks.options.downstream_eval import EvalConfig
+from keel.config.callbacks import CALLBACKS, CallbacksConfig
 from keel.config.data import DataConfig
 from keel.config.model import ModelConfig
 from keel.config.optim import OptimConfig
@@ -22,11 +24,6 @@ class RunConfig:
     dir: str = "runs/default"
     seed: int = 1337
     overwrite: bool = False  # true: delete the earlier run run.dir holds (checkpoints, logs, config) and start afresh
-
-
-# callbacks.<name>: each registered callback's own config class (keel.config.callbacks.CALLBACKS), in that order
-CallbacksConfig = make_dataclass("CallbacksConfig", [(c.name, c, field(default_factory=c)) for c in CALLBACKS])
-CallbacksConfig.__module__ = __name__  # make_dataclass's `module=` is Python >= 3.12; pickling needs it
 
 
 @dataclass

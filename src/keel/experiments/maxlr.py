@@ -23,7 +23,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback
 
 from keel.artifacts import read_stability
-from keel.callbacks.cadence import finished_step
+from keel.cadence import finished_step
 from keel.config import Config, load_config, to_yaml
 from keel.errors import ConfigError
 from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, trained, unigram_loss

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from keel.artifacts import read_scalars
-from keel.callbacks.cadence import due
+from keel.cadence import due
 from keel.gpu_check.common import Sizes, failed, keel, mb, skipped, threshold
 
 SCALING_FLOOR = 0.85  # tokens/s per GPU on N GPUs over that on one: this project's choice for one NVLink node

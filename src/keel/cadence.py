@@ -1,10 +1,14 @@
-"""When a callback acts. Steps are 0-based optimizer-step indices, the x-axis Lightning uses for `train/loss`; an
-action "every n steps" runs at steps n-1, 2n-1, ... so that it lands on the same steps as Lightning's own logging.
+"""When a step-cadenced action runs. Steps are 0-based optimizer-step indices, the x-axis Lightning uses for
+`train/loss`; an action "every n steps" runs at steps n-1, 2n-1, ... so that it lands on the same steps as
+Lightning's own logging. Torch-free: the training step, the callbacks and the experiments' runners share it.
 """
 
 from __future__ import annotations
 
-from lightning.pytorch import Trainer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 
 def due(step: int, every: int) -> bool:

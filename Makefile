@@ -6,7 +6,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-test data pretrain test test-extended test-fast test-lowest tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
+.PHONY: install install-test data pretrain test test-extended test-fast test-lowest lint format tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
 
 # TORCH_INDEX: a PyTorch wheel index to take torch from, for a GPU driver older than PyPI's build needs (README,
 # "Scaling out"), e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu126` on a fresh venv. torchvision
@@ -47,6 +47,15 @@ test: install-test
 # The multi-process variants `make test` leaves out to stay under 15 minutes here; CI runs them after it
 test-extended: install-test
 	$(VENV)/bin/pytest -q -m extended $(PYTEST_ARGS)
+
+# ruff's formatter and linter (pyproject.toml's [tool.ruff]): `make format` rewrites, `make lint` (CI) only checks
+lint: install-test
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: install-test
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-fast: install-test
 	$(VENV)/bin/pytest -q -m 'not slow and not extended' $(PYTEST_ARGS)

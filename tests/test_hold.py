@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from keel.experiments.grids import HOLD_GRIDS
+from keel.experiments.roles import HOLD_GRIDS
 from keel.experiments.hold import WARMUP_HOLD, fit, hold_fits
 
 HOLDS = (20, 40, 240, 380, 600)  # the geometric ramp, the ramp twice as slow and three linear slopes

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.checkpoint import LAST, read_checkpoint
 from keel.cli import main as cli_main
-from keel.lit import lr_factor
+from keel.schedule import lr_factor
 from keel import training
 from keel.training import Interrupted, train
 

@@ -26,12 +26,15 @@ from keel.artifacts import read_stability
 from keel.callbacks.cadence import finished_step
 from keel.config import Config, load_config, to_yaml
 from keel.errors import ConfigError
-from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, trained, unigram_loss
-from keel.experiments.cost import train_timed
-from keel.experiments.maxlr_report import COST, MARGIN, collect, unigram_key
+from keel.cli_args import OneLineErrorParser, comma_list
+from keel.experiments.axes import resolve_alpha, slug
+from keel.experiments.launch import GridCell, slurm_script
+from keel.experiments.maxlr_report import MARGIN, collect, unigram_key, unigram_loss
 from keel.experiments.maxlr_report import main as report_main
-from keel.experiments.sweep import MANIFEST, Run, slurm_script
-from keel.lit import lr_factor
+from keel.experiments.records import (COMMANDS, LOSS_LR, MANIFEST, MAXLR_SUMMARY, MAXLR_TIME, SBATCH_SCRIPT,
+                                      already_trained)
+from keel.experiments.timing import train_timed
+from keel.schedule import lr_factor
 from keel.config.model import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
@@ -58,7 +61,6 @@ CRITERION = [
     "callbacks.layer_importance.enabled=false",
     "callbacks.throughput.enabled=false",
 ]
-LOSS_LR = "loss_lr.csv"
 EXP_START_LR = 1e-3
 
 
@@ -106,8 +108,8 @@ def uses_miniature(overrides: list[str]) -> bool:
     return not any(key == "model" or (key.startswith("model.") and key not in NOT_SHAPE) for key in keys)
 
 
-def build_grid(args: argparse.Namespace) -> list[Run]:
-    """One Run per (depth, seed, row); rows are the schemes (keel once per alpha) and the variants."""
+def build_grid(args: argparse.Namespace) -> list[GridCell]:
+    """One GridCell per (depth, seed, row); rows are the schemes (keel once per alpha) and the variants."""
     depths = args.depths or [MINIATURE_DEPTH if uses_miniature(args.overrides)
                              else load_config(args.config, args.overrides).model.depth]
     rows: list[tuple[str, dict, list[str]]] = []
@@ -126,7 +128,7 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
                 if "alpha" in axes:
                     field = scheme_named(axes["scheme"]).alpha_field
                     run_overrides.append(f"model.{field}={resolve_alpha(axes['alpha'], n_sublayers=2 * depth)!r}")
-                runs.append(Run(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
+                runs.append(GridCell(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
                                 run_overrides))
     if len({run.name for run in runs}) < len(runs):
         raise ConfigError("keel maxlr: two runs of the grid have the same name (a variant named like a scheme?)")
@@ -156,7 +158,7 @@ def step_reaching(cfg: Config, lr: float) -> int:
     return next(step for step in range(steps) if cfg.optim.lr * lr_factor(step, cfg.optim, steps) >= lr * (1 - 1e-9))
 
 
-def run_configs(args: argparse.Namespace, runs: list[Run], out: Path) -> list:
+def run_configs(args: argparse.Namespace, runs: list[GridCell], out: Path) -> list:
     base = MINIATURE if uses_miniature(args.overrides) else []
     return [load_config(args.config, [*base, *CRITERION, *args.overrides, *run.overrides,
                                       *protocol(args, out / run.name)]) for run in runs]
@@ -239,7 +241,7 @@ def main(argv: list[str]) -> int:
         "peak_lr": args.peak_lr, "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
     if args.emit != "run":
         commands = [shlex.join(["keel", "maxlr", *grid_argv(args), "--only", run.name]) for run in runs]
-        path = out / ("commands.sh" if args.emit == "commands" else "sweep.sbatch")
+        path = out / (COMMANDS if args.emit == "commands" else SBATCH_SCRIPT)
         path.write_text("".join(c + "\n" for c in commands) if args.emit == "commands"
                         else slurm_script(commands, out, args.sbatch))
         print(f"keel maxlr: {len(runs)} runs -> {path}; afterwards: keel maxlr collect {out}")
@@ -248,7 +250,7 @@ def main(argv: list[str]) -> int:
     todo = [(run, cfg) for run, cfg in zip(runs, configs) if not args.only or run.name in args.only]
     for i, (run, cfg) in enumerate(todo, 1):
         run_dir = Path(cfg.run.dir)
-        if trained(run_dir, cfg):  # probes stop on failure (above)
+        if already_trained(run_dir, cfg):  # probes stop on failure (above)
             print(f"keel maxlr: {i}/{len(todo)} {run.name}: finished before, skipped", flush=True)
             continue
         key = unigram_key(cfg)
@@ -259,7 +261,7 @@ def main(argv: list[str]) -> int:
         cfg.callbacks.stability.spike_ceiling_margin = args.margin
         if args.learn_by_lr is not None:
             cfg.callbacks.stability.learn_by_step = step_reaching(cfg, args.learn_by_lr)
-        total = train_timed(cfg, run_dir / COST, [LossByLR(cfg.run.dir)])
+        total = train_timed(cfg, run_dir / MAXLR_TIME, [LossByLR(cfg.run.dir)])
         wall_s, cpu_s = total["wall_s"], total["cpu_s"]
         state = read_stability(run_dir)
         verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]
@@ -268,7 +270,7 @@ def main(argv: list[str]) -> int:
               f"{cpu_s:.0f} s CPU)", flush=True)
     if not args.only:
         collect(out, args.margin)
-        print(f"\n{(out / 'maxlr.md').read_text()}\nkeel maxlr: wrote {out}/maxlr.csv, maxlr.md, plots")
+        print(f"\n{(out / MAXLR_SUMMARY).read_text()}\nkeel maxlr: wrote {out}/maxlr.csv, maxlr.md, plots")
     return 0
 
 

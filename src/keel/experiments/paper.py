@@ -20,13 +20,17 @@ from pathlib import Path
 
 from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
-from keel.experiments.common import fmt, fmt_median_range, load_run_config, markdown_table, median, pyplot, save_figure
-from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND,
-                                    LINEAR_SLOW_DEPTH_TREND, LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND,
-                                    NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
+from keel.experiments.grids import GRIDS
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value, rows_at
-from keel.experiments.sweep import MANIFEST
+from keel.experiments.plots import pyplot, save_figure
+from keel.experiments.records import (DEEP_PLOT, HOLD_PLOT, MANIFEST, RATIO_PLOT, REPORT, TRANSFER_PLOT,
+                                      load_run_config)
+from keel.experiments.roles import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, HOLD_GRIDS, LINEAR_DEPTH_TREND,
+                                    LINEAR_SLOW_DEPTH_TREND, LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND,
+                                    NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
+from keel.experiments.stats import fmt, fmt_median_range, max_over_min, median
+from keel.experiments.tables import markdown_table
 from keel.experiments.trained import load_trained, sections as trained_sections
 from keel.config.model import scheme_of
 
@@ -152,11 +156,6 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
     return table, points
 
 
-def _spread(values: list[float]) -> float | None:
-    """max / min of positive values (how far an LR moves over a trend), None with fewer than two."""
-    return max(values) / min(values) if len(values) >= 2 else None
-
-
 def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
     """The width trend under sp (WIDTH_TREND) and under mup (MUP_WIDTH_TREND), Keel and Pre-LN: per width the
     loss-optimal and max LR, median [range] over seeds; then how far each median moves over the widths (max / min).
@@ -180,7 +179,7 @@ def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
         table.append(entry)
     moves = {"width": "max / min over widths"}
     for column in table[0]:
-        if (spread := _spread(medians.get(column, []))) is not None:
+        if (spread := max_over_min(medians.get(column, []))) is not None:
             moves[column] = f"{fmt(spread)}x ({len(medians[column])} widths)"
         elif column != "width":
             moves[column] = "-"
@@ -360,7 +359,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             text += [markdown_table(pairs), ""]
         if fits := hold_fits(grids):
             text += [markdown_table(fits), ""]
-        plot_hold_map(grids, out / "hold.png")
+        plot_hold_map(grids, out / HOLD_PLOT)
         text += ["![max LR against the hold at the limit](hold.png)", ""]
     for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
                                 (LINEAR_SLOW_DEPTH_TREND, "Depth at width 32, the paper's protocol at half the slope",
@@ -378,13 +377,13 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
                  markdown_table(batch_table), ""]
     if any(depth_points.values()) or any(width_points.values()):
-        plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
+        plot_ratios(depth_points, width_points, batch_points.get(64, []), out / RATIO_PLOT)
         text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
     if any(grid in grids for names, _, _ in MUP_WIDTH_TREND.values() for grid in names):
         table, points = transfer(grids)
         text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
                  markdown_table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
-        plot_transfer(points, out / "transfer.png")
+        plot_transfer(points, out / TRANSFER_PLOT)
     short, long = RAMP_CHECK
     if short in grids and long in grids and (table := ramp_check(grids[short], grids[long])):
         text += ["## Two ramp lengths ({} x {})".format(*GRIDS[short].point), "", markdown_table(table), ""]
@@ -399,7 +398,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                 text += [markdown_table(tests), ""]
     sweeps = [(out / grid, suffix) for grid, suffix in DEEP_RUNS.items() if (out / grid / MANIFEST).is_file()]
     if sweeps:
-        table = deep_runs(sweeps, out / "deep1024.png")
+        table = deep_runs(sweeps, out / DEEP_PLOT)
         if table:
             text += ["## 1,024 blocks", "", markdown_table(table),
                      "", "![1,024 blocks](deep1024.png)", ""]
@@ -426,7 +425,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"paper-report: no grid has run under {tree} (no run directory {tree}/GRID/RUN); run "
                               f"them first (make paper PAPER_OUT={tree}); nothing was written")
     text = report(out, args.shared_init)
-    (out / "report.md").write_text(text)
+    (out / REPORT).write_text(text)
     print(text)
     print(f"keel paper-report: wrote {out}/report.md")
     return 0

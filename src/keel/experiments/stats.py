@@ -31,7 +31,6 @@ def fmt_median_range(values: Sequence[float]) -> str:
     return "-" if middle is None else f"{fmt(middle)} [{fmt(low)}-{fmt(high)}]"
 
 
-
 def fmt_sd(values: list[float]) -> str:
     return fmt(statistics.stdev(values)) if len(values) > 1 else "-"
 
@@ -40,7 +39,8 @@ def spread(values: list[float]) -> str:
     """mean ± sample sd [min, max] n=seeds ('-' for the sd of one seed)."""
     if not values:
         return "-"
-    return f"{fmt(statistics.mean(values))} ± {fmt_sd(values)} [{fmt(min(values))}, {fmt(max(values))}] n={len(values)}"
+    mean = fmt(statistics.mean(values))
+    return f"{mean} ± {fmt_sd(values)} [{fmt(min(values))}, {fmt(max(values))}] n={len(values)}"
 
 
 def apart(a: list[float], b: list[float]) -> str:
@@ -75,8 +75,6 @@ def sign_test(wins: int, losses: int) -> float:
 def max_over_min(values: list[float]) -> float | None:
     """max / min of positive values (how far an LR moves over a trend), None with fewer than two."""
     return max(values) / min(values) if len(values) >= 2 else None
-
-
 
 
 def log_line_fit(points: list[tuple[float, float]], at: float) -> dict:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.plots import pyplot, save_figure
-from keel.experiments.records import MANIFEST, REDUNDANCY, SWEEP_TIME, checkpoint_run, load_run_config, read_redundancy_rows
+from keel.experiments.records import (MANIFEST, REDUNDANCY, SWEEP_TIME, checkpoint_run, load_run_config,
+                                      read_redundancy_rows)
 from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
 from keel.experiments.stats import apart, direction, fmt, fmt_sd, spread
 from keel.experiments.tables import markdown_table

@@ -19,13 +19,12 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
     "TREND_SEEDS": "1,2,3",  # the trends', the hold map's, the Post-LN family's
     "WIDE_SEEDS": "1,2",  # the costliest points' (256 blocks; width 256)
     "TRAINED_SEEDS": "1,2,3",  # the trained models' (complete runs)
-    "TRAINED_STEPS": "2000",  # a pilot (Keel 16 x 64, LR 0.02) still fell at 2,000 (docs/experiments.md)
+    "TRAINED_STEPS": "2000",  # why this long: docs/trained-models.md
     "TRAINED_STEPS_D256": "500",
     "TRAINED_WARMUP": "200",
     # the trained models' peak LRs: from about half Pre-LN's loss-optimal LR on the linear ramp to above its max LR
     "LRS_D16": "0.01,0.02,0.04,0.08",
-    # at 64 x 32 one step lower than that rule's 0.0125-0.1: the first seed's Keel was better at 0.0125 than at 0.025
-    # and its Pre-LN at 0.025 still 5.33 at step 1,400, so the optima lie at or below 0.0125 (docs/trained-models.md)
+    # at 64 x 32 one step lower than that rule gives: the first seed's optima lay at its bottom (docs/trained-models.md)
     "LRS_D64": "0.00625,0.0125,0.025,0.05",
     "TUNED_LRS": "0.01,0.02,0.04",
 }
@@ -62,7 +61,7 @@ def size(blocks: int, width: int) -> tuple[str, ...]:
 
 def slope(peak: str, steps: str, learn_by: str) -> tuple[str, ...]:
     """The paper's protocol: a linear warm-up from 0 to peak over steps, the held-out loss every 5 steps; a probe
-    that has not learned by LR learn_by stops (no run of these grids learned later than LR 0.055)."""
+    that has not learned by LR learn_by stops (none of these grids' runs learned later: docs/experiments.md)."""
     return ("--ramp", "linear", "--eval-every", "5", "--peak-lr", peak, "--steps", steps, "--learn-by-lr", learn_by)
 
 
@@ -75,9 +74,9 @@ DEEP = Scaled(size(64, 32), ("--depths", "256", "model=paper_d64", "trainer=gpu"
 EMIT = Scaled((), ("--emit", "slurm", SBATCH))
 SLOPE_1E4 = slope("0.4", "4000", "0.1")  # 1e-4 per step, LR resolution 5e-4: Table 1's
 SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000", "0.1"), slope("0.4", "8000", "0.1")  # the hold map's other two
-# 5e-5 per step ending at LR 0.1: at 256 x 32 Keel learned (best 5.81-5.89), was back within 0.2 nat of the unigram loss
-# by LR 0.03 and stayed there, under the cap, to 0.07 (2 seeds); the last 6,000 steps to 0.4 (4 CPU-hours a probe)
-# would measure that plateau. A probe that reaches 0.1 unbroken is a lower bound, the stricter margins judge it
+# 5e-5 per step ending at LR 0.1: at 256 x 32 Keel learns, then sits near the unigram loss, under the cap, to the end
+# (docs/experiments.md); the rest of the ramp to 0.4 would only measure that plateau, at a high CPU cost. A probe
+# that reaches 0.1 unbroken is a lower bound, the stricter margins judge it
 SLOPE_5E5_TO_01 = slope("0.1", "2000", "0.1")
 # 4x gentler: at 1e-4 per step HybridNorm passes its limit before it has learned, Post-LN at 64 x 32 never learns
 SLOPE_2E5 = slope("0.1", "4000", "0.05")
@@ -88,8 +87,8 @@ NOGAIN = ("--schemes=", "--variant", "keel-nogain=model.scheme=keel,model.out_no
 MUP = ("model.parametrization=mup", "model.mup_base_width=64")  # base width 64: the miniature's, there mup is sp
 MUP_WIDTHS = (32, 64, 128, 256)
 # Keel and Pre-LN over SEEDS, the Post-LN family over TREND_SEEDS (its limits are far below; HybridNorm, which does
-# not learn at this slope, in linear-gentle-d16); at 64 x 32 Post-LN did not learn at this slope (seed 1, not by
-# LR 0.089, an hour of CPU per run climbing the ramp): there the family runs at the gentle slope (linear-gentle-d64)
+# not learn at this slope, in linear-gentle-d16); at 64 x 32 Post-LN did not learn at this slope (docs/experiments.md):
+# there the family runs at the gentle slope (linear-gentle-d64)
 LINEAR_ONLY = ((("keel", "preln"), "SEEDS"), (("postln", "deepnorm", "mixln"), "TREND_SEEDS"))
 FAMILY = ("--schemes", "postln,deepnorm,hybridnorm,mixln", "--seeds", "{TREND_SEEDS}")
 LINEAR = ("paper", "paper-linear")

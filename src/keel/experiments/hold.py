@@ -26,8 +26,8 @@ RAMP_SETS = {"every ramp": lambda ramp: True, "linear ramps": lambda ramp: ramp.
 WARMUP_STEPS = 5000  # the paper's warm-up of its 64-layer max-LR probe (docs/paper.md, Table 1)
 WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
 # The holds a line is drawn through must span this much: on a linear ramp the hold at the limit moves with the limit,
-# so two slopes 2x apart can give holds 1.1x apart, and a line through them extrapolates any difference between the
-# grids (at 64 x 32 Pre-LN's limit at 1e-4 per step is a slow return to the unigram loss) to an absurd exponent.
+# so two slopes 2x apart can give nearly the same hold, and a line through them extrapolates any difference between
+# the grids (a slow return to the unigram loss, say) to an absurd exponent.
 MIN_HOLD_SPAN = 2.0
 
 

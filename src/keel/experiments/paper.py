@@ -2,7 +2,7 @@
 (default runs/paper), written to DIR/report.md with its figures.
 
 Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr_report); this puts them side by
-side in the roles keel.experiments.grids gives them: Table 1's seed tables and sign tests, the Keel / Pre-LN max-LR
+side in the roles keel.experiments.roles gives them: Table 1's seed tables and sign tests, the Keel / Pre-LN max-LR
 ratio against depth and width (with the batch point), the hold map (keel.experiments.hold), the two-ramp check,
 Keel without its outer norms' gains, the width trend under muP against sp, and the 1,024-block runs (held-out loss,
 non-finite steps, per-block gradient norms); then the trained-model claims (keel.experiments.trained). Every table

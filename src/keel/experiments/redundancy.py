@@ -77,7 +77,7 @@ def plot(rows: list[dict], path: Path) -> None:
         blocks, increases = curves.setdefault(r["checkpoint"], ([], []))
         blocks.append(r["block"])
         increases.append(r["ppl_increase"])
-    # symlog: removing block 0 can cost 1e4 perplexity, removing a middle block ~1, some removals even help
+    # symlog: removing block 0 can cost orders of magnitude more perplexity than a middle block, some even help
     plot_lines([(label, xs, ys) for label, (xs, ys) in curves.items()], path, "removed block (0 = first)",
                "validation perplexity increase", "Layer redundancy: perplexity increase when one block is skipped",
                yscale="symlog")

@@ -285,7 +285,7 @@ def plot_layer_use(runs: list[TrainedRun], increases: dict[str, list[float]], pa
                 ax.fill_between(blocks, [min(v) for v in zip(*seeds)], [max(v) for v in zip(*seeds)],
                                 color=line.get_color(), alpha=0.2)
         ax.set(xlabel=f"removed block (LR {fmt(lr)})", ylabel="held-out loss increase")
-        ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost nats, a middle one hundredths, some help
+        ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost orders of magnitude more than a middle one, some help
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, title, path, dpi=100)

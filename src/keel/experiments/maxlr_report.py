@@ -141,7 +141,7 @@ def hold_steps(optim, lr: float | None) -> float | None:
 
 
 def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: float) -> dict:
-    """run_row (what the run was) with the verdict of the report's criterion, and its cost."""
+    """run_row (what the run was) with the verdict of the report's criterion, and its time (MAXLR_TIME)."""
     row = {"row": label, **run_row(run_dir)}
     for key in ("failed", "onset_step", "max_tolerable_lr"):  # the run's own stop, superseded by the verdict
         row.pop(key, None)

@@ -427,5 +427,5 @@ def main(argv: list[str]) -> int:
     text = report(out, args.shared_init)
     (out / REPORT).write_text(text)
     print(text)
-    print(f"keel paper-report: wrote {out}/report.md")
+    print(f"keel paper-report: wrote {out}/{REPORT}")
     return 0

@@ -52,7 +52,7 @@ class TrainedRun:
     init: str
     failed: bool  # the stability monitor's verdict (stability.json): a failure it recorded, stopped or not
     evaluations: list[dict[str, float]]  # per in-loop evaluation: LOSS and each metric -> value
-    cpu_s: float | None  # what it cost over its sessions (sweep_time.json), None where it was not timed
+    cpu_s: float | None  # its CPU seconds over its sessions (SWEEP_TIME), None where it was not timed
 
     @property
     def final(self) -> dict[str, float]:

@@ -360,7 +360,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         if fits := hold_fits(grids):
             text += [markdown_table(fits), ""]
         plot_hold_map(grids, out / HOLD_PLOT)
-        text += ["![max LR against the hold at the limit](hold.png)", ""]
+        text += [f"![max LR against the hold at the limit]({HOLD_PLOT})", ""]
     for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
                                 (LINEAR_SLOW_DEPTH_TREND, "Depth at width 32, the paper's protocol at half the slope",
                                  "blocks"),
@@ -378,11 +378,12 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                  markdown_table(batch_table), ""]
     if any(depth_points.values()) or any(width_points.values()):
         plot_ratios(depth_points, width_points, batch_points.get(64, []), out / RATIO_PLOT)
-        text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
+        text += [f"![Keel / Pre-LN max LR against depth and width]({RATIO_PLOT})", ""]
     if any(grid in grids for names, _, _ in MUP_WIDTH_TREND.values() for grid in names):
         table, points = transfer(grids)
         text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
-                 markdown_table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
+                 markdown_table(table), "",
+                 f"![the loss-optimal LR against width under sp and mup]({TRANSFER_PLOT})", ""]
         plot_transfer(points, out / TRANSFER_PLOT)
     short, long = RAMP_CHECK
     if short in grids and long in grids and (table := ramp_check(grids[short], grids[long])):
@@ -401,7 +402,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         table = deep_runs(sweeps, out / DEEP_PLOT)
         if table:
             text += ["## 1,024 blocks", "", markdown_table(table),
-                     "", "![1,024 blocks](deep1024.png)", ""]
+                     "", f"![1,024 blocks]({DEEP_PLOT})", ""]
     text += trained_sections(out, trained)
     if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
         text += [f"## What depends on the init: each scheme's own recipe ({out}) against one init for all "

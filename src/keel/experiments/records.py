@@ -24,12 +24,14 @@ SBATCH_SCRIPT = "sweep.sbatch"  # --emit slurm: a SLURM array of them
 MAXLR_TABLE, MAXLR_SUMMARY = "maxlr.csv", "maxlr.md"  # `keel maxlr collect`'s
 MAXLR_PLOT, MAXLR_SEEDS_PLOT = "maxlr.png", "maxlr_seeds.png"
 SWEEP_TABLE, SWEEP_SUMMARY = "sweep.csv", "sweep.md"  # `keel sweep`'s
+SWEEP_PLOT = "sweep_{metric}_vs_{axis}.png"  # one per metric and axis that varies
 REDUNDANCY_DIR = "redundancy"  # a redundancy grid's directory, under the grid it is over
 # `keel redundancy`'s table (a row per checkpoint and removed block), its markdown and plot
 REDUNDANCY_TABLE, REDUNDANCY_SUMMARY, REDUNDANCY_PLOT = "redundancy.csv", "redundancy.md", "redundancy.png"
 REDUNDANCY = f"{REDUNDANCY_DIR}/{REDUNDANCY_TABLE}"  # a grid's table: a run with rows there is not measured again
 REPORT = "report.md"  # `keel paper-report`'s, with its figures
 HOLD_PLOT, RATIO_PLOT, TRANSFER_PLOT, DEEP_PLOT = "hold.png", "ratio.png", "transfer.png", "deep1024.png"
+LOSS_VS_TASKS_PLOT, LAYER_USE_PLOT = "loss_vs_tasks_{grid}.png", "layer_use_{grid}.png"  # per trained grid
 
 
 REDUNDANCY_NUMBERS = {"depth": int, "block": int, "val_tokens": int, "ppl_base": float, "ppl_removed": float,

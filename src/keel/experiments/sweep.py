@@ -24,8 +24,8 @@ from keel.cli_args import OneLineErrorParser, comma_list
 from keel.experiments.axes import non_embedding_params, resolve_alpha, slug, width_for_budget
 from keel.experiments.launch import GridCell, slurm_script
 from keel.experiments.plots import plot_lines
-from keel.experiments.records import (COMMANDS, MANIFEST, SBATCH_SCRIPT, SWEEP_SUMMARY, SWEEP_TABLE, SWEEP_TIME,
-                                      already_trained, run_row)
+from keel.experiments.records import (COMMANDS, MANIFEST, SBATCH_SCRIPT, SWEEP_PLOT, SWEEP_SUMMARY, SWEEP_TABLE,
+                                      SWEEP_TIME, already_trained, run_row)
 from keel.experiments.tables import write_table
 from keel.errors import ConfigError
 from keel.config.model import scheme_named
@@ -110,7 +110,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
             members.sort(key=lambda r: r[axis])
             label = " ".join(f"{k}={v}" for k, v in zip(keys, group)) or metric
             curves.append((label, [r[axis] for r in members], [r[metric] for r in members]))
-        plot_lines(curves, out / f"sweep_{metric}_vs_{axis}.png", xlabel, ylabel,
+        plot_lines(curves, out / SWEEP_PLOT.format(metric=metric, axis=axis), xlabel, ylabel,
                    f"{out.name}: {ylabel} against {xlabel}", xscale="log" if axis in ("lr", "alpha") else "linear")
 
 

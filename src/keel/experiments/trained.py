@@ -25,8 +25,8 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.plots import pyplot, save_figure
-from keel.experiments.records import (MANIFEST, REDUNDANCY, SWEEP_TIME, checkpoint_run, load_run_config,
-                                      read_redundancy_rows)
+from keel.experiments.records import (LAYER_USE_PLOT, LOSS_VS_TASKS_PLOT, MANIFEST, REDUNDANCY, SWEEP_TIME,
+                                      checkpoint_run, load_run_config, read_redundancy_rows)
 from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
 from keel.experiments.stats import apart, direction, fmt, fmt_sd, spread
 from keel.experiments.tables import markdown_table
@@ -285,7 +285,7 @@ def plot_layer_use(runs: list[TrainedRun], increases: dict[str, list[float]], pa
                 ax.fill_between(blocks, [min(v) for v in zip(*seeds)], [max(v) for v in zip(*seeds)],
                                 color=line.get_color(), alpha=0.2)
         ax.set(xlabel=f"removed block (LR {fmt(lr)})", ylabel="held-out loss increase")
-        ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost orders of magnitude more than a middle one, some help
+        ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost far more than a middle one; some removals help
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, title, path, dpi=100)
@@ -371,21 +371,23 @@ def sections(out: Path, grids: dict[str, TrainedGrid]) -> list[str]:
                  "", note, "",
                  markdown_table(table), "", "Monotone in LR? (the means, in LR order)", "", markdown_table(verdicts), ""]
         if gaps := matched_gaps(runs):
-            plot_loss_vs_tasks(runs, out / f"loss_vs_tasks_{grid}.png", f"Task scores against held-out loss ({grid})")
+            figure = LOSS_VS_TASKS_PLOT.format(grid=grid)
+            plot_loss_vs_tasks(runs, out / figure, f"Task scores against held-out loss ({grid})")
             text += [f"## Section 9, loss against tasks at {size} ({grid})", "",
                      f"At {LEVELS} held-out-loss levels every run of the LR passes through (highest first), each "
                      "run's score interpolated along its own evaluations; a row without levels: no loss is passed "
                      "through by every run of that LR.", "", markdown_table(gaps), "",
-                     f"![task scores against held-out loss, {grid}](loss_vs_tasks_{grid}.png)", ""]
+                     f"![task scores against held-out loss, {grid}]({figure})", ""]
         if (out / grid / REDUNDANCY).is_file():
             increases, unknown = read_redundancy(out / grid / REDUNDANCY, runs)
             if table := layer_use(runs, increases):
-                plot_layer_use(runs, increases, out / f"layer_use_{grid}.png", f"Held-out loss increase when one "
-                               f"block is removed ({grid})")
+                figure = LAYER_USE_PLOT.format(grid=grid)
+                plot_layer_use(runs, increases, out / figure, f"Held-out loss increase when one block is removed "
+                               f"({grid})")
                 skipped = f" ({unknown} checkpoints of unfinished or unknown runs left out)" if unknown else ""
                 text += [f"## Section 8, layer use at {size} ({grid}){skipped}", "",
                          "Held-out loss increase when one block is removed (keel redundancy, final checkpoints).", "",
-                         markdown_table(table), "", f"![loss increase per removed block, {grid}](layer_use_{grid}.png)", ""]
+                         markdown_table(table), "", f"![loss increase per removed block, {grid}]({figure})", ""]
         else:
             text += [f"Section 8 at {size}: no {grid}/{REDUNDANCY} yet (make paper-redundancy-{grid}).", ""]
     tuned = {grid: grids[grid].runs for grid in DEPTH_GRIDS if grid in grids}

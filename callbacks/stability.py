@@ -95,9 +95,11 @@ class StabilityMonitor(Callback):
         self.max_lr_seen = 0.0
         # trend of the smoothed loss
         self._ema: float | None = None
-        config = self.config  # train: consecutive steps with the EMA above the bar; val: steps since one was not
-        self._divergence = DivergenceJudge(config.spike_margin, config.spike_patience, config.spike_ceiling,
-                                           config.spike_ceiling_margin, consecutive=config.signal == "train")
+        # the spike rule: under train, consecutive steps with the EMA above the bar; under val, steps since the last
+        # evaluation within it
+        self._divergence = DivergenceJudge(self.config.spike_margin, self.config.spike_patience,
+                                           self.config.spike_ceiling, self.config.spike_ceiling_margin,
+                                           consecutive=self.config.signal == "train")
         self._excess: float | None = None  # last judged value - its running minimum (compared with spike_margin)
         self.heldout: list[tuple[int, float | None, float]] = []  # signal val: (step, lr, held-out loss)
         self._ref, self._ref_step = math.inf, -1  # last significant improvement (stagnation)

@@ -22,7 +22,8 @@ from keel.experiments.hold import WARMUP_HOLD, fit
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name
 from keel.experiments.records import already_trained
 from keel.experiments.stats import sign_test
-from keel.experiments.paper import init_sensitivity, plot_ratios, plot_transfer, ratios, transfer, trend
+from keel.experiments.paper import init_sensitivity
+from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 
 from keeltest import QUIET_TRAINER, TINY_MODEL

@@ -105,6 +105,11 @@ def rows_at(rows: list[dict], depth: int, width: int, scheme: str | None = None)
     return [r for r in rows if (r["depth"], r["width"]) == (depth, width) and scheme in (None, r["row"])]
 
 
+def inits(rows) -> str:
+    """The init in force of these runs (model.init resolved: keel.config.ModelConfig.init_kind)."""
+    return ", ".join(dict.fromkeys(r["init"] for r in rows))
+
+
 def max_lr_value(row: dict) -> float | None:
     """The number compared across schemes: the max LR, the peak (a lower bound) for a run that never failed,
     None when not resolved."""

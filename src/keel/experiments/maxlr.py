@@ -167,7 +167,7 @@ def run_configs(args: argparse.Namespace, runs: list[GridCell], out: Path) -> li
 # ------------------------------------------------------------------------------------------------------ main
 
 
-def parser() -> OneLineErrorParser:
+def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog="keel maxlr", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", type=comma_list(str), default=list(PAPER_SCHEMES),
@@ -278,7 +278,7 @@ def run_probes(todo: list[tuple[GridCell, Config]], args: argparse.Namespace) ->
 def main(argv: list[str]) -> int:
     if argv[:1] == ["collect"]:
         return report_main(argv[1:])
-    args = parser().parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
+    args = build_parser().parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
     check_protocol(args)
     out = Path(args.out)
     runs = build_grid(args)

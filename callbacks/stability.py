@@ -41,7 +41,7 @@ from keel.callbacks.checkpointing import RunCheckpoint
 from keel.callbacks.log_writing import log_scalars, log_text
 from keel.callbacks.options.stability import StabilityConfig
 from keel.config import Config
-from keel.config.callbacks import divergence_bar
+from keel.divergence import DivergenceJudge
 from keel.rundir import say
 
 SMOOTHING = 0.9  # EMA of the step loss (~10 steps): spikes and stagnation are judged on the trend, not one batch
@@ -96,10 +96,12 @@ class StabilityMonitor(Callback):
         self.max_lr_seen = 0.0
         # trend of the smoothed loss
         self._ema: float | None = None
-        self._best = math.inf  # running minimum of the EMA
-        self._over = 0  # consecutive steps with the EMA above best + margin
+        # the spike rule: under train, consecutive steps with the EMA above the bar; under val, steps since the last
+        # evaluation within it
+        self._divergence = DivergenceJudge(self.config.spike_margin, self.config.spike_patience,
+                                           self.config.spike_ceiling, self.config.spike_ceiling_margin,
+                                           consecutive=self.config.signal == "train")
         self._excess: float | None = None  # last judged value - its running minimum (compared with spike_margin)
-        self._good_step = -1  # signal val: the last evaluation not above best + margin
         self.heldout: list[tuple[int, float | None, float]] = []  # signal val: (step, lr, held-out loss)
         self._ref, self._ref_step = math.inf, -1  # last significant improvement (stagnation)
         self._nonfinite_run = 0
@@ -174,7 +176,7 @@ class StabilityMonitor(Callback):
             self._judge(trainer, step, loss)
         else:
             self._fail(trainer, "nonfinite", step, step, loss, f"held-out loss {loss}", heldout=True)
-        earliest = min(self._good_step, self._ref_step if self.config.stagnation_window else step) - 1
+        earliest = min(self._divergence.good_step, self._ref_step if self.config.stagnation_window else step) - 1
         while self._lrs and self._lrs[0][0] < earliest:
             self._lrs.popleft()
 
@@ -246,18 +248,19 @@ class StabilityMonitor(Callback):
     def state_dict(self) -> dict:
         return {
             "failure": asdict(self.failure) if self.failure else None, "counts": dict(self.counts),
-            "max_lr_seen": self.max_lr_seen, "ema": self._ema, "best": self._best, "over": self._over,
-            "ref": self._ref, "ref_step": self._ref_step, "nonfinite_run": self._nonfinite_run,
-            "good_step": self._good_step, "heldout": self.heldout, "rewinds": self.rewinds, "rewind": self.rewind,
+            "max_lr_seen": self.max_lr_seen, "ema": self._ema, "best": self._divergence.best,
+            "over": self._divergence.over, "ref": self._ref, "ref_step": self._ref_step,
+            "nonfinite_run": self._nonfinite_run, "good_step": self._divergence.good_step, "heldout": self.heldout,
+            "rewinds": self.rewinds, "rewind": self.rewind,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.failure = Failure(**state["failure"]) if state["failure"] else None
         self.counts.update(state["counts"])
         self.max_lr_seen = state["max_lr_seen"]
-        self._ema, self._best, self._over = state["ema"], state["best"], state["over"]
+        self._ema, self._divergence.best, self._divergence.over = state["ema"], state["best"], state["over"]
         self._ref, self._ref_step, self._nonfinite_run = state["ref"], state["ref_step"], state["nonfinite_run"]
-        self._good_step = state.get("good_step", -1)
+        self._divergence.good_step = state.get("good_step", -1)
         self.heldout = [tuple(point) for point in state.get("heldout", [])]
         self.rewinds = state.get("rewinds", [])
         self.rewind = state.get("rewind")
@@ -279,32 +282,30 @@ class StabilityMonitor(Callback):
 
     def _judge(self, trainer: Trainer, step: int, value: float) -> None:
         """Spike and stagnation checks on one point of the signal: the training EMA, or a held-out loss."""
-        self._best = min(self._best, value)
-        self._excess = value - self._best
-        ceiling = self.config.spike_ceiling
-        bar = divergence_bar(self._best, self.config.spike_margin, ceiling, self.config.spike_ceiling_margin)
-        if value > bar:
-            if self._over == 0:
+        divergence, before = self._divergence, self._divergence.over
+        diverged = divergence.see(step, value)
+        self._excess = value - divergence.best
+        if divergence.above:
+            if before == 0:
                 self.counts["spikes"] += 1
                 self._event(trainer, step, f"loss spike: {self.config.signal} loss {value:.3f} is {self._excess:.2f} "
                             "above its minimum")
-            # train: consecutive steps above; val: steps since the last evaluation that was not above
-            before, self._over = self._over, self._over + 1 if self.config.signal == "train" else step - self._good_step
-            if before < self.config.spike_patience <= self._over:
-                self._fail(trainer, "spike", step - self._over + 1, step, value, f"{self.config.signal} loss above "
-                           f"{bar:.3f} (its minimum {self._best:.3f} + {self.config.spike_margin}"
-                           + (", capped at the ceiling" if bar == ceiling else "") + f") for {self._over} steps",
-                           heldout=self.config.signal == "val")
-        else:
-            if self._over:
-                self._event(trainer, step, f"loss spike recovered after {self._over} steps")
-            self._over, self._good_step = 0, step
-        learn_by, ceiling_margin = self.config.learn_by_step, self.config.spike_ceiling_margin
-        if learn_by and step >= learn_by and self.failure is None and self._best > ceiling - ceiling_margin:
-            self._fail(trainer, "unlearned", step, step, value, f"{self.config.signal} loss at best {self._best:.3f}, "
+            if diverged:
+                bar = divergence.bar
+                self._fail(trainer, "spike", step - divergence.over + 1, step, value, f"{self.config.signal} loss "
+                           f"above {bar:.3f} (its minimum {divergence.best:.3f} + {self.config.spike_margin}"
+                           + (", capped at the ceiling" if bar == self.config.spike_ceiling else "")
+                           + f") for {divergence.over} steps", heldout=self.config.signal == "val")
+        elif before:
+            self._event(trainer, step, f"loss spike recovered after {before} steps")
+        learn_by, ceiling, ceiling_margin = (self.config.learn_by_step, self.config.spike_ceiling,
+                                             self.config.spike_ceiling_margin)
+        if learn_by and step >= learn_by and self.failure is None and divergence.best > ceiling - ceiling_margin:
+            self._fail(trainer, "unlearned", step, step, value, f"{self.config.signal} loss at best "
+                       f"{divergence.best:.3f}, "
                        f"not yet {ceiling_margin} below {ceiling:.3f}")
         below = self.config.stagnation_below
-        if not self.config.stagnation_window or (below is not None and self._best > below):
+        if not self.config.stagnation_window or (below is not None and divergence.best > below):
             return
         if value < self._ref - self.config.stagnation_min_delta:
             self._ref, self._ref_step = value, step

@@ -21,7 +21,8 @@ from keel.callbacks.grad_norms import GradNormMonitor
 from keel.config import ModelConfig, load_config
 from keel.errors import ConfigError
 from keel.layer_skip import skip_losses
-from keel.lit import KeelLitModule, lr_factor, make_optimizer
+from keel.lit import KeelLitModule, make_optimizer
+from keel.schedule import lr_factor
 from keel.model import KeelLM, next_token_loss
 from keel.training import build_callbacks, train
 

@@ -77,7 +77,7 @@ def test_s3_data_dir_trains_on_two_processes_with_the_in_loop_evaluation(s3_buck
     import boto3
     from keeltest import QUIET_TRAINER, TINY_MODEL
 
-    from keel.evaluation.generated import TASKS_SUBDIR, generate_tasks
+    from keel.data.generated_tasks import TASKS_SUBDIR, generate_tasks
 
     data_dir = f"{s3_bucket}/tiny"
     source = ["data=text_files", f"data.text_files.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}",

@@ -13,8 +13,8 @@ from lm_eval.api.registry import get_model
 
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
-from keel.evaluation import KeelEvalLM, generate_tasks, load_tasks, run_tasks, task_manager
-from keel.evaluation.generated import TASKS_SUBDIR
+from keel.data.generated_tasks import TASKS_SUBDIR, generate_tasks
+from keel.evaluation import KeelEvalLM, load_tasks, run_tasks, task_manager
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD
 from keel.evaluation.offline import lm_eval_configs, write_local_task
 from keel.evaluation.suite import primary_metric

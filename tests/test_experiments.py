@@ -16,11 +16,14 @@ from omegaconf import OmegaConf
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
-from keel.experiments.common import non_embedding_params, resolve_alpha, trained, width_for_budget
+from keel.experiments.axes import non_embedding_params, resolve_alpha, width_for_budget
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.hold import WARMUP_HOLD, fit
-from keel.experiments.maxlr_report import hold_steps, judge, ramp_name, sign_test
-from keel.experiments.paper import init_sensitivity, plot_ratios, plot_transfer, ratios, transfer, trend
+from keel.experiments.maxlr_report import hold_steps, judge, ramp_name
+from keel.experiments.records import already_trained
+from keel.experiments.stats import sign_test
+from keel.experiments.paper import init_sensitivity
+from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 
 from keeltest import QUIET_TRAINER, TINY_MODEL
@@ -210,19 +213,19 @@ def test_maxlr_stops_a_probe_not_learned_by_learn_by_lr(tiny_data, tmp_path):
 
 
 def test_a_resumed_probe_counts_the_cost_of_its_earlier_sessions(tiny_data, tmp_path):
-    """RunCost rides in the checkpoints: the session that resumes a run starts from the CPU and wall seconds the
+    """RunTime rides in the checkpoints: the session that resumes a run starts from the CPU and wall seconds the
     earlier one had spent by its last checkpoint, and adds its own."""
-    from keel.experiments.cost import RunCost
+    from keel.experiments.timing import RunTime
     from keel.training import train
 
     from keeltest.runs import tiny_config
 
     run = tmp_path / "probe"
-    first = RunCost()
+    first = RunTime()
     train(tiny_config(tiny_data, run, "trainer.max_steps=4", "trainer.checkpoint_every_n_steps=4"), [first])
     spent = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["callbacks"]["ProbeCost"]
     assert spent["cpu_s"] > 0 and spent["wall_s"] > 0
-    second = RunCost()
+    second = RunTime()
     train(tiny_config(tiny_data, run, "trainer.max_steps=8", "resume=auto"), [second])
     assert second.earlier == spent
     total = second.state_dict()
@@ -453,9 +456,9 @@ def test_a_record_that_claims_more_steps_than_its_checkpoint_holds_is_not_finish
     record = {"steps": 40, "failed": False}
     (run / "stability.json").write_text(json.dumps(record))
     cfg = load_config(overrides=["trainer.max_steps=40"])
-    assert not trained(run, cfg)
+    assert not already_trained(run, cfg)
     (run / "stability.json").write_text(json.dumps({**record, "steps": 30}))
-    assert trained(run, load_config(overrides=["trainer.max_steps=30"]))
+    assert already_trained(run, load_config(overrides=["trainer.max_steps=30"]))
     shutil.rmtree(run / "checkpoints")
     (run / "stability.json").write_text(json.dumps(record))
-    assert trained(run, cfg)
+    assert already_trained(run, cfg)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers", reason="keel export needs the
 from keel.cli import main as cli_main  # noqa: E402
 from keel.data.shards import VAL_DOCS  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
-from keel.evaluation.generated import generate_tasks  # noqa: E402
+from keel.data.generated_tasks import generate_tasks  # noqa: E402
 from keel.export import export  # noqa: E402
 from keeltest.export import hf_model, load_hf, random_checkpoint, standalone  # noqa: E402
 

@@ -17,7 +17,7 @@ from keel.artifacts import STABILITY
 from keel.callbacks.stability import StabilityMonitor
 from keel.cli import main as cli_main
 from keel.config import load_config
-from keel.experiments import grids
+from keel.experiments import paper_run, roles
 from keel.experiments.grids import GRIDS, SETTINGS
 from keel.rundir import write_config
 
@@ -47,22 +47,22 @@ def make_runs(*argv: str) -> list[str]:
 
 
 def test_make_runs_every_grid_and_the_report_reads_every_one():
-    paper, trained = grids.grid_set("paper"), grids.grid_set("paper-trained")
+    paper, trained = paper_run.grid_set("paper"), paper_run.grid_set("paper-trained")
     assert make_runs("paper", "paper-trained") == [*paper, "paper-report", *trained, "paper-report"]
     assert [*paper, *trained] == list(GRIDS)  # each grid once, in the table's order
-    assert make_runs("paper-linear") == [*grids.grid_set("paper-linear"), "paper-report"]
+    assert make_runs("paper-linear") == [*paper_run.grid_set("paper-linear"), "paper-report"]
     assert make_runs("paper", "PAPER_SCALE=1") == ["table1-d16", "table1-d64"]  # for a cluster, no report
     # what keel paper-report reads: every max-LR grid, the 1,024-block sweeps, the trained models and their layer use
-    read = {*grids.MAXLR_GRIDS, *grids.DEEP_RUNS, *grids.LR_GRIDS, *grids.TUNED_GRIDS,
-            *(f"redundancy-{grid}" for grid in grids.LR_GRIDS)}
+    read = {*roles.MAXLR_GRIDS, *roles.DEEP_RUNS, *roles.LR_GRIDS, *roles.TUNED_GRIDS,
+            *(f"redundancy-{grid}" for grid in roles.LR_GRIDS)}
     assert read == set(GRIDS)
-    roles = [*grids.TABLE1, *grids.RAMP_CHECK, *(g for pair in grids.NOGAIN_PAIRS for g in pair),
-             *(g for axis in (grids.DEPTH_TREND, grids.WIDTH_TREND, grids.BATCH_POINT, grids.LINEAR_DEPTH_TREND,
-                              grids.LINEAR_SLOW_DEPTH_TREND, grids.LINEAR_WIDTH_TREND, grids.MUP_WIDTH_TREND)
-               for names, _, _ in axis.values() for g in names),
-             *(g for names in grids.HOLD_GRIDS.values() for g in names)]
-    assert set(roles) <= set(grids.MAXLR_GRIDS) and set(grids.DEPTH_GRIDS) <= {*grids.LR_GRIDS, *grids.TUNED_GRIDS}
-    assert all(GRIDS[g].point == point for point, names in grids.HOLD_GRIDS.items() for g in names)
+    role_grids = [*roles.TABLE1, *roles.RAMP_CHECK, *(g for pair in roles.NOGAIN_PAIRS for g in pair),
+                  *(g for axis in (roles.DEPTH_TREND, roles.WIDTH_TREND, roles.BATCH_POINT, roles.LINEAR_DEPTH_TREND,
+                                   roles.LINEAR_SLOW_DEPTH_TREND, roles.LINEAR_WIDTH_TREND, roles.MUP_WIDTH_TREND)
+                    for names, _, _ in axis.values() for g in names),
+                  *(g for names in roles.HOLD_GRIDS.values() for g in names)]
+    assert set(role_grids) <= set(roles.MAXLR_GRIDS) and set(roles.DEPTH_GRIDS) <= {*roles.LR_GRIDS, *roles.TUNED_GRIDS}
+    assert all(GRIDS[g].point == point for point, names in roles.HOLD_GRIDS.items() for g in names)
 
 
 def test_the_makefile_forwards_every_setting_and_only_those_given(tmp_path):
@@ -188,4 +188,4 @@ def test_paper_run_runs_the_grids_command_into_its_directory(tmp_path, capsys):
 def test_the_docs_table_of_the_grids_is_the_data():
     docs = (REPO / "docs" / "grids.md").read_text()
     table = docs.split("<!-- keel paper-run --table -->\n")[1].split("\n<!-- end of keel paper-run --table -->")[0]
-    assert table == grids.table()
+    assert table == paper_run.table()

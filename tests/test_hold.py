@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from keel.experiments.grids import HOLD_GRIDS
+from keel.experiments.roles import HOLD_GRIDS
 from keel.experiments.hold import WARMUP_HOLD, fit, hold_fits
 
 HOLDS = (20, 40, 240, 380, 600)  # the geometric ramp, the ramp twice as slow and three linear slopes
@@ -60,7 +60,7 @@ def test_the_linear_ramps_are_fitted_apart_from_the_geometric_ones():
 
 
 def test_each_ramp_of_the_map_compares_keel_with_preln_seed_by_seed():
-    from keel.experiments.paper import hold_pairs
+    from keel.experiments.trends import hold_pairs
 
     point = next(iter(HOLD_GRIDS))
     grid = HOLD_GRIDS[point][-1]

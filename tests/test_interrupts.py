@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from keel.checkpoint.layout import LAST
 from keel.checkpoint.read import read_checkpoint
 from keel.cli import main as cli_main
-from keel.lit import lr_factor
+from keel.schedule import lr_factor
 from keel import training
 from keel.training import Interrupted, train
 

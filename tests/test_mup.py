@@ -12,7 +12,8 @@ import torch
 from keel.cli import main as cli_main
 from keel.config import ModelConfig, load_config
 from keel.errors import ConfigError
-from keel.lit import lr_factor, make_optimizer
+from keel.lit import make_optimizer
+from keel.schedule import lr_factor
 from keel.model import KeelLM, next_token_loss
 from keel.training import train
 

@@ -18,7 +18,8 @@ from keel.config import load_config
 from keel.model import KeelLM
 from keel.config.model import formulas
 from keel.summary import run_summary
-from keel.training import set_threads, train
+from keel.devices import set_threads
+from keel.training import train
 
 from keeltest import QUIET_TRAINER, TINY_MODEL
 from keeltest.runs import tiny_config

@@ -20,11 +20,11 @@ from keel.artifacts import STABILITY
 from keel.callbacks.downstream_eval import DownstreamEval
 from keel.callbacks.stability import Failure, StabilityMonitor
 from keel.cli import main as cli_main
-from keel.experiments.sweep import COST
 from keel.config import load_config
-from keel.experiments.common import fmt, write_table
-from keel.experiments.trained import (LOSS, apart, direction, load_trained, matched_gaps, read_redundancy, spread,
-                                      tuned_depth, layer_use, lr_table)
+from keel.experiments.records import SWEEP_TIME
+from keel.experiments.stats import apart, direction, fmt, spread
+from keel.experiments.tables import write_table
+from keel.experiments.trained import LOSS, layer_use, load_trained, lr_table, matched_gaps, read_redundancy, tuned_depth
 from keel.rundir import write_config
 
 STEPS = 600  # evaluations every 200 steps: at steps 199, 399, 599 (0-based)
@@ -101,7 +101,7 @@ def paper(tmp_path_factory):
                                      unfinished={"preln-lr0.02-s3"})}
     for name in histories["lr-d16"]:  # seed 1 timed (keel sweep's sweep_time.json), 900 CPU-s each
         if name.endswith("-s1"):
-            (out / "lr-d16" / name / COST).write_text(json.dumps({"cpu_s": 900.0, "wall_s": 950.0}))
+            (out / "lr-d16" / name / SWEEP_TIME).write_text(json.dumps({"cpu_s": 900.0, "wall_s": 950.0}))
     for depth, finals in TUNED.items():
         histories[DEPTH_GRID[depth]] = make_grid(out, DEPTH_GRID[depth], TUNED_LRS, depth, 32, finals, rng)
     # keel redundancy's rows (keel.experiments.redundancy.measure) over every final checkpoint of lr-d16 and one more

@@ -17,7 +17,7 @@ COMMANDS = {
     "eval-data": ("keel.evaluation.offline", "local copies of lm-eval's task datasets: `keel eval-data fetch DIR`"),
     "compare": ("keel.evaluation.compare", "plot runs' loss and task curves side by side"),
     "maxlr": ("keel.experiments.maxlr", "max tolerable learning rate per scheme (paper Table 1)"),
-    "paper-run": ("keel.experiments.grids", "run one of the paper's grids (the data `make paper-<grid>` runs)"),
+    "paper-run": ("keel.experiments.paper_run", "run one of the paper's grids (the data `make paper-<grid>` runs)"),
     "paper-report": ("keel.experiments.paper", "the report of `make paper`'s grids (docs/experiments.md)"),
     "sweep": ("keel.experiments.sweep", "grids over scheme, depth, lr, alpha, width"),
     "redundancy": ("keel.experiments.redundancy", "perplexity increase when each block is removed"),

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from keel.config import Config
+
 MATMUL_SIZE, MATMUL_REPEATS = 2048, 10
 # On a CPU the probe's matmuls are sized to it: the largest power of two up to MATMUL_SIZE whose one matmul is
 # predicted (from a 256^3 one) to take at most this. A CPU without fast bf16 (AVX2 only: ~1 GFLOP/s) would
@@ -92,3 +94,17 @@ def reset_peak_resident() -> int | None:
         return resident_bytes()
     except OSError:
         return None
+
+
+def set_threads(cfg: Config) -> None:
+    """One intra-op thread per available core, shared among the processes on this node (trainer.devices of
+    them, CPU or GPU ranks alike) after a core for each of their loader workers: more threads than cores (e.g. 8
+    GPU ranks each taking every core) oversubscribes the CPU."""
+    threads = cfg.trainer.threads
+    if threads == 0:
+        cores = len(os.sched_getaffinity(0))
+        threads = max(1, (cores - cfg.trainer.devices * cfg.data.loader_workers) // cfg.trainer.devices)
+    torch.set_num_threads(threads)
+    # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set, and
+    # torchrun sets it to 1; the ranks started after this inherit it
+    os.environ["OMP_NUM_THREADS"] = str(threads)

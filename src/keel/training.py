@@ -30,6 +30,7 @@ from keel.checkpoint.resume import check_resume, check_same_model, resolve_resum
 from keel.checkpoint.write import AtomicCheckpointIO
 from keel.config import Config, resolve_accelerator, resolve_precision, to_dict
 from keel.console import quiet_libraries
+from keel.devices import set_threads
 from keel.data.loading import KeelDataModule, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
 from keel.errors import ConfigError
@@ -41,20 +42,6 @@ from keel.rundir import RunDirLock, claim_run_dir, remove_orphans, say, write_co
 from keel.strategy import build_strategy
 from keel.summary import run_result, run_summary
 from keel.trainer_checks import check_trainer
-
-
-def set_threads(cfg: Config) -> None:
-    """One intra-op thread per available core, shared among the processes on this node (trainer.devices of
-    them, CPU or GPU ranks alike) after a core for each of their loader workers: more threads than cores (e.g. 8
-    GPU ranks each taking every core) oversubscribes the CPU."""
-    threads = cfg.trainer.threads
-    if threads == 0:
-        cores = len(os.sched_getaffinity(0))
-        threads = max(1, (cores - cfg.trainer.devices * cfg.data.loader_workers) // cfg.trainer.devices)
-    torch.set_num_threads(threads)
-    # Lightning's DDP/FSDP launcher resets every process to cores / processes unless OMP_NUM_THREADS is set, and
-    # torchrun sets it to 1; the ranks started after this inherit it
-    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def tell_litdata_the_nodes(cfg: Config) -> None:

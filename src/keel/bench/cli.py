@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 import keel.bench
+from keel.cli_args import OneLineErrorParser, comma_list
 from keel.bench.report import report, table
 from keel.bench.variants import build_variants, measure, model_config
 from keel.config.model import SCHEMES
 from keel.devices import MATMUL_REPEATS, device_name, matmul_size, measured_matmul_flops
 from keel.errors import ConfigError
-from keel.experiments.common import OneLineErrorParser, comma_list
 from keel.flops import device_peak_flops
 from keel.memory import check_steps_fit
 

@@ -23,16 +23,6 @@ def options_classes() -> list[type[CallbackConfig]]:
     return found
 
 
-def divergence_bar(best: float, spike_margin: float, ceiling: float | None, ceiling_margin: float) -> float:
-    """The loss above which a run is diverging, the one rule of the stability monitor and of `keel maxlr`'s verdict:
-    the best loss so far + spike_margin, capped at `ceiling` (the unigram loss) once the best is ceiling_margin
-    below it - a model that has learned and falls back to unigram has failed, even within the margin."""
-    bar = best + spike_margin
-    if ceiling is not None and best <= ceiling - ceiling_margin:
-        bar = min(bar, ceiling)
-    return bar
-
-
 # every callbacks.<name> section, in the order of their names; the run order is each class's priority
 CALLBACKS: tuple[type[CallbackConfig], ...] = tuple(
     sorted((c for c in options_classes() if c is not EvalConfig), key=lambda c: c.name))

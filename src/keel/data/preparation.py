@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from keel.config import Config, DataConfig, load_config
+from keel.data.generated_tasks import TASKS_SUBDIR, build_tasks, task_files, write_tasks
 from keel.data.shard_writing import SpanEncoder, write_shards
 from keel.data.shards import (
     MANIFEST, PUBLISHING, SPLITS, STAGING, TOKENIZER, VAL_DOCS, chunk_digests, data_path, refuse_foreign_files,
@@ -230,10 +231,8 @@ def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tupl
 
 
 def _write_eval_tasks(fs: fsspec.AbstractFileSystem, staging: str, val_docs: str) -> None:
-    """The generated downstream tasks (keel.evaluation.generated), built from the held-out documents beside the
+    """The generated downstream tasks (keel.data.generated_tasks), built from the held-out documents beside the
     shards, so that training reads them where the data is (an object store or a read-only mount too)."""
-    from keel.evaluation.generated import TASKS_SUBDIR, build_tasks, write_tasks  # (keel.evaluation loads lm-eval)
-
     with open(val_docs, encoding="utf-8") as f:
         try:
             tasks = build_tasks(f)
@@ -263,8 +262,6 @@ def _publish(fs: fsspec.AbstractFileSystem, staging: str, data_dir: str) -> None
                 fs.mv(path, f"{target}/{posixpath.basename(path)}")
         else:
             fs.mv(source, target)
-    from keel.evaluation.generated import task_files
-
     # the generated tasks file by file: nothing else under eval_tasks/ (a file of the user's) is removed
     for source, target in zip(task_files(staging).values(), task_files(data_dir).values()):
         if fs.exists(source):

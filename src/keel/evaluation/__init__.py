@@ -4,8 +4,7 @@ Importing this package registers the lm-eval model `keel`, so that
 `lm_eval.simple_evaluate(model="keel", model_args="checkpoint=PATH", task_manager=task_manager(...))` works.
 """
 
-from keel.evaluation.generated import generate_tasks
 from keel.evaluation.lm import KeelEvalLM
 from keel.evaluation.suite import TASKS_DIR, load_tasks, run_tasks, task_manager
 
-__all__ = ["KeelEvalLM", "TASKS_DIR", "generate_tasks", "load_tasks", "run_tasks", "task_manager"]
+__all__ = ["KeelEvalLM", "TASKS_DIR", "load_tasks", "run_tasks", "task_manager"]

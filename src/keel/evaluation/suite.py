@@ -55,7 +55,7 @@ def task_manager(
     lm-eval's own tasks are indexed too (seconds: docs/evaluation.md) only when `tasks` names one that is neither
     bundled nor a YAML path. data_dir (local standard-suite files), corpus_dir (a `keel data` directory, local or an
     object-store URL, for the generated tasks) and tasks_dir (where those are written for a corpus_dir built
-    without them: keel.evaluation.generated) reach the task loaders as task metadata."""
+    without them: keel.data.generated_tasks) reach the task loaders as task metadata."""
     paths = (str(TASKS_DIR),) + ((include_path,) if include_path else ())
     dirs = {"data_dir": data_dir, "corpus_dir": corpus_dir, "tasks_dir": tasks_dir}
     metadata = tuple(sorted((key, data_path(value)) for key, value in dirs.items() if value))  # URLs as they are

@@ -1,6 +1,7 @@
-"""The paper's grids as data, in one place: what each `make paper-<grid>` runs (`keel paper-run GRID`), which grids
-`make paper`, `make paper-linear` and `make paper-trained` run, and the roles `keel paper-report` reads them in.
-docs/grids.md's table of the grids is `keel paper-run --table`.
+"""The paper's grids as data, in one place: what each `make paper-<grid>` runs (`keel paper-run GRID`,
+keel.experiments.paper_run) and which grids `make paper`, `make paper-linear` and `make paper-trained` run; the roles
+`keel paper-report` reads them in are keel.experiments.roles. docs/grids.md's table of the grids is
+`keel paper-run --table`.
 
 A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTINGS: `make paper SEEDS=1,2`, or
 `keel paper-run --set SEEDS=1,2`), {OUT} the grid's directory under PAPER_OUT; a Scaled part differs at paper scale
@@ -9,37 +10,27 @@ A grid is a keel command and its arguments: "{NAME}" in one is a setting (SETTIN
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import glob
-import importlib
-import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
-from keel.errors import ConfigError
-from keel.experiments.redundancy_table import checkpoint_run, read_rows
+from keel.experiments.records import REDUNDANCY_DIR
 
 SETTINGS = {  # name -> default; the Makefile's variables of the same names override them
     "SEEDS": "1,2,3,4,5",  # Table 1's
     "TREND_SEEDS": "1,2,3",  # the trends', the hold map's, the Post-LN family's
     "WIDE_SEEDS": "1,2",  # the costliest points' (256 blocks; width 256)
     "TRAINED_SEEDS": "1,2,3",  # the trained models' (complete runs)
-    "TRAINED_STEPS": "2000",  # a pilot (Keel 16 x 64, LR 0.02) still fell at 2,000 (docs/experiments.md)
+    "TRAINED_STEPS": "2000",  # why this long: docs/trained-models.md
     "TRAINED_STEPS_D256": "500",
     "TRAINED_WARMUP": "200",
     # the trained models' peak LRs: from about half Pre-LN's loss-optimal LR on the linear ramp to above its max LR
     "LRS_D16": "0.01,0.02,0.04,0.08",
-    # at 64 x 32 one step lower than that rule's 0.0125-0.1: the first seed's Keel was better at 0.0125 than at 0.025
-    # and its Pre-LN at 0.025 still 5.33 at step 1,400, so the optima lie at or below 0.0125 (docs/trained-models.md)
+    # at 64 x 32 one step lower than that rule gives: the first seed's optima lay at its bottom (docs/trained-models.md)
     "LRS_D64": "0.00625,0.0125,0.025,0.05",
     "TUNED_LRS": "0.01,0.02,0.04",
 }
 SETS = ("paper", "paper-linear", "paper-trained")  # the make targets that run several grids, then the report
 SBATCH = "{SBATCH}"  # at paper scale: one --sbatch=OPTION per #SBATCH option given
 CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the grid a redundancy grid is over, of runs with no rows yet
-REDUNDANCY_DIR = "redundancy"  # a redundancy grid's directory, under the grid it is over
-REDUNDANCY = f"{REDUNDANCY_DIR}/redundancy.csv"  # its table: a run with rows there is not measured again
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class Scaled:
 
 
 @dataclass(frozen=True)
-class Grid:
+class PaperGrid:
     command: str  # the keel command that runs it (keel.experiments.<command>): maxlr, sweep or redundancy
     args: tuple[str | Scaled, ...]
     point: tuple[int, int] | None  # (blocks, width) of its runs at miniature scale: the rows the report reads
@@ -70,12 +61,12 @@ def size(blocks: int, width: int) -> tuple[str, ...]:
 
 def slope(peak: str, steps: str, learn_by: str) -> tuple[str, ...]:
     """The paper's protocol: a linear warm-up from 0 to peak over steps, the held-out loss every 5 steps; a probe
-    that has not learned by LR learn_by stops (no run of these grids learned later than LR 0.055)."""
+    that has not learned by LR learn_by stops (none of these grids' runs learned later: docs/experiments.md)."""
     return ("--ramp", "linear", "--eval-every", "5", "--peak-lr", peak, "--steps", steps, "--learn-by-lr", learn_by)
 
 
-def maxlr(point: tuple[int, int], *args: str | Scaled, **fields) -> Grid:
-    return Grid("maxlr", ("--out", "{OUT}", *args), point, **fields)
+def maxlr(point: tuple[int, int], *args: str | Scaled, **fields) -> PaperGrid:
+    return PaperGrid("maxlr", ("--out", "{OUT}", *args), point, **fields)
 
 
 SHALLOW = Scaled((), ("model=paper_d64", "trainer=gpu"))  # 16 x 64 is the miniature's own size
@@ -83,9 +74,9 @@ DEEP = Scaled(size(64, 32), ("--depths", "256", "model=paper_d64", "trainer=gpu"
 EMIT = Scaled((), ("--emit", "slurm", SBATCH))
 SLOPE_1E4 = slope("0.4", "4000", "0.1")  # 1e-4 per step, LR resolution 5e-4: Table 1's
 SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000", "0.1"), slope("0.4", "8000", "0.1")  # the hold map's other two
-# 5e-5 per step ending at LR 0.1: at 256 x 32 Keel learned (best 5.81-5.89), was back within 0.2 nat of the unigram loss
-# by LR 0.03 and stayed there, under the cap, to 0.07 (2 seeds); the last 6,000 steps to 0.4 (4 CPU-hours a probe)
-# would measure that plateau. A probe that reaches 0.1 unbroken is a lower bound, the stricter margins judge it
+# 5e-5 per step ending at LR 0.1: at 256 x 32 Keel learns, then sits near the unigram loss, under the cap, to the end
+# (docs/experiments.md); the rest of the ramp to 0.4 would only measure that plateau, at a high CPU cost. A probe
+# that reaches 0.1 unbroken is a lower bound, the stricter margins judge it
 SLOPE_5E5_TO_01 = slope("0.1", "2000", "0.1")
 # 4x gentler: at 1e-4 per step HybridNorm passes its limit before it has learned, Post-LN at 64 x 32 never learns
 SLOPE_2E5 = slope("0.1", "4000", "0.05")
@@ -96,8 +87,8 @@ NOGAIN = ("--schemes=", "--variant", "keel-nogain=model.scheme=keel,model.out_no
 MUP = ("model.parametrization=mup", "model.mup_base_width=64")  # base width 64: the miniature's, there mup is sp
 MUP_WIDTHS = (32, 64, 128, 256)
 # Keel and Pre-LN over SEEDS, the Post-LN family over TREND_SEEDS (its limits are far below; HybridNorm, which does
-# not learn at this slope, in linear-gentle-d16); at 64 x 32 Post-LN did not learn at this slope (seed 1, not by
-# LR 0.089, an hour of CPU per run climbing the ramp): there the family runs at the gentle slope (linear-gentle-d64)
+# not learn at this slope, in linear-gentle-d16); at 64 x 32 Post-LN did not learn at this slope (docs/experiments.md):
+# there the family runs at the gentle slope (linear-gentle-d64)
 LINEAR_ONLY = ((("keel", "preln"), "SEEDS"), (("postln", "deepnorm", "mixln"), "TREND_SEEDS"))
 FAMILY = ("--schemes", "postln,deepnorm,hybridnorm,mixln", "--seeds", "{TREND_SEEDS}")
 LINEAR = ("paper", "paper-linear")
@@ -117,16 +108,16 @@ TRAINED = ("--schemes", "keel,preln", "--seeds", "{TRAINED_SEEDS}", "--out", "{O
            "callbacks.stability.stop_on_failure=false")
 
 
-def trained(point: tuple[int, int], lrs: str, *args: str) -> Grid:
+def trained(point: tuple[int, int], lrs: str, *args: str) -> PaperGrid:
     blocks, width = point
-    return Grid("sweep", (*TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args), point,
+    return PaperGrid("sweep", (*TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args), point,
                 ("paper-trained",))
 
 
-def redundancy(grid: str) -> Grid:
+def redundancy(grid: str) -> PaperGrid:
     """keel redundancy over the final checkpoints of a grid's runs that have no rows yet, into <grid>/redundancy/
     beside the rows already there (those of committed records whose checkpoints are gone too)."""
-    return Grid("redundancy", (CHECKPOINTS, "--append", "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
+    return PaperGrid("redundancy", (CHECKPOINTS, "--append", "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
                 ("paper-trained",), over=grid)
 
 
@@ -175,8 +166,8 @@ GRIDS = {
                         "hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron", "--seeds", "{TREND_SEEDS}",
                         "--start-lr", "1e-4", "--steps", "720", "model.init=normal"),
     # past 1000 layers: three schemes, then Keel without the outer norms' per-channel gains
-    "deep1024": Grid("sweep", (*DEEP1024, "--schemes", "keel,preln,postln"), (1024, 32)),
-    "deep1024-nogain": Grid("sweep", (*DEEP1024, "--schemes", "keel", "model.out_norm_gain=false"), (1024, 32)),
+    "deep1024": PaperGrid("sweep", (*DEEP1024, "--schemes", "keel,preln,postln"), (1024, 32)),
+    "deep1024-nogain": PaperGrid("sweep", (*DEEP1024, "--schemes", "keel", "model.out_norm_gain=false"), (1024, 32)),
     # what dropping the gains costs where Keel trains with them: Table 1's two sizes and 256 blocks
     "nogain-d16": maxlr((16, 64), *NOGAIN, "--seeds", "{TREND_SEEDS}", SHALLOW),
     "nogain-d64": maxlr((64, 32), *NOGAIN, "--seeds", "{TREND_SEEDS}", DEEP),
@@ -194,157 +185,3 @@ GRIDS = {
     "redundancy-lr-d16": redundancy("lr-d16"),
     "redundancy-lr-d64": redundancy("lr-d64"),
 }
-
-# ------------------------------------------------------------------------------- the roles in keel paper-report
-
-
-def axis(index: int, *points: str | tuple[str, ...]) -> dict[int, tuple[tuple[str, ...], int, int]]:
-    """A trend: its value (the point's blocks, index 0, or width, 1) -> (the point's grids, blocks, width); a point's
-    grids are read together (Keel's and Pre-LN's beside the Post-LN family's at its gentler slope)."""
-    trend = {}
-    for names in points:
-        names = (names,) if isinstance(names, str) else names
-        point = GRIDS[names[0]].point
-        if any(GRIDS[name].point != point for name in names):
-            raise ValueError(f"{names}: one point of a trend, but their grids' sizes differ")
-        trend[point[index]] = (names, *point)
-    return trend
-
-
-TABLE1 = {  # grid -> the title of its seed table, in report order
-    "linear-d16": "Table 1, 16 blocks x 64", "linear-d64": "Table 1, 64 blocks x 32",
-    "linear-gentle-d16": "Table 1's Post-LN family, 16 blocks x 64, a 4x gentler slope",
-    "linear-gentle-d64": "Table 1's Post-LN family, 64 blocks x 32, a 4x gentler slope",
-    "table1-d16": "Table 1, 16 blocks x 64", "table1-d64": "Table 1, 64 blocks x 32",
-    "hybridnorm": "HybridNorm, ramp from 1e-4 over 720 steps",
-}
-DEPTH_TREND = axis(0, "depth-d16", "table1-d64", "depth-d256")
-WIDTH_TREND = axis(1, "depth-d16", "table1-d16", "width-w128", "width-w256")
-BATCH_POINT = axis(1, "batch-8x")  # 8x the tokens per step, plotted on the width panel
-LINEAR_DEPTH_TREND = axis(0, ("linear-depth-d16", "linear-gentle-depth-d16"), ("linear-d64", "linear-gentle-d64"),
-                          ("linear-depth-d256", "linear-gentle-depth-d256"))
-LINEAR_SLOW_DEPTH_TREND = axis(0, "linear-slow-depth-d16", "hold-d64-slow", "linear-slow-depth-d256")
-LINEAR_WIDTH_TREND = axis(1, "linear-depth-d16", "linear-d16", "linear-width-w128", "linear-width-w256")
-MUP_WIDTH_TREND = axis(1, *(f"mup-width-w{width}" for width in MUP_WIDTHS))  # against WIDTH_TREND's sp grids
-# the hold map, per point: the grids whose ramps it compares, slowest hold last
-HOLD_GRIDS = {GRIDS[names[0]].point: names for names in (
-    ("table1-d16", "ramp-2x", "hold-d16-fast", "linear-d16", "hold-d16-slow"),
-    ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"))}
-RAMP_CHECK = ("table1-d16", "ramp-2x")  # the same seeds on the ramp and on one twice as slow
-NOGAIN_PAIRS = (("table1-d16", "nogain-d16"), ("table1-d64", "nogain-d64"), ("depth-d256", "nogain-d256"))
-DEEP_RUNS = {"deep1024": "", "deep1024-nogain": " (out_norm_gain=false)"}  # grid -> its runs' label suffix
-MAXLR_GRIDS = tuple(name for name, grid in GRIDS.items() if grid.command == "maxlr")
-LR_GRIDS = ("lr-d16", "lr-d64")  # Table 2, Sections 8 and 9
-TUNED_GRIDS = ("tuned-depth-d16", "tuned-depth-d256")
-DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's depths at width 32
-
-# ---------------------------------------------------------------------------------------------- keel paper-run
-
-
-def unmeasured_checkpoints(grid_dir: str) -> list[str]:
-    """The last.ckpt of each finished run of the grid at grid_dir (its records show every step: a run still training
-    has a last.ckpt too, from the middle of its schedule) that has no rows in the grid's redundancy.csv yet: a rerun
-    measures only the runs finished since (`keel redundancy CKPT --append` measures one again)."""
-    from keel.artifacts import CONFIG
-    from keel.experiments.common import finished, load_run_config
-
-    table = Path(grid_dir) / REDUNDANCY
-    try:
-        measured = {checkpoint_run(row["path"]) for row in read_rows(table)}
-    except ConfigError as error:
-        raise ConfigError(f"{error}; move it aside and measure the grid again") from None
-    runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(f"{grid_dir}/*/checkpoints/last.ckpt"))]
-    return [path for path, run in runs if run.name not in measured and (run / CONFIG).is_file()
-            and finished(run, load_run_config(run))]
-
-
-def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch: tuple[str, ...] = (),
-            checkpoints=unmeasured_checkpoints) -> list[str] | None:
-    """The grid's keel command line (after `keel`); values: each setting's, OUT's and PAPER_OUT's. None for a
-    redundancy grid with no checkpoint to measure."""
-    grid = GRIDS[name]
-    values = {**values, "OUT": f"{values['PAPER_OUT']}/{name}"}
-    argv = [grid.command]
-    for part in grid.args:
-        for token in (part.paper if paper_scale else part.miniature) if isinstance(part, Scaled) else (part,):
-            if token == SBATCH:
-                argv += [f"--sbatch={option}" for option in sbatch]
-            elif token == CHECKPOINTS:
-                if not (paths := checkpoints(f"{values['PAPER_OUT']}/{grid.over}")):
-                    return None
-                argv += paths
-            else:  # split as the shell splits the Makefile's words
-                argv += token.format_map(values).split()
-    for schemes, seeds in grid.only:
-        argv += [word for scheme in schemes for seed in values[seeds].replace(",", " ").split()
-                 for word in ("--only", f"{scheme}-d{grid.point[0]}-s{seed}")]
-    return argv
-
-
-def grid_set(name: str, paper_scale: bool = False) -> list[str]:
-    """The grids `make <name>` runs, in order; at paper scale `make paper` runs only those written for a cluster."""
-    return [grid for grid, g in GRIDS.items() if name in g.sets and (g.cluster or not paper_scale or name != "paper")]
-
-
-def table() -> str:
-    """docs/grids.md's table of the grids: each one's command with its settings named ($SEEDS, ...)."""
-    values = {key: f"${key}" for key in (*SETTINGS, "PAPER_OUT")}
-    lines = ["| `make` | also run by | command |", "|---|---|---|"]
-    for name, grid in GRIDS.items():
-        scales = (False, True) if any(isinstance(part, Scaled) for part in grid.args) else (False,)
-        for paper_scale in scales:
-            argv = command(name, values, paper_scale, ("$PAPER_SBATCH",),
-                           lambda grid_dir: [f"{grid_dir}/*/checkpoints/last.ckpt"])
-            target = f"`paper-{name}`" + (" PAPER_SCALE=1" if paper_scale else "")
-            lines.append(f"| {target} | {', '.join(f'`{s}`' for s in grid.sets)} | `keel {' '.join(argv)}` |")
-    lines += ["", "| setting | default |", "|---|---|"]
-    lines += [f"| `{key}` | `{value}` |" for key, value in SETTINGS.items()]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="keel paper-run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="keel paper-run GRID... [options] [-- ARGS...] | --list SET | --table")
-    parser.add_argument("grids", nargs="*", metavar="GRID", help="run these, in order (`--list paper` names them)")
-    parser.add_argument("--out", default="runs/paper", help="PAPER_OUT: each grid goes to OUT/GRID")
-    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
-                        help=f"a setting instead of its default (repeatable): {', '.join(SETTINGS)}")
-    parser.add_argument("--paper-scale", action="store_true", help="PAPER_SCALE=1: the paper's model")
-    parser.add_argument("--sbatch", action="append", default=[], help="at paper scale, an #SBATCH option (repeatable)")
-    parser.add_argument("--dry-run", action="store_true", help="print each grid's command, run nothing")
-    parser.add_argument("--list", metavar="SET", choices=SETS, help="print the grids `make SET` runs")
-    parser.add_argument("--table", action="store_true", help="print docs/grids.md's table of the grids")
-    args = parser.parse_args(argv)
-    if args.list or args.table:
-        print(" ".join(grid_set(args.list, args.paper_scale)) if args.list else table())
-        return 0
-    if not args.grids:
-        raise ConfigError(f"no grid given; the grids: {', '.join(GRIDS)} (`keel paper-run --table` describes them)")
-    for grid in args.grids:
-        if grid not in GRIDS:
-            close = difflib.get_close_matches(grid, GRIDS, n=3, cutoff=0.6)
-            hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise ConfigError(f"unknown grid {grid}; {hint}`keel paper-run --table` lists the {len(GRIDS)} grids")
-    values = {**SETTINGS, "PAPER_OUT": args.out}
-    for item in args.settings:
-        key, sep, value = item.partition("=")
-        if not sep or key not in SETTINGS:
-            raise ConfigError(f"--set {item!r}: expected NAME=VALUE with NAME one of {', '.join(SETTINGS)}")
-        values[key] = value
-    if args.sbatch and not args.paper_scale:
-        raise ConfigError("--sbatch: only at paper scale (--paper-scale), where Table 1 is written as SLURM arrays")
-    for grid in args.grids:
-        if (grid_command := command(grid, values, args.paper_scale, tuple(args.sbatch))) is None:
-            over = f"{args.out}/{GRIDS[grid].over}"
-            print(f"keel paper-run {grid}: nothing to measure: every finished run of {over} has its rows in "
-                  f"{over}/{REDUNDANCY} (`make paper-{GRIDS[grid].over}` trains the others)", flush=True)
-            continue
-        command_line = [*grid_command, *extra]
-        print(f"keel {shlex.join(command_line)}", flush=True)
-        if not args.dry_run:
-            status = importlib.import_module(f"keel.experiments.{command_line[0]}").main(command_line[1:])
-            if status:
-                return status
-    return 0

@@ -12,22 +12,22 @@ extrapolates like for like.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
-from keel.experiments.common import fmt, median, pyplot
-from keel.experiments.grids import HOLD_GRIDS
 from keel.experiments.maxlr_report import HOLD_FACTOR, max_lr_value, rows_at
+from keel.experiments.plots import pyplot
+from keel.experiments.roles import HOLD_GRIDS
+from keel.experiments.stats import fmt, log_line_fit, median
 
 HOLD_SCHEMES = ("keel", "preln")
 RAMP_SETS = {"every ramp": lambda ramp: True, "linear ramps": lambda ramp: ramp.startswith("linear")}
 WARMUP_STEPS = 5000  # the paper's warm-up of its 64-layer max-LR probe (docs/paper.md, Table 1)
 WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the peak the limit: 1,667 steps
 # The holds a line is drawn through must span this much: on a linear ramp the hold at the limit moves with the limit,
-# so two slopes 2x apart can give holds 1.1x apart, and a line through them extrapolates any difference between the
-# grids (at 64 x 32 Pre-LN's limit at 1e-4 per step is a slow return to the unigram loss) to an absurd exponent.
+# so two slopes 2x apart can give nearly the same hold, and a line through them extrapolates any difference between
+# the grids (a slow return to the unigram loss, say) to an absurd exponent.
 MIN_HOLD_SPAN = 2.0
 
 
@@ -71,29 +71,12 @@ def hold_table(grids: dict[str, list[dict]]) -> list[dict]:
 
 
 def fit(points: list[tuple[float, float]], at: float = WARMUP_HOLD) -> dict | None:
-    """Least squares of log(max LR) on log(hold) over (hold, max LR) points: the exponent and its 95% interval, and
-    the line's value at `at` with its 95% interval (the mean's, not a new seed's). None with fewer than two holds or
-    three points, or holds spanning less than MIN_HOLD_SPAN."""
-    from scipy import stats
-
+    """keel.experiments.stats.log_line_fit of the (hold, max LR) points; None with fewer than two holds or three
+    points, or holds spanning less than MIN_HOLD_SPAN."""
     holds = sorted({h for h, _ in points})
     if len(holds) < 2 or len(points) < 3 or hold_span(points) < MIN_HOLD_SPAN:
         return None
-    x = np.log([h for h, _ in points])
-    y = np.log([v for _, v in points])
-    design = np.stack([np.ones_like(x), x], axis=1)
-    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    dof = len(points) - 2  # >= 1: three points or more
-    residual = y - design @ coef
-    cov = float(residual @ residual) / dof * np.linalg.inv(design.T @ design)
-    t = stats.t.ppf(0.975, dof)
-    slope_half = t * math.sqrt(cov[1, 1])
-    x0 = np.array([1.0, math.log(at)])
-    mean, mean_half = float(x0 @ coef), t * math.sqrt(float(x0 @ cov @ x0))
-    return {"exponent": float(coef[1]), "exponent low": float(coef[1]) - slope_half,
-            "exponent high": float(coef[1]) + slope_half, "at": at, "value": math.exp(mean),
-            "value low": math.exp(mean - mean_half), "value high": math.exp(mean + mean_half),
-            "points": len(points), "holds": len(holds)}
+    return log_line_fit(points, at) | {"holds": len(holds)}
 
 
 def hold_span(points: list[tuple[float, float]]) -> float:

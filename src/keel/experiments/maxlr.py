@@ -26,12 +26,15 @@ from keel.artifacts import read_stability
 from keel.cadence import finished_step
 from keel.config import Config, load_config, to_yaml
 from keel.errors import ConfigError
-from keel.experiments.common import OneLineErrorParser, comma_list, resolve_alpha, slug, trained, unigram_loss
-from keel.experiments.cost import train_timed
-from keel.experiments.maxlr_report import COST, MARGIN, collect, unigram_key
+from keel.cli_args import OneLineErrorParser, comma_list
+from keel.experiments.axes import resolve_alpha, slug
+from keel.experiments.launch import GridCell, slurm_script
+from keel.experiments.maxlr_report import MARGIN, collect, unigram_key, unigram_loss
 from keel.experiments.maxlr_report import main as report_main
-from keel.experiments.sweep import MANIFEST, Run, slurm_script
-from keel.lit import lr_factor
+from keel.experiments.records import (COMMANDS, LOSS_LR, MANIFEST, MAXLR_SUMMARY, MAXLR_TIME, SBATCH_SCRIPT,
+                                      already_trained)
+from keel.experiments.timing import train_timed
+from keel.schedule import lr_factor
 from keel.config.model import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
@@ -58,7 +61,6 @@ CRITERION = [
     "callbacks.layer_importance.enabled=false",
     "callbacks.throughput.enabled=false",
 ]
-LOSS_LR = "loss_lr.csv"
 EXP_START_LR = 1e-3
 
 
@@ -106,8 +108,8 @@ def uses_miniature(overrides: list[str]) -> bool:
     return not any(key == "model" or (key.startswith("model.") and key not in NOT_SHAPE) for key in keys)
 
 
-def build_grid(args: argparse.Namespace) -> list[Run]:
-    """One Run per (depth, seed, row); rows are the schemes (keel once per alpha) and the variants."""
+def build_grid(args: argparse.Namespace) -> list[GridCell]:
+    """One GridCell per (depth, seed, row); rows are the schemes (keel once per alpha) and the variants."""
     depths = args.depths or [MINIATURE_DEPTH if uses_miniature(args.overrides)
                              else load_config(args.config, args.overrides).model.depth]
     rows: list[tuple[str, dict, list[str]]] = []
@@ -126,7 +128,7 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
                 if "alpha" in axes:
                     field = scheme_named(axes["scheme"]).alpha_field
                     run_overrides.append(f"model.{field}={resolve_alpha(axes['alpha'], n_sublayers=2 * depth)!r}")
-                runs.append(Run(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
+                runs.append(GridCell(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
                                 run_overrides))
     if len({run.name for run in runs}) < len(runs):
         raise ConfigError("keel maxlr: two runs of the grid have the same name (a variant named like a scheme?)")
@@ -156,7 +158,7 @@ def step_reaching(cfg: Config, lr: float) -> int:
     return next(step for step in range(steps) if cfg.optim.lr * lr_factor(step, cfg.optim, steps) >= lr * (1 - 1e-9))
 
 
-def run_configs(args: argparse.Namespace, runs: list[Run], out: Path) -> list:
+def run_configs(args: argparse.Namespace, runs: list[GridCell], out: Path) -> list:
     base = MINIATURE if uses_miniature(args.overrides) else []
     return [load_config(args.config, [*base, *CRITERION, *args.overrides, *run.overrides,
                                       *protocol(args, out / run.name)]) for run in runs]
@@ -165,15 +167,14 @@ def run_configs(args: argparse.Namespace, runs: list[Run], out: Path) -> list:
 # ------------------------------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["collect"]:
-        return report_main(argv[1:])
+def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog="keel maxlr", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", type=comma_list(str), default=list(PAPER_SCHEMES),
                         help="comma-separated (default: Keel and the paper's five baselines)")
     parser.add_argument("--depths", type=comma_list(int), default=[],
-                        help=f"blocks, comma-separated (default: {MINIATURE_DEPTH} for the miniature, else the model's)")
+                        help=f"blocks, comma-separated (default: {MINIATURE_DEPTH} for the miniature, else the "
+                             "model's)")
     parser.add_argument("--seeds", type=comma_list(int), default=[1337], help="run.seed values: init and data order")
     parser.add_argument("--alphas", type=comma_list(str), default=[], help="Keel alphas: numbers or expressions in L")
     parser.add_argument("--variant", dest="variants", action="append", default=[],
@@ -198,7 +199,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--print-config", action="store_true", help="print each run's resolved config and exit")
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
     parser.add_argument("overrides", nargs="*", help="group=choice or key.path=value, applied over the miniature")
-    args = parser.parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
+    return parser
+
+
+def check_protocol(args: argparse.Namespace) -> None:
+    """Refuse a ramp, an evaluation cadence or an override the protocol cannot run; fills in --start-lr's default."""
     if not args.peak_lr > 0:
         raise ConfigError(f"--peak-lr {args.peak_lr}: must be > 0")
     if args.ramp == "linear" and args.start_lr is not None:
@@ -220,16 +225,10 @@ def main(argv: list[str]) -> int:
     if args.learn_by_lr is not None and not 0 < args.learn_by_lr <= args.peak_lr:
         raise ConfigError(f"--learn-by-lr {args.learn_by_lr}: must be > 0 and at most --peak-lr {args.peak_lr}, an "
                           "LR the ramp reaches")
-    out = Path(args.out)
-    runs = build_grid(args)
-    if unknown := [name for name in args.only if name not in {run.name for run in runs}]:
-        raise ConfigError(f"--only {', '.join(unknown)}: not in the grid ({', '.join(run.name for run in runs)})")
-    configs = run_configs(args, runs, out)  # every config is checked before the first run starts
-    if args.print_config:
-        for run, cfg in zip(runs, configs):
-            if not args.only or run.name in args.only:
-                print(f"# keel maxlr run {run.name}\n{to_yaml(cfg)}", end="")
-        return 0
+
+
+def write_manifest(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
+    """The grid's MANIFEST: its protocol in words, its peak LR and its runs."""
     ramp = (f"{args.start_lr:g} -> {args.peak_lr:g} geometrically" if args.ramp == "exp"
             else f"0 -> {args.peak_lr:g} linearly")
     out.mkdir(parents=True, exist_ok=True)
@@ -237,38 +236,68 @@ def main(argv: list[str]) -> int:
         "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps"
                     + (f", a probe not learned by LR {args.learn_by_lr:g} stopped" if args.learn_by_lr else ""),
         "peak_lr": args.peak_lr, "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
-    if args.emit != "run":
-        commands = [shlex.join(["keel", "maxlr", *grid_argv(args), "--only", run.name]) for run in runs]
-        path = out / ("commands.sh" if args.emit == "commands" else "sweep.sbatch")
-        path.write_text("".join(c + "\n" for c in commands) if args.emit == "commands"
-                        else slurm_script(commands, out, args.sbatch))
-        print(f"keel maxlr: {len(runs)} runs -> {path}; afterwards: keel maxlr collect {out}")
-        return 0
+
+
+def emit(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
+    """One `keel maxlr --only RUN` per run, as a script of commands or a SLURM array."""
+    commands = [shlex.join(["keel", "maxlr", *grid_argv(args), "--only", run.name]) for run in runs]
+    path = out / (COMMANDS if args.emit == "commands" else SBATCH_SCRIPT)
+    path.write_text("".join(c + "\n" for c in commands) if args.emit == "commands"
+                    else slurm_script(commands, out, args.sbatch))
+    print(f"keel maxlr: {len(runs)} runs -> {path}; afterwards: keel maxlr collect {out}")
+
+
+def probe(cfg: Config, args: argparse.Namespace, unigram: float) -> str:
+    """Train one probe under the report's criterion (keel.experiments.maxlr_report: never above the unigram loss
+    once learned); what became of it, in words."""
+    cfg.callbacks.stability.spike_ceiling = unigram
+    cfg.callbacks.stability.spike_ceiling_margin = args.margin
+    if args.learn_by_lr is not None:
+        cfg.callbacks.stability.learn_by_step = step_reaching(cfg, args.learn_by_lr)
+    run_dir = Path(cfg.run.dir)
+    total = train_timed(cfg, run_dir / MAXLR_TIME, [LossByLR(cfg.run.dir)])
+    state = read_stability(run_dir)
+    verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]
+               else f"ran the ramp to {state['max_lr_seen']:.3g}")
+    return f"{verdict} ({state['steps']} steps, {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} s CPU)"
+
+
+def run_probes(todo: list[tuple[GridCell, Config]], args: argparse.Namespace) -> None:
+    """Train each probe not finished before, the unigram loss measured once per data and batch shape."""
     unigrams: dict[tuple, float] = {}
-    todo = [(run, cfg) for run, cfg in zip(runs, configs) if not args.only or run.name in args.only]
     for i, (run, cfg) in enumerate(todo, 1):
-        run_dir = Path(cfg.run.dir)
-        if trained(run_dir, cfg):  # probes stop on failure (above)
+        if already_trained(Path(cfg.run.dir), cfg):  # probes stop on failure (above)
             print(f"keel maxlr: {i}/{len(todo)} {run.name}: finished before, skipped", flush=True)
             continue
         key = unigram_key(cfg)
         if key not in unigrams:
             unigrams[key] = unigram_loss(cfg)
-        # the report's criterion (keel.experiments.maxlr_report): never above the unigram loss once learned
-        cfg.callbacks.stability.spike_ceiling = unigrams[key]
-        cfg.callbacks.stability.spike_ceiling_margin = args.margin
-        if args.learn_by_lr is not None:
-            cfg.callbacks.stability.learn_by_step = step_reaching(cfg, args.learn_by_lr)
-        total = train_timed(cfg, run_dir / COST, [LossByLR(cfg.run.dir)])
-        wall_s, cpu_s = total["wall_s"], total["cpu_s"]
-        state = read_stability(run_dir)
-        verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]
-                   else f"ran the ramp to {state['max_lr_seen']:.3g}")
-        print(f"keel maxlr: {i}/{len(todo)} {run.name}: {verdict} ({state['steps']} steps, {wall_s:.0f} s wall, "
-              f"{cpu_s:.0f} s CPU)", flush=True)
+        print(f"keel maxlr: {i}/{len(todo)} {run.name}: {probe(cfg, args, unigrams[key])}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["collect"]:
+        return report_main(argv[1:])
+    args = build_parser().parse_intermixed_args(argv)  # options may follow overrides (make paper ARGS=...)
+    check_protocol(args)
+    out = Path(args.out)
+    runs = build_grid(args)
+    if unknown := [name for name in args.only if name not in {run.name for run in runs}]:
+        raise ConfigError(f"--only {', '.join(unknown)}: not in the grid ({', '.join(run.name for run in runs)})")
+    configs = run_configs(args, runs, out)  # every config is checked before the first run starts
+    selected = [(run, cfg) for run, cfg in zip(runs, configs) if not args.only or run.name in args.only]
+    if args.print_config:
+        for run, cfg in selected:
+            print(f"# keel maxlr run {run.name}\n{to_yaml(cfg)}", end="")
+        return 0
+    write_manifest(args, runs, out)
+    if args.emit != "run":
+        emit(args, runs, out)
+        return 0
+    run_probes(selected, args)
     if not args.only:
         collect(out, args.margin)
-        print(f"\n{(out / 'maxlr.md').read_text()}\nkeel maxlr: wrote {out}/maxlr.csv, maxlr.md, plots")
+        print(f"\n{(out / MAXLR_SUMMARY).read_text()}\nkeel maxlr: wrote {out}/maxlr.csv, maxlr.md, plots")
     return 0
 
 

@@ -21,15 +21,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from keel.artifacts import CONFIG, read_stability
-from keel.config.callbacks import divergence_bar
 from keel.config import Config
+from keel.divergence import DivergenceJudge
 from keel.errors import ConfigError
-from keel.experiments.common import comma_list, finished, load_run_config, markdown_table, median_range, pyplot, \
-    run_row, unigram_loss, write_table
-from keel.experiments.sweep import MANIFEST
+from keel.cli_args import comma_list
+from keel.experiments.plots import pyplot
+from keel.experiments.records import (MANIFEST, MAXLR_PLOT, MAXLR_SEEDS_PLOT, MAXLR_SUMMARY, MAXLR_TABLE, MAXLR_TIME,
+                                      finished, load_run_config, run_row)
+from keel.experiments.stats import median_range, sign_test
+from keel.experiments.tables import markdown_table, write_table
 
 DEFAULT_PAIRS = (("keel", "preln"), ("keel", "postln"))
-COST = "maxlr_time.json"  # wall and CPU seconds of the probe, over its sessions (keel.experiments.cost)
 MARGIN = 0.5  # nats below the unigram loss that count as "learned"
 HOLD_FACTOR = 4 / 3  # the hold at an LR x: the steps a ramp spends between x and 4/3 x (the geometric ramp's 20)
 # The sensitivity table: the same curves judged with other settings (None: the run's spike_margin); the looser
@@ -65,20 +67,17 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
     run's non-finite stop, if any. relative_only: the bar is best + spike_margin throughout (the criterion that
     misses the collapse of a model that learned little; reported for comparison)."""
     points = [(step, lr, loss) for step, lr, loss in heldout if lr is not None]
-    best = math.inf
+    divergence = DivergenceJudge(spike_margin, patience, None if relative_only else unigram, margin)
     good: tuple | None = None  # the last evaluation within the bar
     onset: tuple | None = None  # the first evaluation of the current excursion above it
     failure = None
-    for step, lr, loss in points:
-        finite = math.isfinite(loss)
-        if finite:
-            best = min(best, loss)
-        bar = divergence_bar(best, spike_margin, None if relative_only else unigram, margin)
-        if finite and loss <= bar:
-            good, onset = (step, lr, loss), None
+    for point in points:
+        diverged = divergence.see(point[0], point[2])
+        if not divergence.above:
+            good, onset = point, None
             continue
-        onset = onset or (step, lr, loss)
-        if not finite or step - (good[0] if good else -1) >= patience:
+        onset = onset or point
+        if diverged:
             failure = "divergence"
             break
     if failure is None and onset is not None:  # above the bar when the probe ended: it never came back
@@ -104,6 +103,11 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
 def rows_at(rows: list[dict], depth: int, width: int, scheme: str | None = None) -> list[dict]:
     """A grid's rows of one size (blocks x width), of one row label (scheme or variant) or all."""
     return [r for r in rows if (r["depth"], r["width"]) == (depth, width) and scheme in (None, r["row"])]
+
+
+def inits(rows) -> str:
+    """The init in force of these runs (model.init resolved: keel.config.ModelConfig.init_kind)."""
+    return ", ".join(dict.fromkeys(r["init"] for r in rows))
 
 
 def max_lr_value(row: dict) -> float | None:
@@ -142,28 +146,19 @@ def hold_steps(optim, lr: float | None) -> float | None:
 
 
 def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: float) -> dict:
-    """run_row (what the run was) with the verdict of the report's criterion, and its cost."""
+    """run_row (what the run was) with the verdict of the report's criterion, and its time (MAXLR_TIME)."""
     row = {"row": label, **run_row(run_dir)}
     for key in ("failed", "onset_step", "max_tolerable_lr"):  # the run's own stop, superseded by the verdict
         row.pop(key, None)
     row["stop"] = row.pop("failure", None)
-    if (run_dir / COST).is_file():
-        row |= json.loads((run_dir / COST).read_text())
+    if (run_dir / MAXLR_TIME).is_file():
+        row |= json.loads((run_dir / MAXLR_TIME).read_text())
     state = read_stability(run_dir)
     row |= {**asdict(probe_verdict(state, cfg, unigram, margin)), "unigram_loss": unigram, "ramp": ramp_name(cfg.optim)}
     row["hold_steps"] = hold_steps(cfg.optim, max_lr_value(row))
     for name, variant in VARIANTS.items():
         row[f"max LR, {name}"] = max_lr_value({**row, **asdict(probe_verdict(state, cfg, unigram, **variant))})
     return row
-
-
-def sign_test(wins: int, losses: int) -> float:
-    """Two-sided exact binomial p-value of wins vs losses under p = 1/2 (ties dropped)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(0, min(wins, losses) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
 
 
 def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None = None) -> dict | None:
@@ -247,7 +242,7 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
         rows.append(probe_row(run_dir, run["axes"]["row"], cfg, unigrams[key], margin))
     if not rows:
         raise NotYetRun(f"keel maxlr collect: no finished run in {out} yet ({len(pending)} listed)")
-    write_table(rows, out / "maxlr.csv")
+    write_table(rows, out / MAXLR_TABLE)
     summary = summarize(rows)
     labels = list(dict.fromkeys(r["row"] for r in rows))
     pairs = pairs if pairs is not None else [p for p in DEFAULT_PAIRS if p[0] in labels and p[1] in labels]
@@ -273,9 +268,34 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
                  "seeds are left out of the test):", "", markdown_table(tests, list(dict.fromkeys(
                      k for t in tests for k in t))), ""]
     text += ["Runs:", "", markdown_table(rows, columns), ""]
-    (out / "maxlr.md").write_text("\n".join(text))
+    (out / MAXLR_SUMMARY).write_text("\n".join(text))
     plot(rows, out, unigrams, margin)
     return rows
+
+
+def unigram_loss(cfg: Config) -> float:
+    """Cross-entropy (nats/token) of the held-out batches validation uses (the first trainer.val_batches of the
+    val split) under the training split's token frequencies (add-one smoothed): what a model that learned only
+    how often each token occurs would score - the level a model must get well below before it is judged."""
+    import numpy as np
+    from litdata import StreamingDataset
+    from litdata.streaming.item_loader import TokensLoader
+
+    from keel.data.loading import open_dataset, token_loader
+    from keel.data.shards import data_path
+
+    vocab = max(open_dataset(cfg).vocab_size, cfg.model.vocab_size)
+    counts = np.zeros(vocab, np.int64)
+    for block in StreamingDataset(data_path(cfg.data.dir, "train"), item_loader=TokensLoader(block_size=1 << 16)):
+        counts += np.bincount(np.asarray(block), minlength=vocab)
+    log_p = np.log((counts + 1) / (counts.sum() + vocab))
+    total, tokens = 0.0, 0
+    for i, batch in enumerate(token_loader(cfg, "val", shuffle=False)):
+        if i == cfg.trainer.val_batches:
+            break
+        targets = batch[:, 1:].numpy()
+        total, tokens = total - log_p[targets].sum(), tokens + targets.size
+    return float(total / tokens)
 
 
 def unigram_key(cfg: Config) -> tuple:
@@ -319,7 +339,7 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "maxlr.png", dpi=120)
+    fig.savefig(out / MAXLR_PLOT, dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(labels) * len(depths)), 4))
@@ -341,7 +361,7 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
                  "squares: loss-optimal LR", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "maxlr_seeds.png", dpi=120)
+    fig.savefig(out / MAXLR_SEEDS_PLOT, dpi=120)
     plt.close(fig)
 
 
@@ -357,6 +377,6 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--pairs {args.pairs}: expected A:B,C:D (row names as in maxlr.md)")
     out = Path(args.dir)
     rows = collect(out, args.margin, pairs)
-    print((out / "maxlr.md").read_text())
+    print((out / MAXLR_SUMMARY).read_text())
     print(f"keel maxlr collect: {len(rows)} runs -> {out}/maxlr.csv, maxlr.md, plots")
     return 0

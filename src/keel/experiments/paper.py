@@ -2,11 +2,11 @@
 (default runs/paper), written to DIR/report.md with its figures.
 
 Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr_report); this puts them side by
-side in the roles keel.experiments.grids gives them: Table 1's seed tables and sign tests, the Keel / Pre-LN max-LR
-ratio against depth and width (with the batch point), the hold map (keel.experiments.hold), the two-ramp check,
-Keel without its outer norms' gains, the width trend under muP against sp, and the 1,024-block runs (held-out loss,
-non-finite steps, per-block gradient norms); then the trained-model claims (keel.experiments.trained). Every table
-names the init in force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between
+side in the roles keel.experiments.roles gives them: Table 1's seed tables and sign tests (keel.experiments.table1),
+the Keel / Pre-LN max-LR ratio against depth and width with the batch point, and LR transfer under muP
+(keel.experiments.trends), the hold map (keel.experiments.hold), the two-ramp check, Keel without its outer norms'
+gains and the 1,024-block runs (held-out loss, non-finite steps, per-block gradient norms); then the trained-model
+claims (keel.experiments.trained). Every table names the init in force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between
 DIR (by default each scheme's own recipe) and DIR2 (the grids run with one init for all), side by side. A grid not
 run yet is listed as missing; the rest is reported.
 """
@@ -20,224 +20,21 @@ from pathlib import Path
 
 from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
-from keel.experiments.common import fmt, fmt_median_range, load_run_config, markdown_table, median, pyplot, save_figure
-from keel.experiments.grids import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND,
-                                    LINEAR_SLOW_DEPTH_TREND, LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND,
-                                    NOGAIN_PAIRS, RAMP_CHECK, TABLE1, WIDTH_TREND)
+from keel.experiments.grids import GRIDS
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
-from keel.experiments.maxlr_report import NotYetRun, collect, compare, max_lr_value, rows_at
-from keel.experiments.sweep import MANIFEST
+from keel.experiments.maxlr_report import NotYetRun, collect, inits, max_lr_value
+from keel.experiments.plots import pyplot, save_figure
+from keel.experiments.records import (DEEP_PLOT, HOLD_PLOT, MANIFEST, RATIO_PLOT, REPORT, TRANSFER_PLOT,
+                                      load_run_config)
+from keel.experiments.roles import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, LINEAR_DEPTH_TREND, LINEAR_SLOW_DEPTH_TREND,
+                                    LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1,
+                                    WIDTH_TREND)
+from keel.experiments.stats import fmt, median
+from keel.experiments.tables import markdown_table
+from keel.experiments.table1 import STRICT, seed_table, sign_tests
 from keel.experiments.trained import load_trained, sections as trained_sections
+from keel.experiments.trends import hold_pairs, plot_ratios, plot_transfer, transfer, trend
 from keel.config.model import scheme_of
-
-STRICT = "best + 0.5"  # the sensitivity table's stricter bar, under which Table 1's sign tests are repeated
-
-
-def _cell(row: dict) -> str:
-    """One run in a table cell: max LR (how far its held-out loss there is above the best before it), or >= peak,
-    or n.r.; then the loss-optimal LR and loss."""
-    value, above = max_lr_value(row), row.get("above_best_at_max_lr")
-    head = ("n.r." if value is None else f">= {value:.3g}" if not row["failure"]
-            else f"{value:.3g}" + (f" (+{above:.2f})" if above is not None else ""))
-    return f"{head} / {fmt(row['loss_optimal_lr'])} ({fmt(row['best_heldout'])})"
-
-
-def _inits(rows) -> str:
-    """The init in force of these runs (model.init resolved: keel.config.ModelConfig.init_kind)."""
-    return ", ".join(dict.fromkeys(r["init"] for r in rows))
-
-
-def seed_table(rows: list[dict]) -> list[dict]:
-    """Per row (scheme): every seed's max LR / loss-optimal LR (best held-out), medians and ranges."""
-    table = []
-    seeds = sorted({r["seed"] for r in rows})
-    for label in dict.fromkeys(r["row"] for r in rows):
-        runs = {r["seed"]: r for r in rows if r["row"] == label}
-        values = [v for v in map(max_lr_value, runs.values()) if v is not None]
-        optimal = [r["loss_optimal_lr"] for r in runs.values() if r["loss_optimal_lr"] is not None]
-        # a slow learner's bar is the unigram cap: how far above its best a run still counted as sustaining
-        above = [r["above_best_at_max_lr"] for r in runs.values()
-                 if max_lr_value(r) is not None and r.get("above_best_at_max_lr") is not None]
-        entry = {"scheme": label, "init": _inits(runs.values())}
-        entry |= {f"seed {seed}": _cell(runs[seed]) if seed in runs else "" for seed in seeds}
-        entry |= {
-            "resolved": f"{len(values)}/{len(runs)}",
-            "max LR median [range]": fmt_median_range(values),
-            "held-out at it above the best, median [range]": fmt_median_range(above),
-            "loss-optimal LR median [range]": fmt_median_range(optimal),
-            "best held-out median": fmt(median([r["best_heldout"] for r in runs.values()
-                                                  if r["best_heldout"] is not None])),
-        }
-        table.append(entry)
-    return table
-
-
-def sign_tests(rows: list[dict], pairs: list[tuple[str, str]], criterion: str | None = None) -> list[dict]:
-    """Seed-by-seed sign tests of the max LR at each depth of rows (keel.experiments.maxlr_report.compare), under
-    the report's criterion or a stricter one of its sensitivity table."""
-    return [test for depth in dict.fromkeys(r["depth"] for r in rows) for a, b in pairs
-            if (test := compare(rows, a, b, depth, criterion)) is not None]
-
-
-def seed_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """(Keel's run, Pre-LN's run) for each seed both ran."""
-    by = {(r["row"], r["seed"]): r for r in rows}
-    return [(run, by["preln", seed]) for (label, seed), run in by.items() if label == "keel" and ("preln", seed) in by]
-
-
-def ratios(rows: list[dict]) -> list[float | None]:
-    """Per seed where Keel is resolved, its max LR over Pre-LN's; None where Pre-LN is not (it never learned: no
-    ratio, but not nothing to report). No entry where both ran the ramp unbroken: two lower bounds give no ratio."""
-    out = []
-    for keel, preln in seed_pairs(rows):
-        x, y = max_lr_value(keel), max_lr_value(preln)
-        if x is None or (y is not None and not keel["failure"] and not preln["failure"]):
-            continue
-        out.append(None if y is None else x / y)
-    return out
-
-
-def _ratio_cell(rows: list[dict]) -> str:
-    """Keel / Pre-LN per seed where both resolved (">=" / "<=" where one ran the whole ramp unbroken, its peak a
-    lower bound), then the seeds with no ratio: only one resolved, neither did, or both ran the ramp unbroken."""
-    known, counts = [], dict.fromkeys(("Pre-LN unresolved", "Keel unresolved", "neither resolved",
-                                       "neither broke by the ramp's end"), 0)
-    for keel, preln in seed_pairs(rows):
-        x, y = max_lr_value(keel), max_lr_value(preln)
-        if x is None or y is None:
-            counts["Pre-LN unresolved" if y is None and x is not None else
-                   "Keel unresolved" if x is None and y is not None else "neither resolved"] += 1
-        elif not keel["failure"] and not preln["failure"]:
-            counts["neither broke by the ramp's end"] += 1
-        else:
-            known.append((">=" if not keel["failure"] else "<=" if not preln["failure"] else "") + f"{x / y:.2g}")
-    parts = [", ".join(known)] if known else []
-    return "; ".join(parts + [f"{what} in {n}" for what, n in counts.items() if n]) or "-"
-
-
-def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
-    """Per point and ramp of the hold map: Keel / Pre-LN seed by seed, and the sign test's verdict."""
-    table = []
-    for point, names in HOLD_GRIDS.items():
-        for grid in names:
-            rows = rows_at(grids.get(grid, []), *point)
-            if (test := compare(rows, "keel", "preln", point[0])) is not None:
-                table.append({"blocks x width": f"{point[0]} x {point[1]}", "grid": grid, "ramp": rows[0]["ramp"],
-                              "keel / preln (per seed)": _ratio_cell(rows), "verdict": test["verdict"],
-                              "sign test p": test["sign test p"]})
-    return table
-
-
-def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], name: str) -> tuple[list[dict], dict]:
-    """Per point of the axis: each scheme's median max LR and loss-optimal LR, and the Keel / Pre-LN ratio."""
-    table, points = [], {}
-    for value, (names, depth, width) in axis.items():
-        rows = [r for grid in names for r in rows_at(grids.get(grid, []), depth, width)]
-        if not rows:
-            continue
-        entry = {name: value, "grid": ", ".join(grid for grid in names if grid in grids)}
-        for scheme in ("keel", "preln", "postln"):
-            runs = [r for r in rows if r["row"] == scheme]
-            if runs:
-                entry[f"{scheme} init"] = _inits(runs)
-                values = [v for v in map(max_lr_value, runs) if v is not None]
-                unbroken = sum(max_lr_value(r) is not None and not r["failure"] for r in runs)  # the peak: a bound
-                entry[f"{scheme} max LR"] = (f"{fmt(median(values))} ({len(values)}/{len(runs)}"
-                                             + (f", {unbroken} unbroken by the ramp's end)" if unbroken else ")"))
-                entry[f"{scheme} loss-optimal"] = fmt(median([r["loss_optimal_lr"] for r in runs
-                                                                if r["loss_optimal_lr"] is not None]))
-        points[value] = ratios(rows)
-        entry["keel / preln (per seed)"] = _ratio_cell(rows)
-        table.append(entry)
-    return table, points
-
-
-def _spread(values: list[float]) -> float | None:
-    """max / min of positive values (how far an LR moves over a trend), None with fewer than two."""
-    return max(values) / min(values) if len(values) >= 2 else None
-
-
-def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
-    """The width trend under sp (WIDTH_TREND) and under mup (MUP_WIDTH_TREND), Keel and Pre-LN: per width the
-    loss-optimal and max LR, median [range] over seeds; then how far each median moves over the widths (max / min).
-    Also the points for the plot: (scheme, parametrization) -> width -> the seeds' loss-optimal LRs."""
-    table, points, medians = [], {}, {}
-    for width in WIDTH_TREND:
-        entry = {"width": width}
-        for scheme in ("keel", "preln"):
-            for name, axis in (("sp", WIDTH_TREND), ("mup", MUP_WIDTH_TREND)):
-                (grid,), depth, _ = axis[width]
-                runs = rows_at(grids.get(grid, []), depth, width, scheme)
-                optimal = [r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None]
-                values = [v for v in map(max_lr_value, runs) if v is not None]
-                points.setdefault((scheme, name), {})[width] = optimal
-                for column, seeds, cell in (
-                        (f"{scheme} {name} loss-optimal LR", optimal, f"({len(optimal)} seeds)"),
-                        (f"{scheme} {name} max LR", values, f"({len(values)}/{len(runs)} resolved)")):
-                    entry[column] = f"{fmt_median_range(seeds)} {cell}" if runs else "-"
-                    if seeds:
-                        medians.setdefault(column, []).append(median(seeds))
-        table.append(entry)
-    moves = {"width": "max / min over widths"}
-    for column in table[0]:
-        if (spread := _spread(medians.get(column, []))) is not None:
-            moves[column] = f"{fmt(spread)}x ({len(medians[column])} widths)"
-        elif column != "width":
-            moves[column] = "-"
-    return [*table, moves], points
-
-
-def plot_transfer(points: dict, path: Path) -> None:
-    """The loss-optimal LR against width, a point per seed and the medians' line, sp dashed and mup solid."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (scheme, name), by_width in points.items():
-        color = {"keel": "tab:blue", "preln": "tab:orange"}[scheme]
-        style = "-" if name == "mup" else "--"
-        xs = [w for w, values in by_width.items() if values]
-        for w in xs:
-            ax.plot([w] * len(by_width[w]), by_width[w], "o" if name == "mup" else "x", color=color, alpha=0.5)
-        ax.plot(xs, [median(by_width[w]) for w in xs], style, color=color, label=f"{scheme} {name}")
-    ax.set(xscale="log", yscale="log", xlabel="width (16 blocks)", ylabel="loss-optimal LR")
-    ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, "The loss-optimal LR against width: sp and mup (base width 64)", path)
-
-
-def plot_ratios(depth: dict, width: dict, batch: list[float | None], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, points, label in ((axes[0], depth, "depth (blocks), width 32"), (axes[1], width, "width, 16 blocks")):
-        known = {x: [v for v in values if v is not None] for x, values in points.items()}
-        for x, values in known.items():
-            ax.plot([x] * len(values), values, "o", color="tab:blue", alpha=0.6)
-        xs = [x for x in known if known[x]]
-        ax.plot(xs, [median(known[x]) for x in xs], "-", color="tab:blue", label="median" if xs else None)
-        # seeds where Keel learned and Pre-LN did not: no ratio, marked along the top edge with their count
-        unresolved = {x: sum(v is None for v in values) for x, values in points.items() if None in values}
-        top = ax.get_xaxis_transform()  # x in data, y in axes fractions
-        ax.plot(list(unresolved), [0.95] * len(unresolved), "^", color="tab:orange", transform=top,
-                label="Keel learned, Pre-LN did not (seeds)" if unresolved else None)
-        for x, count in unresolved.items():
-            ax.annotate(str(count), (x, 0.95), xycoords=top, xytext=(7, -4), textcoords="offset points", fontsize=8)
-        if unresolved:
-            ax.set_xlim(min([*points, *unresolved]) / 1.3, max([*points, *unresolved]) * 1.3)
-        batch_known = [v for v in batch if v is not None]
-        if label.startswith("width") and batch_known:
-            ax.plot([64] * len(batch_known), batch_known, "s", color="tab:red", alpha=0.7, label="8x tokens per step")
-        ax.axhline(1, color="grey", linewidth=1)
-        if points:
-            ax.set_xscale("log", base=2)
-        if xs:
-            ax.set_yscale("log")
-            values = [1, *batch_known, *(v for x in xs for v in known[x])]
-            ax.set_ylim(min(values) / 1.3, max(values) * 2)  # headroom: the top edge's markers above the data
-        ax.set_xlabel(label)
-        ax.set_ylabel("Keel max LR / Pre-LN max LR")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, "Keel's tolerable LR relative to Pre-LN (a point per seed; > 1: Keel tolerates more)", path)
 
 
 def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
@@ -323,12 +120,12 @@ def init_sensitivity(grids: dict[str, list[dict]], shared: dict[str, list[dict]]
         for label in dict.fromkeys(r["row"] for r in rows):
             own = [r for r in rows if r["row"] == label]
             other = [r for r in shared.get(grid, []) if r["row"] == label]
-            if not other or _inits(own) == _inits(other):
+            if not other or inits(own) == inits(other):
                 continue
             entry = {"grid": grid, "blocks x width": f"{own[0]['depth']} x {own[0]['width']}", "scheme": label}
             for name, runs in (("own", own), ("shared", other)):
                 values = [v for v in map(max_lr_value, runs) if v is not None]
-                entry |= {f"{name} init": _inits(runs), f"{name}: learned": f"{len(values)}/{len(runs)}",
+                entry |= {f"{name} init": inits(runs), f"{name}: learned": f"{len(values)}/{len(runs)}",
                           f"{name}: max LR median": fmt(median(values)),
                           f"{name}: best held-out median": fmt(median([r["best_heldout"] for r in runs
                                                                          if r["best_heldout"] is not None]))}
@@ -360,8 +157,8 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             text += [markdown_table(pairs), ""]
         if fits := hold_fits(grids):
             text += [markdown_table(fits), ""]
-        plot_hold_map(grids, out / "hold.png")
-        text += ["![max LR against the hold at the limit](hold.png)", ""]
+        plot_hold_map(grids, out / HOLD_PLOT)
+        text += [f"![max LR against the hold at the limit]({HOLD_PLOT})", ""]
     for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
                                 (LINEAR_SLOW_DEPTH_TREND, "Depth at width 32, the paper's protocol at half the slope",
                                  "blocks"),
@@ -378,13 +175,14 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
                  markdown_table(batch_table), ""]
     if any(depth_points.values()) or any(width_points.values()):
-        plot_ratios(depth_points, width_points, batch_points.get(64, []), out / "ratio.png")
-        text += ["![Keel / Pre-LN max LR against depth and width](ratio.png)", ""]
+        plot_ratios(depth_points, width_points, batch_points.get(64, []), out / RATIO_PLOT)
+        text += [f"![Keel / Pre-LN max LR against depth and width]({RATIO_PLOT})", ""]
     if any(grid in grids for names, _, _ in MUP_WIDTH_TREND.values() for grid in names):
         table, points = transfer(grids)
         text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
-                 markdown_table(table), "", "![the loss-optimal LR against width under sp and mup](transfer.png)", ""]
-        plot_transfer(points, out / "transfer.png")
+                 markdown_table(table), "",
+                 f"![the loss-optimal LR against width under sp and mup]({TRANSFER_PLOT})", ""]
+        plot_transfer(points, out / TRANSFER_PLOT)
     short, long = RAMP_CHECK
     if short in grids and long in grids and (table := ramp_check(grids[short], grids[long])):
         text += ["## Two ramp lengths ({} x {})".format(*GRIDS[short].point), "", markdown_table(table), ""]
@@ -399,10 +197,10 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                 text += [markdown_table(tests), ""]
     sweeps = [(out / grid, suffix) for grid, suffix in DEEP_RUNS.items() if (out / grid / MANIFEST).is_file()]
     if sweeps:
-        table = deep_runs(sweeps, out / "deep1024.png")
+        table = deep_runs(sweeps, out / DEEP_PLOT)
         if table:
             text += ["## 1,024 blocks", "", markdown_table(table),
-                     "", "![1,024 blocks](deep1024.png)", ""]
+                     "", f"![1,024 blocks]({DEEP_PLOT})", ""]
     text += trained_sections(out, trained)
     if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
         text += [f"## What depends on the init: each scheme's own recipe ({out}) against one init for all "
@@ -426,7 +224,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"paper-report: no grid has run under {tree} (no run directory {tree}/GRID/RUN); run "
                               f"them first (make paper PAPER_OUT={tree}); nothing was written")
     text = report(out, args.shared_init)
-    (out / "report.md").write_text(text)
+    (out / REPORT).write_text(text)
     print(text)
-    print(f"keel paper-report: wrote {out}/report.md")
+    print(f"keel paper-report: wrote {out}/{REPORT}")
     return 0

@@ -27,10 +27,11 @@ from keel.layer_skip import skip_losses
 from keel.checkpoint.read import load_model
 from keel.data.loading import token_loader
 from keel.errors import ConfigError
-from keel.experiments.common import plot_lines, write_table
-from keel.experiments.redundancy_table import read_rows
+from keel.devices import set_threads
+from keel.experiments.plots import plot_lines
+from keel.experiments.records import REDUNDANCY_PLOT, REDUNDANCY_SUMMARY, REDUNDANCY_TABLE, read_redundancy_rows
+from keel.experiments.tables import write_table
 from keel.model import KeelLM
-from keel.training import set_threads
 
 
 @torch.no_grad()
@@ -63,7 +64,7 @@ def measure(path: str, batches: int, batch_size: int | None, data_dir: str | Non
 def earlier_rows(table: Path, measured: list[str]) -> list[dict]:
     """The rows of `table` (an earlier redundancy.csv, if any) for checkpoints other than those `measured`."""
     try:
-        rows = read_rows(table)
+        rows = read_redundancy_rows(table)
     except ConfigError as error:
         raise ConfigError(f"redundancy --append: {error}; give another --out") from None
     again = {os.path.normpath(path) for path in measured}
@@ -76,7 +77,7 @@ def plot(rows: list[dict], path: Path) -> None:
         blocks, increases = curves.setdefault(r["checkpoint"], ([], []))
         blocks.append(r["block"])
         increases.append(r["ppl_increase"])
-    # symlog: removing block 0 can cost 1e4 perplexity, removing a middle block ~1, some removals even help
+    # symlog: removing block 0 can cost orders of magnitude more perplexity than a middle block, some even help
     plot_lines([(label, xs, ys) for label, (xs, ys) in curves.items()], path, "removed block (0 = first)",
                "validation perplexity increase", "Layer redundancy: perplexity increase when one block is skipped",
                yscale="symlog")
@@ -104,11 +105,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     paths = checkpoint_paths(args.checkpoints, args.checkpoint)
     out = Path(args.out)
-    kept = earlier_rows(out / "redundancy.csv", paths) if args.append else []
+    kept = earlier_rows(out / REDUNDANCY_TABLE, paths) if args.append else []
     rows = kept + [row for path in paths for row in measure(path, args.batches, args.batch_size, args.data_dir,
                                                              args.device)]
-    columns = write_table(rows, out / "redundancy.csv", out / "redundancy.md")
-    plot(rows, out / "redundancy.png")
+    columns = write_table(rows, out / REDUNDANCY_TABLE, out / REDUNDANCY_SUMMARY)
+    plot(rows, out / REDUNDANCY_PLOT)
     kept_note = f" ({len(kept)} of them kept from before)" if kept else ""
     print(f"keel redundancy: {len(rows)} blocks{kept_note} -> {out}/redundancy.csv ({', '.join(columns)}), "
           "redundancy.md, redundancy.png")

@@ -15,28 +15,21 @@ import argparse
 import itertools
 import json
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from keel.artifacts import CONFIG
 from keel.config import load_config
-from keel.experiments.common import (
-    OneLineErrorParser,
-    comma_list,
-    non_embedding_params,
-    plot_lines,
-    resolve_alpha,
-    run_row,
-    slug,
-    trained,
-    width_for_budget,
-    write_table,
-)
+from keel.cli_args import OneLineErrorParser, comma_list
+from keel.experiments.axes import non_embedding_params, resolve_alpha, slug, width_for_budget
+from keel.experiments.launch import GridCell, slurm_script
+from keel.experiments.plots import plot_lines
+from keel.experiments.records import (COMMANDS, MANIFEST, SBATCH_SCRIPT, SWEEP_PLOT, SWEEP_SUMMARY, SWEEP_TABLE,
+                                      SWEEP_TIME, already_trained, run_row)
+from keel.experiments.tables import write_table
 from keel.errors import ConfigError
 from keel.config.model import scheme_named
 
-MANIFEST = "sweep.json"
-COST = "sweep_time.json"  # wall and CPU seconds of the run, over its sessions (keel.experiments.cost)
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
 PLOT_METRICS = {"val_loss": "validation loss", "max_tolerable_lr": "max tolerable LR"}
 AXIS_KEYS = {"scheme": "model.scheme", "depth": "model.depth", "width": "model.width", "lr": "optim.lr",
@@ -45,14 +38,7 @@ AXIS_PREFIX = {"scheme": "", "depth": "d", "width": "w", "lr": "lr", "alpha": "a
 IDENTITY = ("scheme", "depth", "lr", "alpha_expr", "seed")  # what tells the curves of one plot apart
 
 
-@dataclass
-class Run:
-    name: str
-    axes: dict[str, str]  # axis -> the value as given (alpha stays symbolic)
-    overrides: list[str]
-
-
-def build_grid(args: argparse.Namespace) -> list[Run]:
+def build_grid(args: argparse.Namespace) -> list[GridCell]:
     base = load_config(args.config, args.overrides).model
     widths = {}
     if args.fixed_params:
@@ -73,22 +59,13 @@ def build_grid(args: argparse.Namespace) -> list[Run]:
             if alpha is not None:
                 overrides.append(f"model.{alpha_field}={resolve_alpha(alpha, n_sublayers=2 * (depth or base.depth))!r}")
             name = "-".join(AXIS_PREFIX[axis] + slug(value) for axis, value in axes.items()) or "base"
-            runs.append(Run(name, axes, overrides))
+            runs.append(GridCell(name, axes, overrides))
     return runs
 
 
-def pretrain_command(args: argparse.Namespace, run: Run, out: Path) -> str:
+def pretrain_command(args: argparse.Namespace, run: GridCell, out: Path) -> str:
     config = ["--config", args.config] if args.config else []
     return shlex.join(["keel", "pretrain", *config, *args.overrides, *run.overrides, f"run.dir={out / run.name}"])
-
-
-def slurm_script(commands: list[str], out: Path, sbatch: list[str]) -> str:
-    lines = ["#!/bin/bash", "#SBATCH --job-name=keel-sweep", f"#SBATCH --array=0-{len(commands) - 1}",
-             f"#SBATCH --output={out}/slurm-%A_%a.out", *(f"#SBATCH {option}" for option in sbatch),
-             "# one command per array task, run from the submission directory", "set -euo pipefail",
-             "COMMANDS=(", *(f"  {shlex.quote(command)}" for command in commands), ")",
-             'eval "${COMMANDS[$SLURM_ARRAY_TASK_ID]}"']
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------- collect
@@ -113,7 +90,7 @@ def collect(out: Path) -> list[dict]:
         rows.append(row)
     if not rows:
         raise ConfigError(f"sweep collect: no runs in {out} (no {MANIFEST} and no */config.yaml)")
-    write_table(rows, out / "sweep.csv", out / "sweep.md")
+    write_table(rows, out / SWEEP_TABLE, out / SWEEP_SUMMARY)
     plot_sweep(rows, out)
     return rows
 
@@ -133,7 +110,7 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
             members.sort(key=lambda r: r[axis])
             label = " ".join(f"{k}={v}" for k, v in zip(keys, group)) or metric
             curves.append((label, [r[axis] for r in members], [r[metric] for r in members]))
-        plot_lines(curves, out / f"sweep_{metric}_vs_{axis}.png", xlabel, ylabel,
+        plot_lines(curves, out / SWEEP_PLOT.format(metric=metric, axis=axis), xlabel, ylabel,
                    f"{out.name}: {ylabel} against {xlabel}", xscale="log" if axis in ("lr", "alpha") else "linear")
 
 
@@ -171,14 +148,14 @@ def main(argv: list[str]) -> int:
     (out / MANIFEST).write_text(json.dumps({"config": args.config, "overrides": args.overrides,
                                             "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
     if args.emit == "run":
-        from keel.experiments.cost import train_timed  # lightning: imported only when training
+        from keel.experiments.timing import train_timed  # lightning: imported only when training
 
         for i, (run, cfg) in enumerate(zip(runs, configs), 1):
-            if trained(cfg.run.dir, cfg):  # from its records (and checkpoint): a rerun never trains it again
+            if already_trained(cfg.run.dir, cfg):  # from its records (and checkpoint): a rerun never trains it again
                 print(f"keel sweep: run {i}/{len(runs)}: {run.name}: finished before, skipped", flush=True)
                 continue
             print(f"keel sweep: run {i}/{len(runs)}: {run.name}", flush=True)
-            total = train_timed(cfg, Path(cfg.run.dir) / COST)
+            total = train_timed(cfg, Path(cfg.run.dir) / SWEEP_TIME)
             print(f"keel sweep: run {i}/{len(runs)}: {run.name}: done ({total['wall_s']:.0f} s wall, "
                   f"{total['cpu_s']:.0f} s CPU)", flush=True)
         collect(out)
@@ -186,10 +163,10 @@ def main(argv: list[str]) -> int:
         return 0
     commands = [pretrain_command(args, run, out) for run in runs]
     if args.emit == "commands":
-        path = out / "commands.sh"
+        path = out / COMMANDS
         path.write_text("".join(command + "\n" for command in commands))
     else:
-        path = out / "sweep.sbatch"
+        path = out / SBATCH_SCRIPT
         path.write_text(slurm_script(commands, out, args.sbatch))
     print(f"keel sweep: {len(runs)} runs -> {path}; afterwards: keel sweep collect {out}")
     return 0

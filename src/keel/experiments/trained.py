@@ -24,10 +24,12 @@ from itertools import pairwise
 from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
-from keel.experiments.common import fmt, load_run_config, markdown_table, pyplot, save_figure
-from keel.experiments.grids import DEPTH_GRIDS, LR_GRIDS, REDUNDANCY, TUNED_GRIDS
-from keel.experiments.redundancy_table import checkpoint_run, read_rows
-from keel.experiments.sweep import COST, MANIFEST
+from keel.experiments.plots import pyplot, save_figure
+from keel.experiments.records import (LAYER_USE_PLOT, LOSS_VS_TASKS_PLOT, MANIFEST, REDUNDANCY, SWEEP_TIME,
+                                      checkpoint_run, load_run_config, read_redundancy_rows)
+from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
+from keel.experiments.stats import apart, direction, fmt, fmt_sd, spread
+from keel.experiments.tables import markdown_table
 
 PAIR = ("keel", "preln")
 LOSS = "held-out loss"
@@ -41,7 +43,7 @@ CHANCE = {"keel_next_line acc_mutual_info": 0.25, "keel_next_line acc": 0.25, "k
 
 
 @dataclass
-class Run:
+class TrainedRun:
     name: str
     scheme: str
     depth: int
@@ -50,7 +52,7 @@ class Run:
     init: str
     failed: bool  # the stability monitor's verdict (stability.json): a failure it recorded, stopped or not
     evaluations: list[dict[str, float]]  # per in-loop evaluation: LOSS and each metric -> value
-    cpu_s: float | None  # what it cost over its sessions (sweep_time.json), None where it was not timed
+    cpu_s: float | None  # its CPU seconds over its sessions (SWEEP_TIME), None where it was not timed
 
     @property
     def final(self) -> dict[str, float]:
@@ -58,8 +60,8 @@ class Run:
 
 
 @dataclass
-class Grid:
-    runs: list[Run]  # the finished ones
+class TrainedGrid:
+    runs: list[TrainedRun]  # the finished ones
     listed: int  # runs in its sweep.json
 
 
@@ -72,7 +74,7 @@ def _metrics(history: dict) -> list[str]:
     return names
 
 
-def read_run(run_dir: Path) -> Run | None:
+def read_run(run_dir: Path) -> TrainedRun | None:
     """A run from its records, or None until its last in-loop evaluation is at its last step."""
     history = read_eval_history(run_dir) if (run_dir / CONFIG).is_file() else None
     if not history or not history["evaluations"]:
@@ -87,19 +89,19 @@ def read_run(run_dir: Path) -> Run | None:
                   for metric, value in values.items()}
         evaluations.append({LOSS: entry["val_loss"], **{m: scores[m] for m in metrics if m in scores}})
     stability = read_stability(run_dir) or {}
-    cost = run_dir / COST
-    cpu_s = json.loads(cost.read_text())["cpu_s"] if cost.is_file() else None
-    return Run(run_dir.name, cfg.model.scheme, cfg.model.depth, cfg.model.width, cfg.optim.lr, cfg.model.init_kind,
+    time_record = run_dir / SWEEP_TIME
+    cpu_s = json.loads(time_record.read_text())["cpu_s"] if time_record.is_file() else None
+    return TrainedRun(run_dir.name, cfg.model.scheme, cfg.model.depth, cfg.model.width, cfg.optim.lr, cfg.model.init_kind,
                bool(stability.get("failed")), evaluations, cpu_s)
 
 
-def cost(runs: list[Run]) -> str:
+def cpu_hours(runs: list[TrainedRun]) -> str:
     """The CPU-hours of the timed runs, and how many of them there are."""
     timed = [run.cpu_s for run in runs if run.cpu_s is not None]
     return f"{sum(timed) / 3600:.1f} CPU-hours over the {len(timed)} timed" if timed else "none timed"
 
 
-def load_trained(out: Path) -> tuple[dict[str, Grid], list[str]]:
+def load_trained(out: Path) -> tuple[dict[str, TrainedGrid], list[str]]:
     """The trained-model grids under out with a finished run, and the others (not run, or how far they are)."""
     grids, missing = {}, []
     for name in (*LR_GRIDS, *TUNED_GRIDS):
@@ -109,78 +111,44 @@ def load_trained(out: Path) -> tuple[dict[str, Grid], list[str]]:
         listed = [entry["name"] for entry in json.loads((out / name / MANIFEST).read_text())["runs"]]
         runs = [run for run_name in listed if (run := read_run(out / name / run_name)) is not None]
         if runs:
-            grids[name] = Grid(runs, len(listed))
+            grids[name] = TrainedGrid(runs, len(listed))
         else:
             missing.append(f"{name} (0 of {len(listed)} runs finished)")
     return grids, missing
 
 
-# ------------------------------------------------------------------------------------------------ statistics
-
-
-def _sd(values: list[float]) -> str:
-    return fmt(statistics.stdev(values)) if len(values) > 1 else "-"
-
-
-def spread(values: list[float]) -> str:
-    """mean ± sample sd [min, max] n=seeds ('-' for the sd of one seed)."""
-    if not values:
-        return "-"
-    return f"{fmt(statistics.mean(values))} ± {_sd(values)} [{fmt(min(values))}, {fmt(max(values))}] n={len(values)}"
-
-
-def apart(a: list[float], b: list[float]) -> str:
-    """Whether the two seed ranges do not overlap: every seed of one beyond every seed of the other; "-" below two
-    seeds a side (one seed has no range)."""
-    if len(a) < 2 or len(b) < 2:
-        return "-"
-    return "yes" if min(a) > max(b) or max(a) < min(b) else "no"
-
-
-def direction(values: list[float]) -> str:
-    """How a sequence moves: rises, falls, flat (each step the same way or level), or not monotone."""
-    steps = [b - a for a, b in pairwise(values)]
-    if not steps:
-        return "-"
-    if all(s == 0 for s in steps):
-        return "flat"
-    if all(s >= 0 for s in steps):
-        return "rises"
-    return "falls" if all(s <= 0 for s in steps) else "not monotone"
-
-
-def _sizes(runs: list[Run]) -> str:
+def _sizes(runs: list[TrainedRun]) -> str:
     return ", ".join(dict.fromkeys(f"{r.depth} blocks x {r.width}" for r in runs))
 
 
-def _inits(runs: list[Run]) -> str:
+def _inits(runs: list[TrainedRun]) -> str:
     return ", ".join(dict.fromkeys(r.init for r in runs))
 
 
-def _schemes(runs: list[Run]) -> list[str]:
+def _schemes(runs: list[TrainedRun]) -> list[str]:
     return list(dict.fromkeys(r.scheme for r in runs))
 
 
-def _cell_runs(runs: list[Run], scheme: str, lr: float) -> list[Run]:
+def _cell_runs(runs: list[TrainedRun], scheme: str, lr: float) -> list[TrainedRun]:
     return [r for r in runs if r.scheme == scheme and r.lr == lr]
 
 
-def _values(runs: list[Run], metric: str) -> list[float]:
+def _values(runs: list[TrainedRun], metric: str) -> list[float]:
     return [r.final[metric] for r in runs if metric in r.final]
 
 
-def _columns(runs: list[Run]) -> list[str]:
+def _columns(runs: list[TrainedRun]) -> list[str]:
     return list(dict.fromkeys(m for r in runs for m in r.final))  # LOSS first, then the metrics
 
 
-def _lrs(runs: list[Run], scheme: str | None = None) -> list[float]:
+def _lrs(runs: list[TrainedRun], scheme: str | None = None) -> list[float]:
     return sorted({r.lr for r in runs if scheme is None or r.scheme == scheme})
 
 
 # ---------------------------------------------------------------------------------------- Table 2: LR sweep
 
 
-def lr_table(runs: list[Run]) -> tuple[list[dict], list[dict]]:
+def lr_table(runs: list[TrainedRun]) -> tuple[list[dict], list[dict]]:
     """Per scheme and peak LR: the final held-out loss and scores over the seeds; then per scheme and metric
     whether the means are monotone in LR, with the means in LR order."""
     columns, table, verdicts = _columns(runs), [], []
@@ -203,7 +171,7 @@ def lr_table(runs: list[Run]) -> tuple[list[dict], list[dict]]:
 # ------------------------------------------------------------------------------ Section 9: loss against tasks
 
 
-def score_at(run: Run, metric: str, level: float) -> float | None:
+def score_at(run: TrainedRun, metric: str, level: float) -> float | None:
     """The metric where the run's held-out loss first reaches level along its evaluations, interpolated linearly
     in the loss between the two evaluations around it; None if it never does."""
     for a, b in pairwise(run.evaluations):
@@ -214,14 +182,14 @@ def score_at(run: Run, metric: str, level: float) -> float | None:
     return None
 
 
-def loss_levels(runs: list[Run]) -> list[float]:
+def loss_levels(runs: list[TrainedRun]) -> list[float]:
     """LEVELS losses, highest first, spread over the range every run passes through (none if there is none)."""
     high = min(max(e[LOSS] for e in r.evaluations) for r in runs)
     low = max(min(e[LOSS] for e in r.evaluations) for r in runs)
     return [high + (low - high) * i / (LEVELS - 1) for i in range(LEVELS)] if low <= high else []
 
 
-def _matched_lrs(runs: list[Run]) -> list[float]:
+def _matched_lrs(runs: list[TrainedRun]) -> list[float]:
     """The peak LRs both schemes of PAIR ran."""
     return sorted(set(_lrs(runs, PAIR[0])) & set(_lrs(runs, PAIR[1])))
 
@@ -230,7 +198,7 @@ def chance(metric: str) -> str:
     return "-" if metric not in CHANCE else "~0" if CHANCE[metric] == 0 else fmt(CHANCE[metric])
 
 
-def matched_gaps(runs: list[Run]) -> list[dict]:
+def matched_gaps(runs: list[TrainedRun]) -> list[dict]:
     """Per metric and peak LR both schemes ran, at each common held-out-loss level (highest first): Keel's mean score
     there minus Pre-LN's, each scheme's sample sd over its seeds, and whether the seed ranges are apart."""
     table = []
@@ -245,12 +213,12 @@ def matched_gaps(runs: list[Run]) -> list[dict]:
                       for s in PAIR]
                 gap = statistics.mean(at[0]) - statistics.mean(at[1]) if all(at) else None
                 entry[f"level {i}: {PAIR[0]} - {PAIR[1]} (sd {PAIR[0]} / {PAIR[1]}; seeds apart)"] = (
-                    f"{fmt(gap)} ({_sd(at[0])} / {_sd(at[1])}; {apart(*at)})")
+                    f"{fmt(gap)} ({fmt_sd(at[0])} / {fmt_sd(at[1])}; {apart(*at)})")
             table.append(entry)
     return table
 
 
-def plot_loss_vs_tasks(runs: list[Run], path: Path, title: str) -> None:
+def plot_loss_vs_tasks(runs: list[TrainedRun], path: Path, title: str) -> None:
     """Each metric against held-out loss along training: a row of panels per peak LR both schemes ran, a line per
     run (Keel blue, Pre-LN orange), the chance level dotted."""
     lrs = _matched_lrs(runs)
@@ -276,18 +244,18 @@ def plot_loss_vs_tasks(runs: list[Run], path: Path, title: str) -> None:
 # ------------------------------------------------------------------------------------ Section 8: layer use
 
 
-def read_redundancy(path: Path, runs: list[Run]) -> tuple[dict[str, list[float]], int]:
+def read_redundancy(path: Path, runs: list[TrainedRun]) -> tuple[dict[str, list[float]], int]:
     """Per finished run, the loss increase of each removed block (block order), from a redundancy.csv over the
     grid's checkpoints (each <grid>/<run>/checkpoints/<file>); and how many checkpoints it has of no finished run."""
     names = {r.name for r in runs}
     increases: dict[str, dict[int, float]] = {}
-    for row in read_rows(path):
+    for row in read_redundancy_rows(path):
         increases.setdefault(checkpoint_run(row["path"]), {})[row["block"]] = row["loss_increase"]
     known = {name: [blocks[b] for b in sorted(blocks)] for name, blocks in increases.items() if name in names}
     return known, len(increases) - len(known)
 
 
-def layer_use(runs: list[Run], increases: dict[str, list[float]]) -> list[dict]:
+def layer_use(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
     """Per scheme and peak LR, over the seeds: the loss increase when the first block is removed, the mean over the
     middle blocks (each seed's mean), and the last block."""
     table = []
@@ -303,7 +271,7 @@ def layer_use(runs: list[Run], increases: dict[str, list[float]]) -> list[dict]:
     return table
 
 
-def plot_layer_use(runs: list[Run], increases: dict[str, list[float]], path: Path, title: str) -> None:
+def plot_layer_use(runs: list[TrainedRun], increases: dict[str, list[float]], path: Path, title: str) -> None:
     """The loss increase per removed block, the seeds' mean and [min, max], a panel per peak LR."""
     lrs = _lrs([r for r in runs if r.name in increases])
     plt = pyplot()
@@ -317,7 +285,7 @@ def plot_layer_use(runs: list[Run], increases: dict[str, list[float]], path: Pat
                 ax.fill_between(blocks, [min(v) for v in zip(*seeds)], [max(v) for v in zip(*seeds)],
                                 color=line.get_color(), alpha=0.2)
         ax.set(xlabel=f"removed block (LR {fmt(lr)})", ylabel="held-out loss increase")
-        ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost nats, a middle one hundredths, some help
+        ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost far more than a middle one; some removals help
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, title, path, dpi=100)
@@ -326,23 +294,23 @@ def plot_layer_use(runs: list[Run], increases: dict[str, list[float]], path: Pat
 # ---------------------------------------------------------------------------------- Table 3: tuned depth
 
 
-def _mean_loss(runs: list[Run], scheme: str, lr: float) -> float:
+def _mean_loss(runs: list[TrainedRun], scheme: str, lr: float) -> float:
     return statistics.mean(_values(_cell_runs(runs, scheme, lr), LOSS))
 
 
-def best_lr(runs: list[Run], scheme: str) -> float | None:
+def best_lr(runs: list[TrainedRun], scheme: str) -> float | None:
     """The peak LR with the lowest mean final held-out loss over the seeds (the lower LR on a tie)."""
     lrs = _lrs(runs, scheme)
     return min(lrs, key=lambda lr: _mean_loss(runs, scheme, lr)) if lrs else None
 
 
-def sweep_complete(runs: list[Run]) -> bool:
+def sweep_complete(runs: list[TrainedRun]) -> bool:
     """Both schemes at every LR either ran, each cell with VERDICT_SEEDS finished seeds or more: until then a best
     LR may move and one seed's gap is no verdict."""
     return all(len(_cell_runs(runs, scheme, lr)) >= VERDICT_SEEDS for scheme in PAIR for lr in _lrs(runs))
 
 
-def tuned_depth(grids: dict[str, list[Run]]) -> tuple[list[dict], list[dict], list[dict]]:
+def tuned_depth(grids: dict[str, list[TrainedRun]]) -> tuple[list[dict], list[dict], list[dict]]:
     """Per depth: each scheme's mean final loss per LR and its best; at the best LRs, per metric, both schemes over
     the seeds and the gap; then per metric the gaps against depth and how their size moves, over the depths whose
     sweeps are complete."""
@@ -387,7 +355,7 @@ def tuned_depth(grids: dict[str, list[Run]]) -> tuple[list[dict], list[dict], li
 # ---------------------------------------------------------------------------------------------- the report
 
 
-def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
+def sections(out: Path, grids: dict[str, TrainedGrid]) -> list[str]:
     """The report's sections for the grids present (plots written under out)."""
     text = []
     note = ("Cells: mean ± sample sd [min, max] n=seeds, of finished runs only (last in-loop evaluation at the last "
@@ -399,32 +367,34 @@ def sections(out: Path, grids: dict[str, Grid]) -> list[str]:
         runs, listed = grids[grid].runs, grids[grid].listed
         size = _sizes(runs)
         table, verdicts = lr_table(runs)
-        text += [f"## Table 2, the LR sweep at {size} ({grid}; {len(runs)} of {listed} runs finished, {cost(runs)})",
+        text += [f"## Table 2, the LR sweep at {size} ({grid}; {len(runs)} of {listed} runs finished, {cpu_hours(runs)})",
                  "", note, "",
                  markdown_table(table), "", "Monotone in LR? (the means, in LR order)", "", markdown_table(verdicts), ""]
         if gaps := matched_gaps(runs):
-            plot_loss_vs_tasks(runs, out / f"loss_vs_tasks_{grid}.png", f"Task scores against held-out loss ({grid})")
+            figure = LOSS_VS_TASKS_PLOT.format(grid=grid)
+            plot_loss_vs_tasks(runs, out / figure, f"Task scores against held-out loss ({grid})")
             text += [f"## Section 9, loss against tasks at {size} ({grid})", "",
                      f"At {LEVELS} held-out-loss levels every run of the LR passes through (highest first), each "
                      "run's score interpolated along its own evaluations; a row without levels: no loss is passed "
                      "through by every run of that LR.", "", markdown_table(gaps), "",
-                     f"![task scores against held-out loss, {grid}](loss_vs_tasks_{grid}.png)", ""]
+                     f"![task scores against held-out loss, {grid}]({figure})", ""]
         if (out / grid / REDUNDANCY).is_file():
             increases, unknown = read_redundancy(out / grid / REDUNDANCY, runs)
             if table := layer_use(runs, increases):
-                plot_layer_use(runs, increases, out / f"layer_use_{grid}.png", f"Held-out loss increase when one "
-                               f"block is removed ({grid})")
+                figure = LAYER_USE_PLOT.format(grid=grid)
+                plot_layer_use(runs, increases, out / figure, f"Held-out loss increase when one block is removed "
+                               f"({grid})")
                 skipped = f" ({unknown} checkpoints of unfinished or unknown runs left out)" if unknown else ""
                 text += [f"## Section 8, layer use at {size} ({grid}){skipped}", "",
                          "Held-out loss increase when one block is removed (keel redundancy, final checkpoints).", "",
-                         markdown_table(table), "", f"![loss increase per removed block, {grid}](layer_use_{grid}.png)", ""]
+                         markdown_table(table), "", f"![loss increase per removed block, {grid}]({figure})", ""]
         else:
             text += [f"Section 8 at {size}: no {grid}/{REDUNDANCY} yet (make paper-redundancy-{grid}).", ""]
     tuned = {grid: grids[grid].runs for grid in DEPTH_GRIDS if grid in grids}
     if tuned:
         sweeps, gaps, trend = tuned_depth(tuned)
         widths = ", ".join(dict.fromkeys(str(r.width) for runs in tuned.values() for r in runs))
-        costs = "; ".join(f"{grid}: {len(runs)} of {grids[grid].listed} runs finished, {cost(runs)}"
+        costs = "; ".join(f"{grid}: {len(runs)} of {grids[grid].listed} runs finished, {cpu_hours(runs)}"
                           for grid, runs in tuned.items())
         text += [f"## Table 3, depth at width {widths}, each scheme at its own best LR", "", f"{note} {costs}.", "",
                  markdown_table(sweeps), ""]

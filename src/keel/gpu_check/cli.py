@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import keel.gpu_check
+from keel.cli_args import comma_list
 from keel.devices import device_name
 from keel.errors import ConfigError
 from keel.gpu_check.bench import bench
@@ -40,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keel gpu-check", description=keel.gpu_check.__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", default="out/gpu-check", help="where gpu_check.json and the runs go")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("--sections", type=comma_list(str), default=list(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("data", nargs="*", help="data.* overrides for the pretrain runs (default: data=stdlib on "
                         "cuda, a few standard-library files on cpu; built under --out)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible; run `make gpu-check DEVICE=cpu` for the CPU version")
-    names = [name for name in args.sections.split(",") if name]
+    names = args.sections
     if unknown := [name for name in names if name not in SECTIONS]:
         raise ConfigError(f"--sections: unknown {', '.join(unknown)}; allowed: {', '.join(SECTIONS)}")
     out = Path(args.out).resolve()

@@ -1,22 +1,20 @@
-"""What a grid's run cost: its CPU and wall seconds over every session, carried in its checkpoints so that a resumed
-run adds to what the interrupted one spent, written beside its records once it ends (`keel maxlr`:
-maxlr_time.json, `keel sweep`: sweep_time.json). Its own module: it needs Lightning, the reports that read the
-files do not."""
+"""How long a grid's run took: its CPU and wall seconds over every session, carried in its checkpoints so that a
+resumed run adds to what the interrupted one spent, written beside its records once it ends (keel.experiments.records:
+MAXLR_TIME, SWEEP_TIME). Its own module: it needs Lightning, the reports that read the files do not."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from lightning.pytorch.callbacks import Callback
 
 from keel.config import Config
-from keel.experiments.common import train_run
 
 
-class RunCost(Callback):
+class RunTime(Callback):
     """The CPU and wall seconds of a run's earlier sessions (from its checkpoint) plus this one's."""
 
     def __init__(self) -> None:
@@ -36,10 +34,12 @@ class RunCost(Callback):
 
 
 def train_timed(cfg: Config, record: Path, callbacks: Sequence = ()) -> dict[str, float]:
-    """Train cfg's run, then write its total cost (this process's CPU, all threads: the cost on a shared machine;
+    """Train cfg's run, then write its total time (this process's CPU, all threads: the cost on a shared machine;
     every session) to `record` and return it."""
-    cost = RunCost()
-    train_run(cfg, [*callbacks, cost])
-    total = {key: round(value, 1) for key, value in cost.state_dict().items()}
+    from keel.training import train  # lightning: imported only by the commands that train
+
+    timer = RunTime()
+    train(cfg, [*callbacks, timer])
+    total = {key: round(value, 1) for key, value in timer.state_dict().items()}
     record.write_text(json.dumps(total) + "\n")
     return total

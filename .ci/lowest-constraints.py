@@ -2,8 +2,9 @@
 lower bound: `make test-lowest` installs exactly those, so each bound is one a test run has passed with."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
 requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]

@@ -152,8 +152,11 @@ class RunCheckpoint(ModelCheckpoint):
         """Whether Lightning validates after the optimizer step just taken: every val_every_n_steps, at the last
         step (KeelLitModule asks for it) and on a stop (a signal)."""
         done = trainer.global_step
-        return (trainer.should_stop or done >= trainer.max_steps
-                or (self.val_every_n_steps > 0 and done % self.val_every_n_steps == 0))
+        return (
+            trainer.should_stop
+            or done >= trainer.max_steps
+            or (self.val_every_n_steps > 0 and done % self.val_every_n_steps == 0)
+        )
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning runs the checkpoint callbacks last: the step's held-out loss and evaluation are recorded
@@ -186,8 +189,10 @@ class RunCheckpoint(ModelCheckpoint):
         self._replace = self._boundary[1]
         try:
             self.save_now(trainer)
-            say(f"training raised {type(exception).__name__}: saved step {step} to {self.last_model_path}; "
-                 "re-run the same command to continue from there")
+            say(
+                f"training raised {type(exception).__name__}: saved step {step} to {self.last_model_path}; "
+                "re-run the same command to continue from there"
+            )
         except Exception as err:  # the original exception is what the user must see
             say(f"training raised {type(exception).__name__}, and its checkpoint could not be written: {err}")
         finally:
@@ -198,8 +203,10 @@ class RunCheckpoint(ModelCheckpoint):
         """The checkpoint entries that move within a step: the loops' progress and the data loader's position, copied:
         a restored litdata dataset returns its live state dict, which the next batch moves on (a crash in a resumed
         run saved the position one batch on, and its resume skipped a batch)."""
-        loops = {name: getattr(trainer, name).state_dict() for name in ("fit_loop", "validate_loop", "test_loop",
-                                                                       "predict_loop")}
+        loops = {
+            name: getattr(trainer, name).state_dict()
+            for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+        }
         progress = {"loops": loops}
         if trainer.datamodule is not None:
             progress[type(trainer.datamodule).__qualname__] = trainer.datamodule.state_dict()
@@ -221,8 +228,10 @@ class RunCheckpoint(ModelCheckpoint):
             nonfinite = Path(self.dirpath) / NONFINITE
             self._write(trainer, str(nonfinite))
             if trainer.is_global_zero:
-                say(f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, not as "
-                    f"a step-numbered checkpoint nor over last.ckpt; {self._kept()}")
+                say(
+                    f"step {trainer.global_step}: the weights are not finite (NaN or inf): saved as {nonfinite}, "
+                    f"not as a step-numbered checkpoint nor over last.ckpt; {self._kept()}"
+                )
             return
         self._write(trainer, filepath)
         self._written = (trainer.global_step, filepath)
@@ -235,8 +244,13 @@ class RunCheckpoint(ModelCheckpoint):
         start = time.perf_counter()
         with self._storage_errors(filepath):
             super()._save_checkpoint(trainer, filepath)
-        save = {"step": trainer.global_step, "path": filepath, "start": start, "blocking_s": time.perf_counter() - start,
-                "waited_s": 0.0}
+        save = {
+            "step": trainer.global_step,
+            "path": filepath,
+            "start": start,
+            "blocking_s": time.perf_counter() - start,
+            "waited_s": 0.0,
+        }
         self.saves.append(save)
         if getattr(trainer.strategy, "async_writer", None) is not None:
             self._in_flight = save
@@ -251,8 +265,10 @@ class RunCheckpoint(ModelCheckpoint):
         except (Exception, CheckpointException) as err:
             if (reason := storage_failure(err)) is None:
                 raise
-            raise StorageError(f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or make "
-                               "it writable) and re-run the same command to continue from there") from None
+            raise StorageError(
+                f"checkpoint: cannot write {filepath}: {reason}; {self._kept()}. Free space (or make "
+                "it writable) and re-run the same command to continue from there"
+            ) from None
 
     def finish_save(self, trainer: Trainer) -> None:
         """Wait for the checkpoint being written in the background, if any, then make it visible: moved into place,
@@ -268,8 +284,10 @@ class RunCheckpoint(ModelCheckpoint):
             except (Exception, CheckpointException) as err:
                 if storage_failure(err) is not None:
                     raise
-                raise RuntimeError(f"checkpoint: writing {filepath} in the background failed ({background_failure(err)}"
-                                   f"); {self._kept()}") from err
+                raise RuntimeError(
+                    f"checkpoint: writing {filepath} in the background failed ({background_failure(err)}"
+                    f"); {self._kept()}"
+                ) from err
         save["waited_s"] = time.perf_counter() - waiting
         save["total_s"] = trainer.strategy.async_writer.finished_at - save["start"]
         if Path(filepath).name == LAST:
@@ -310,8 +328,10 @@ class RunCheckpoint(ModelCheckpoint):
                 return
             self._hard_links = False
             if trainer.is_global_zero:
-                say(f"checkpoint: cannot hard-link {last} to {source} ({refused}): last.ckpt is written in "
-                    "full at each checkpoint from now on (a second write per checkpoint)")
+                say(
+                    f"checkpoint: cannot hard-link {last} to {source} ({refused}): last.ckpt is written in "
+                    "full at each checkpoint from now on (a second write per checkpoint)"
+                )
         if getattr(trainer.strategy, "async_writer", None) is None:
             self._write(trainer, last)
         else:
@@ -338,8 +358,11 @@ class RunCheckpoint(ModelCheckpoint):
         last = Path(self.dirpath) / LAST
         if self._last_finite_step is not None:
             return f"{last} keeps step {self._last_finite_step}, the last finite checkpoint"
-        return (f"{last} (from before this run) is intact" if last.exists()
-                else "no finite checkpoint was written in this run")
+        return (
+            f"{last} (from before this run) is intact"
+            if last.exists()
+            else "no finite checkpoint was written in this run"
+        )
 
     def save_now(self, trainer: Trainer) -> None:
         """The current state as the next step-numbered checkpoint and last.ckpt, whole when this returns."""

@@ -109,8 +109,12 @@ class DownstreamEval(Callback):
             bar.status(f"evaluating {', '.join(self.tasks)}")
         start = time.perf_counter()
         scores = self._evaluate(pl_module)
-        entry = {"step": step, "val_loss": float(trainer.callback_metrics["val/loss"]),
-                 "wall_s": time.perf_counter() - start, "scores": scores}
+        entry = {
+            "step": step,
+            "val_loss": float(trainer.callback_metrics["val/loss"]),
+            "wall_s": time.perf_counter() - start,
+            "scores": scores,
+        }
         metrics = {f"eval/{task}/{name}": value for task, values in scores.items() for name, value in values.items()}
         metrics["time/downstream_eval_s"] = entry["wall_s"]
         primary = ", ".join(f"{task} {metric} {scores[task][metric]:.4g}" for task, (metric, _) in self.primary.items())
@@ -125,17 +129,24 @@ class DownstreamEval(Callback):
         rhos = self.spearman()
         for task, rho in rhos.items():
             if rho is not None:  # None: too few evaluations, or a loss or score that never moved
-                pl_module.print(f"downstream eval: Spearman(-val loss, {task} {self.primary[task][0]}) over "
-                                f"{len(self.history)} evaluations = {rho:.3f}")
-        log_scalars(trainer, {f"eval/spearman/{task}": rho for task, rho in rhos.items() if rho is not None},
-                    trainer.global_step - 1)
+                pl_module.print(
+                    f"downstream eval: Spearman(-val loss, {task} {self.primary[task][0]}) over "
+                    f"{len(self.history)} evaluations = {rho:.3f}"
+                )
+        log_scalars(
+            trainer,
+            {f"eval/spearman/{task}": rho for task, rho in rhos.items() if rho is not None},
+            trainer.global_step - 1,
+        )
         self._write_history(trainer)
 
     def _evaluate(self, pl_module: LightningModule) -> dict[str, dict[str, float]]:
         model = pl_module.model
         if self.lm is None:
             self.lm = KeelEvalLM(
-                model=model, tokenizer_json=pl_module.tokenizer_json, batch_size=self.cfg.eval.batch_size,
+                model=model,
+                tokenizer_json=pl_module.tokenizer_json,
+                batch_size=self.cfg.eval.batch_size,
                 distributed=True,  # on one process, the same as False
                 # lm-eval fails on a rank that gets no document: share only when every rank gets one
                 share_documents=(self.cfg.eval.limit or self.cfg.trainer.world_size) >= self.cfg.trainer.world_size,
@@ -144,8 +155,9 @@ class DownstreamEval(Callback):
         model.eval()
         try:
             with preserved_rng():
-                return run_tasks(self.lm, self.tasks, self.cfg.eval.limit, self.cfg.eval.num_fewshot,
-                                 progress_bars=False)
+                return run_tasks(
+                    self.lm, self.tasks, self.cfg.eval.limit, self.cfg.eval.num_fewshot, progress_bars=False
+                )
         finally:
             model.train(was_training)
 

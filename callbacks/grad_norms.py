@@ -73,8 +73,13 @@ class GradNormMonitor(Callback):
         self._depth = cfg.depth
         self._ratio_blocks = bottom_middle_top(cfg)
         self._shown = set(evenly_spaced(cfg.depth, self.config.max_blocks))
-        hidden = {block_tag(prefix, kind, b) for b in range(cfg.depth) if b not in self._shown
-                  for prefix in ("grad", "grad/gain") for kind in KINDS}
+        hidden = {
+            block_tag(prefix, kind, b)
+            for b in range(cfg.depth)
+            if b not in self._shown
+            for prefix in ("grad", "grad/gain")
+            for kind in KINDS
+        }
         self._logged = [tag for tag in [*self._tags, "grad/global"] if tag not in hidden]
         rows = [f"{kind} {b}" for b in range(cfg.depth) for kind in KINDS]
         self._heatmap = Heatmap("grad/heatmap/branch_weights", rows, "||grad|| of branch weights", log10=True)
@@ -99,8 +104,10 @@ class GradNormMonitor(Callback):
         norms = self.norms(pl_module.grad_norms)
         if not norms:
             return
-        blocks = [math.hypot(norms[block_tag("grad", "attn", b)], norms[block_tag("grad", "ffn", b)])
-                  for b in range(self._depth)]
+        blocks = [
+            math.hypot(norms[block_tag("grad", "attn", b)], norms[block_tag("grad", "ffn", b)])
+            for b in range(self._depth)
+        ]
         bottom, middle, top = self._ratio_blocks
         ratios = {
             "grad/ratio/bottom_top": blocks[bottom] / blocks[top] if blocks[top] else math.nan,
@@ -115,9 +122,7 @@ class GradNormMonitor(Callback):
         elapsed = {"time/grad_norms_ms": 1e3 * (time.perf_counter() - start)}
         log_scalars(trainer, {**shown, **ratios, **elapsed}, step)
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step = finished_step(trainer)
         if step is None or not due(step, self.config.activation_every_n_steps):
             return
@@ -126,7 +131,8 @@ class GradNormMonitor(Callback):
             flow = measure_model(pl_module.model, batch[:, :-1], batch[:, 1:])
         metrics = {
             block_tag("grad/act", row["kind"], row["block"]): row["rel_act_grad"]
-            for row in flow["sublayers"] if row["block"] in self._shown
+            for row in flow["sublayers"]
+            if row["block"] in self._shown
         }
         for ratio in ("bottom_top", "middle_top"):
             if (value := flow["summary"][f"rel_act_grad_{ratio}"]) is not None:  # None: a zero top gradient

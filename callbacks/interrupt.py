@@ -31,8 +31,10 @@ def requeue_slurm_job() -> None:
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        say(f"SLURM job {job}: no scontrol on PATH to requeue it; run `scontrol requeue {job}` where there is one "
-            "(or submit the same sbatch script again)")
+        say(
+            f"SLURM job {job}: no scontrol on PATH to requeue it; run `scontrol requeue {job}` where there is one "
+            "(or submit the same sbatch script again)"
+        )
         return
     try:
         done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
@@ -42,8 +44,10 @@ def requeue_slurm_job() -> None:
     if failure is None:
         say(f"requeued SLURM job {job} (scontrol requeue {job}): it continues from this checkpoint when it restarts")
     else:
-        say(f"scontrol requeue {job} failed ({failure}): submit the job with sbatch --requeue, or submit the same "
-            "sbatch script again")
+        say(
+            f"scontrol requeue {job} failed ({failure}): submit the job with sbatch --requeue, or submit the same "
+            "sbatch script again"
+        )
 
 
 class GracefulInterrupt(Callback):

@@ -39,9 +39,7 @@ class LayerImportance(Callback):
         rows = [f"block {b}" for b in self._blocks]
         self._heatmap = Heatmap("importance/heatmap", rows, "loss increase when skipped")
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step = finished_step(trainer)
         if step is None or not due(step, self.config.every_n_steps):
             return

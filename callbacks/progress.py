@@ -46,8 +46,15 @@ class StepProgressBar(TQDMProgressBar):
         return "step"
 
     def init_train_tqdm(self) -> Tqdm:
-        return Tqdm(desc=self.train_description, disable=self.is_disabled or not self.interactive, leave=True,
-                    dynamic_ncols=True, file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT)
+        return Tqdm(
+            desc=self.train_description,
+            disable=self.is_disabled or not self.interactive,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=self.BAR_FORMAT,
+        )
 
     def init_validation_tqdm(self) -> Tqdm:
         return Tqdm(disable=True)  # the training bar says "validating" instead: a nested bar leaves fragments

@@ -64,26 +64,38 @@ def describe(failure: Failure) -> str:
     """One line for the console: kind, onset step and the max tolerable LR."""
     if failure.kind == "unlearned":
         return f"the run had not learned by step {failure.step} ({failure.message}); no max tolerable LR"
-    lr = "none (it failed from the first step)" if failure.max_tolerable_lr is None else f"{failure.max_tolerable_lr:.4g}"
-    return (f"the run failed at step {failure.step} ({failure.kind}: {failure.message}; detected at step "
-            f"{failure.detected_step}); max tolerable LR {lr}")
+    lr = (
+        "none (it failed from the first step)"
+        if failure.max_tolerable_lr is None
+        else f"{failure.max_tolerable_lr:.4g}"
+    )
+    return (
+        f"the run failed at step {failure.step} ({failure.kind}: {failure.message}; detected at step "
+        f"{failure.detected_step}); max tolerable LR {lr}"
+    )
 
 
 def describe_rewind(record: dict, number: int, config: StabilityConfig) -> str:
     """One line for the console: which failure, back to where, what is skipped."""
     first, end = record["skipped_batches"]
-    lr = (f"; LR x{config.rewind_lr_scale:g} for {config.rewind_lr_steps} steps"
-          if config.rewind_lr_steps and config.rewind_lr_scale != 1 else "")
-    return (f"rewind {number} of at most {config.max_rewinds}: {record['kind']} from step {record['onset']} "
-            f"(detected at step {record['detected_step']}): back to step {record['rewound_to']}, skipping global "
-            f"batches {first}-{end - 1} ({end - first} batches, {record['skipped_tokens']:,} tokens){lr}")
+    lr = (
+        f"; LR x{config.rewind_lr_scale:g} for {config.rewind_lr_steps} steps"
+        if config.rewind_lr_steps and config.rewind_lr_scale != 1
+        else ""
+    )
+    return (
+        f"rewind {number} of at most {config.max_rewinds}: {record['kind']} from step {record['onset']} "
+        f"(detected at step {record['detected_step']}): back to step {record['rewound_to']}, skipping global "
+        f"batches {first}-{end - 1} ({end - first} batches, {record['skipped_tokens']:,} tokens){lr}"
+    )
 
 
 class StabilityMonitor(Callback):
     """The checks of `config`; the first failure (and, with a run_dir, stability.json) as the module says."""
 
-    def __init__(self, config: StabilityConfig | None = None, run_dir: str | Path | None = None,
-                 tokens_per_step: int = 0) -> None:
+    def __init__(
+        self, config: StabilityConfig | None = None, run_dir: str | Path | None = None, tokens_per_step: int = 0
+    ) -> None:
         self.config = config if config is not None else StabilityConfig()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.tokens_per_step = tokens_per_step  # over every rank: what a skipped global batch holds
@@ -98,9 +110,13 @@ class StabilityMonitor(Callback):
         self._ema: float | None = None
         # the spike rule: under train, consecutive steps with the EMA above the bar; under val, steps since the last
         # evaluation within it
-        self._divergence = DivergenceJudge(self.config.spike_margin, self.config.spike_patience,
-                                           self.config.spike_ceiling, self.config.spike_ceiling_margin,
-                                           consecutive=self.config.signal == "train")
+        self._divergence = DivergenceJudge(
+            self.config.spike_margin,
+            self.config.spike_patience,
+            self.config.spike_ceiling,
+            self.config.spike_ceiling_margin,
+            consecutive=self.config.signal == "train",
+        )
         self._excess: float | None = None  # last judged value - its running minimum (compared with spike_margin)
         self.heldout: list[tuple[int, float | None, float]] = []  # signal val: (step, lr, held-out loss)
         self._ref, self._ref_step = math.inf, -1  # last significant improvement (stagnation)
@@ -112,7 +128,9 @@ class StabilityMonitor(Callback):
         # (step, lr) back to the earliest onset a failure can still have; under val, pruned at each evaluation
         self._lrs: deque[tuple[int, float]] = deque(
             maxlen=max(self.config.spike_patience, self.config.stagnation_window, self.config.max_nonfinite) + 2
-            if self.config.signal == "train" else None)
+            if self.config.signal == "train"
+            else None
+        )
         self._scaler = None
         self._elapsed_s, self._timed_steps = 0.0, 0
 
@@ -130,8 +148,16 @@ class StabilityMonitor(Callback):
         if failure["loss"] is not None and not math.isfinite(failure["loss"]):
             failure["loss"] = None  # strict JSON has no NaN; the message says what it was
         heldout = {"heldout": self.heldout} if self.config.signal == "val" else {}
-        return {"failed": self.failure is not None, **failure, "steps": steps, "max_lr_seen": self.max_lr_seen,
-                **self.counts, "signal": self.config.signal, **heldout, "rewinds": self.rewinds}
+        return {
+            "failed": self.failure is not None,
+            **failure,
+            "steps": steps,
+            "max_lr_seen": self.max_lr_seen,
+            **self.counts,
+            "signal": self.config.signal,
+            **heldout,
+            "rewinds": self.rewinds,
+        }
 
     # ------------------------------------------------------------------------------------------------- hooks
 
@@ -154,8 +180,12 @@ class StabilityMonitor(Callback):
             record["skipped_tokens"] = record["skipped_steps"] * self.tokens_per_step
             if trainer.is_global_zero:
                 say(describe_rewind(record, len(self.rewinds), self.config))
-            self._event(trainer, record["rewound_to"], f"rewound here from step {record['detected_step']}; skipping "
-                        f"global batches {first} to {first + record['skipped_steps'] - 1}")
+            self._event(
+                trainer,
+                record["rewound_to"],
+                f"rewound here from step {record['detected_step']}; skipping "
+                f"global batches {first} to {first + record['skipped_steps'] - 1}",
+            )
             self._write(trainer)
         if self.rewinds:
             trainer.datamodule.skip([record["skipped_batches"] for record in self.rewinds])
@@ -247,11 +277,19 @@ class StabilityMonitor(Callback):
 
     def state_dict(self) -> dict:
         return {
-            "failure": asdict(self.failure) if self.failure else None, "counts": dict(self.counts),
-            "max_lr_seen": self.max_lr_seen, "ema": self._ema, "best": self._divergence.best,
-            "over": self._divergence.over, "ref": self._ref, "ref_step": self._ref_step,
-            "nonfinite_run": self._nonfinite_run, "good_step": self._divergence.good_step, "heldout": self.heldout,
-            "rewinds": self.rewinds, "rewind": self.rewind,
+            "failure": asdict(self.failure) if self.failure else None,
+            "counts": dict(self.counts),
+            "max_lr_seen": self.max_lr_seen,
+            "ema": self._ema,
+            "best": self._divergence.best,
+            "over": self._divergence.over,
+            "ref": self._ref,
+            "ref_step": self._ref_step,
+            "nonfinite_run": self._nonfinite_run,
+            "good_step": self._divergence.good_step,
+            "heldout": self.heldout,
+            "rewinds": self.rewinds,
+            "rewind": self.rewind,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -288,22 +326,43 @@ class StabilityMonitor(Callback):
         if divergence.above:
             if before == 0:
                 self.counts["spikes"] += 1
-                self._event(trainer, step, f"loss spike: {self.config.signal} loss {value:.3f} is {self._excess:.2f} "
-                            "above its minimum")
+                self._event(
+                    trainer,
+                    step,
+                    f"loss spike: {self.config.signal} loss {value:.3f} is {self._excess:.2f} above its minimum",
+                )
             if diverged:
                 bar = divergence.bar
-                self._fail(trainer, "spike", step - divergence.over + 1, step, value, f"{self.config.signal} loss "
-                           f"above {bar:.3f} (its minimum {divergence.best:.3f} + {self.config.spike_margin}"
-                           + (", capped at the ceiling" if bar == self.config.spike_ceiling else "")
-                           + f") for {divergence.over} steps", heldout=self.config.signal == "val")
+                self._fail(
+                    trainer,
+                    "spike",
+                    step - divergence.over + 1,
+                    step,
+                    value,
+                    f"{self.config.signal} loss "
+                    f"above {bar:.3f} (its minimum {divergence.best:.3f} + {self.config.spike_margin}"
+                    + (", capped at the ceiling" if bar == self.config.spike_ceiling else "")
+                    + f") for {divergence.over} steps",
+                    heldout=self.config.signal == "val",
+                )
         elif before:
             self._event(trainer, step, f"loss spike recovered after {before} steps")
-        learn_by, ceiling, ceiling_margin = (self.config.learn_by_step, self.config.spike_ceiling,
-                                             self.config.spike_ceiling_margin)
+        learn_by, ceiling, ceiling_margin = (
+            self.config.learn_by_step,
+            self.config.spike_ceiling,
+            self.config.spike_ceiling_margin,
+        )
         if learn_by and step >= learn_by and self.failure is None and divergence.best > ceiling - ceiling_margin:
-            self._fail(trainer, "unlearned", step, step, value, f"{self.config.signal} loss at best "
-                       f"{divergence.best:.3f}, "
-                       f"not yet {ceiling_margin} below {ceiling:.3f}")
+            self._fail(
+                trainer,
+                "unlearned",
+                step,
+                step,
+                value,
+                f"{self.config.signal} loss at best "
+                f"{divergence.best:.3f}, "
+                f"not yet {ceiling_margin} below {ceiling:.3f}",
+            )
         below = self.config.stagnation_below
         if not self.config.stagnation_window or (below is not None and divergence.best > below):
             return
@@ -311,10 +370,16 @@ class StabilityMonitor(Callback):
             self._ref, self._ref_step = value, step
         elif step - self._ref_step >= self.config.stagnation_window:
             self.counts["stagnations"] += 1
-            self._fail(trainer, "stagnation", self._ref_step + 1, step, value,
-                       f"{self.config.signal} loss {value:.3f} has not improved on {self._ref:.3f} by "
-                       f"{self.config.stagnation_min_delta} for {step - self._ref_step} steps",
-                       heldout=self.config.signal == "val")
+            self._fail(
+                trainer,
+                "stagnation",
+                self._ref_step + 1,
+                step,
+                value,
+                f"{self.config.signal} loss {value:.3f} has not improved on {self._ref:.3f} by "
+                f"{self.config.stagnation_min_delta} for {step - self._ref_step} steps",
+                heldout=self.config.signal == "val",
+            )
             self._ref_step = step  # another stagnation only after another full window
 
     # ----------------------------------------------------------------------------------------------- outcome
@@ -322,8 +387,17 @@ class StabilityMonitor(Callback):
     def _lr_at(self, step: int) -> float | None:
         return next((lr for s, lr in self._lrs if s == step), None)
 
-    def _fail(self, trainer: Trainer, kind: str, onset: int, step: int, loss: float, message: str,
-              stop: bool = False, heldout: bool = False) -> None:
+    def _fail(
+        self,
+        trainer: Trainer,
+        kind: str,
+        onset: int,
+        step: int,
+        loss: float,
+        message: str,
+        stop: bool = False,
+        heldout: bool = False,
+    ) -> None:
         """heldout: judged on evaluations, each taken after its step's update (the last tolerated update is the
         one before the onset); else on training losses, each computed before its step's update (a loss at the
         onset comes from the update before it, so the last tolerated one is two steps back; none at onset 1)."""
@@ -347,8 +421,7 @@ class StabilityMonitor(Callback):
         elif first and trainer.is_global_zero:  # the user asked to go on: say it once, not at every later failure
             say(f"stability: {describe(self.failure)}; training goes on (callbacks.stability.stop_on_failure=false)")
 
-    def _plan_rewind(self, trainer: Trainer, kind: str, onset: int, step: int, loss: float,
-                     message: str) -> str | None:
+    def _plan_rewind(self, trainer: Trainer, kind: str, onset: int, step: int, loss: float, message: str) -> str | None:
         """Rewind to the newest kept checkpoint at least rewind_steps_before_onset steps before `onset`: this fit
         stops without saving more (on_train_end makes that checkpoint the newest). None when decided, else why not.
         Every rank comes here at the same step (the verdicts are the same everywhere); rank 0 reads the directory."""
@@ -363,15 +436,23 @@ class StabilityMonitor(Callback):
         kept = trainer.strategy.broadcast(kept)
         target = max((s for s in kept if s <= latest), default=None)
         if target is None:
-            return (f"no kept checkpoint is from step {latest} or earlier (onset {onset} - "
-                    f"{self.config.key('rewind_steps_before_onset')}={self.config.rewind_steps_before_onset}; kept: "
-                    f"{', '.join(map(str, sorted(kept))) or 'none'}): checkpoint more often, or keep more "
-                    "(trainer.keep_last_k)")
+            return (
+                f"no kept checkpoint is from step {latest} or earlier (onset {onset} - "
+                f"{self.config.key('rewind_steps_before_onset')}={self.config.rewind_steps_before_onset}; kept: "
+                f"{', '.join(map(str, sorted(kept))) or 'none'}): checkpoint more often, or keep more "
+                "(trainer.keep_last_k)"
+            )
         checkpoints.abandon(trainer)
         trainer.should_stop = True
-        self.rewind = {"kind": kind, "onset": onset, "detected_step": step,
-                       "loss": loss if math.isfinite(loss) else None, "message": message, "rewound_to": target,
-                       "checkpoint": kept[target]}
+        self.rewind = {
+            "kind": kind,
+            "onset": onset,
+            "detected_step": step,
+            "loss": loss if math.isfinite(loss) else None,
+            "message": message,
+            "rewound_to": target,
+            "checkpoint": kept[target],
+        }
         self.rewinds.append(self.rewind)
         self._event(trainer, step, f"REWIND ({kind}, onset step {onset}): {message}; rewinding to step {target}")
         return None

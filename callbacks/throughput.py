@@ -37,8 +37,10 @@ def peak_flops(trainer: Trainer, configured: float) -> float | None:
         return None
     peak = device_peak_flops(device, torch.bfloat16, configured)
     if peak is None:
-        rank_zero_warn(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)!r}: set "
-                       "callbacks.throughput.peak_flops to log perf/mfu")
+        rank_zero_warn(
+            f"no peak FLOP/s known for {torch.cuda.get_device_name(device)!r}: set "
+            "callbacks.throughput.peak_flops to log perf/mfu"
+        )
     return peak
 
 
@@ -59,8 +61,9 @@ class ThroughputMonitor(Callback):
         self.peak = peak_flops(trainer, self.config.peak_flops)
         self._cuda = trainer.strategy.root_device.type == "cuda"
         intervals = -(-self.config.window // trainer.log_every_n_steps)  # logging intervals covering the window
-        self._throughput = Throughput(available_flops=self.peak, world_size=trainer.world_size,
-                                      window_size=intervals + 1)
+        self._throughput = Throughput(
+            available_flops=self.peak, world_size=trainer.world_size, window_size=intervals + 1
+        )
         # per logging interval: time waiting between steps, total time, optimizer steps
         self._waits: deque[float] = deque(maxlen=intervals)
         self._totals: deque[float] = deque(maxlen=intervals)
@@ -82,9 +85,7 @@ class ThroughputMonitor(Callback):
         self._val_s = 0.0
         self._batch_start = now
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         step = finished_step(trainer)
         log = step is not None and due(step, trainer.log_every_n_steps)
         if log and self._cuda:

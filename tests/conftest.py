@@ -94,8 +94,17 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
     from keel.training import train
 
     run = tmp_path_factory.mktemp("trained") / "run"
-    overrides = [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false", "trainer.max_steps=30",
-                 "trainer.val_every_n_steps=30", "trainer.val_batches=1", "optim.warmup_steps=5", f"run.dir={run}"]
+    overrides = [
+        *TINY_MODEL,
+        *QUIET_TRAINER,
+        *tiny_data,
+        "eval.enabled=false",
+        "trainer.max_steps=30",
+        "trainer.val_every_n_steps=30",
+        "trainer.val_batches=1",
+        "optim.warmup_steps=5",
+        f"run.dir={run}",
+    ]
     train(load_config(overrides=overrides))
     return run
 
@@ -154,9 +163,15 @@ def eval_data(corpus_dir, tmp_path_factory) -> str:
     from keel.data.preparation import main as data_main
 
     data_dir = tmp_path_factory.mktemp("eval_shards") / "data"
-    overrides = ["data.source=text_files", f"data.text_files.paths=[{corpus_dir}/*.py]", f"data.dir={data_dir}",
-                 "data.vocab_size=512", "data.prepare_workers=1", "data.val_fraction=0.25",
-                 f"data.seed={held_out_seed(corpus_dir, 0.25, 0.2)}"]
+    overrides = [
+        "data.source=text_files",
+        f"data.text_files.paths=[{corpus_dir}/*.py]",
+        f"data.dir={data_dir}",
+        "data.vocab_size=512",
+        "data.prepare_workers=1",
+        "data.val_fraction=0.25",
+        f"data.seed={held_out_seed(corpus_dir, 0.25, 0.2)}",
+    ]
     assert data_main(overrides) == 0
     return str(data_dir)
 

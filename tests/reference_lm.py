@@ -82,7 +82,9 @@ class ReferenceLM(nn.Module):
         self.h = nn.ModuleList()
         for i in range(depth):
             a = None if i == 0 else alpha
-            self.h.append(nn.ModuleList([Sublayer(SelfAttention(width, heads), width, a), Sublayer(MLP(width), width, a)]))
+            self.h.append(
+                nn.ModuleList([Sublayer(SelfAttention(width, heads), width, a), Sublayer(MLP(width), width, a)])
+            )
         self.ln_f = Norm(width) if scheme == "preln" else None
         self.lm_head = nn.Linear(width, vocab, bias=False)
         head_dim = width // heads
@@ -122,8 +124,12 @@ def train(model: nn.Module, batches: torch.Tensor, held_out: torch.Tensor, peak_
     Returns the held-out loss (mean over held_out's (N, B, T + 1) batches) after the last step."""
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     gains = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.01}, {"params": gains, "weight_decay": 0.0}],
-                                  lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.01}, {"params": gains, "weight_decay": 0.0}],
+        lr=peak_lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     for step, batch in enumerate(batches):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, peak_lr, warmup, len(batches))
@@ -134,8 +140,9 @@ def train(model: nn.Module, batches: torch.Tensor, held_out: torch.Tensor, peak_
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     with torch.no_grad():
-        return sum(F.cross_entropy(model(b[:, :-1]).flatten(0, 1).float(), b[:, 1:].flatten()).item()
-                   for b in held_out) / len(held_out)
+        return sum(
+            F.cross_entropy(model(b[:, :-1]).flatten(0, 1).float(), b[:, 1:].flatten()).item() for b in held_out
+        ) / len(held_out)
 
 
 def windows(tokens: torch.Tensor, count: int, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
@@ -149,11 +156,13 @@ def main() -> None:
     held-out losses (docs/experiments.md, "An independent reference")."""
     from tokenizers import Tokenizer
 
-    from keel.model import KeelLM  # only the side-by-side run needs the project; the reference itself does not
     from keel.config import ModelConfig
+    from keel.model import KeelLM  # only the side-by-side run needs the project; the reference itself does not
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--data", default="data/stdlib", help="a `keel data` directory (tokenizer.json, val_docs.jsonl)")
+    parser.add_argument(
+        "--data", default="data/stdlib", help="a `keel data` directory (tokenizer.json, val_docs.jsonl)"
+    )
     parser.add_argument("--corpus", nargs="+", required=True, help="text files to train and hold out on")
     parser.add_argument("--schemes", default="preln,keel")
     parser.add_argument("--seeds", default="1,2")
@@ -170,8 +179,10 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(f"{args.data}/tokenizer.json")
     tokens = torch.tensor([t for path in args.corpus for t in tokenizer.encode(open(path).read()).ids])
     cut = int(0.9 * len(tokens))
-    print(f"{len(tokens):,} tokens; {args.depth} x {args.width}, seq {args.seq_len}, batch {args.batch}, "
-          f"{args.steps} steps, LR {args.lr:g}")
+    print(
+        f"{len(tokens):,} tokens; {args.depth} x {args.width}, seq {args.seq_len}, batch {args.batch}, "
+        f"{args.steps} steps, LR {args.lr:g}"
+    )
     print("| scheme | seed | keel.model.KeelLM | reference | difference |\n|---|---|---|---|---|")
     for scheme in args.schemes.split(","):
         for seed in map(int, args.seeds.split(",")):
@@ -179,13 +190,26 @@ def main() -> None:
             batches = windows(tokens[:cut], args.steps, args.batch, args.seq_len, data)
             held_out = windows(tokens[cut:], 8, args.batch, args.seq_len, data)
             losses = []
-            for build in (lambda: KeelLM(ModelConfig(scheme=scheme, depth=args.depth, width=args.width, n_heads=args.heads,
-                                                     seq_len=args.seq_len, vocab_size=tokenizer.get_vocab_size())),
-                          lambda: ReferenceLM(scheme, tokenizer.get_vocab_size(), args.depth, args.width, args.heads,
-                                              args.seq_len)):
+            for build in (
+                lambda scheme=scheme: KeelLM(
+                    ModelConfig(
+                        scheme=scheme,
+                        depth=args.depth,
+                        width=args.width,
+                        n_heads=args.heads,
+                        seq_len=args.seq_len,
+                        vocab_size=tokenizer.get_vocab_size(),
+                    )
+                ),
+                lambda scheme=scheme: ReferenceLM(
+                    scheme, tokenizer.get_vocab_size(), args.depth, args.width, args.heads, args.seq_len
+                ),
+            ):
                 torch.manual_seed(seed)
                 losses.append(train(build(), batches, held_out, args.lr, args.warmup))
-            print(f"| {scheme} | {seed} | {losses[0]:.4f} | {losses[1]:.4f} | {losses[0] - losses[1]:+.4f} |", flush=True)
+            print(
+                f"| {scheme} | {seed} | {losses[0]:.4f} | {losses[1]:.4f} | {losses[0] - losses[1]:+.4f} |", flush=True
+            )
 
 
 if __name__ == "__main__":

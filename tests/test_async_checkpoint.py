@@ -5,7 +5,6 @@ was not interrupted, each checkpoint visible only once whole; a failed backgroun
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,31 +15,43 @@ from keel.checkpoint.read import read_checkpoint
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.strategy import resolve_async_checkpoint
-
 from keeltest.distributed import _command, _env, pretrain, seen
 from keeltest.runs import scalars
 
 ASYNC = ["trainer.async_checkpoint=true"]  # the 8 steps of keeltest.distributed.RUN: saves at 4 and 8
 
 
-@pytest.mark.parametrize("overrides, cuda, on", [
-    (["trainer=fsdp"], False, False),  # CPU runs save as they did
-    (["trainer=fsdp"], True, True),
-    (["trainer=fsdp", "trainer.async_checkpoint=false"], True, False),
-    (["trainer=ddp"], True, False),  # one file, written by rank 0: nothing to shard
-    (["trainer=fsdp", "trainer.async_checkpoint=true", "trainer.accelerator=cpu", "trainer.devices=2"], False, True),
-])
+@pytest.mark.parametrize(
+    "overrides, cuda, on",
+    [
+        (["trainer=fsdp"], False, False),  # CPU runs save as they did
+        (["trainer=fsdp"], True, True),
+        (["trainer=fsdp", "trainer.async_checkpoint=false"], True, False),
+        (["trainer=ddp"], True, False),  # one file, written by rank 0: nothing to shard
+        (
+            ["trainer=fsdp", "trainer.async_checkpoint=true", "trainer.accelerator=cpu", "trainer.devices=2"],
+            False,
+            True,
+        ),
+    ],
+)
 def test_async_checkpoint_is_on_for_sharded_checkpoints_on_gpus(monkeypatch, overrides, cuda, on):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     trainer = load_config(overrides=overrides).trainer
     assert resolve_async_checkpoint(trainer) is on
 
 
-@pytest.mark.parametrize("value, message", [
-    ("true", "trainer.async_checkpoint: true writes sharded checkpoints in the background: it needs "
-             "trainer.strategy=fsdp (trainer=fsdp); a single run saves one file, synchronously"),
-    ("later", "trainer.async_checkpoint: allowed: true, false, auto; got 'later'"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            "true",
+            "trainer.async_checkpoint: true writes sharded checkpoints in the background: it needs "
+            "trainer.strategy=fsdp (trainer=fsdp); a single run saves one file, synchronously",
+        ),
+        ("later", "trainer.async_checkpoint: allowed: true, false, auto; got 'later'"),
+    ],
+)
 def test_bad_async_checkpoint_values_say_what_is_allowed(value, message):
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[f"trainer.async_checkpoint={value}"])
@@ -60,8 +71,9 @@ def one_process_group(tmp_path):
 
 
 @pytest.mark.parametrize("spent_after_a_stage", [False, True])
-def test_one_background_writer_saves_twice_in_one_process(one_process_group, tmp_path, monkeypatch,
-                                                          spent_after_a_stage):
+def test_one_background_writer_saves_twice_in_one_process(
+    one_process_group, tmp_path, monkeypatch, spent_after_a_stage
+):
     """Every save after the first reuses the writer. Some torch versions' DefaultStager (2.11's, which `make
     test-lowest` runs) clears its copy table after each stage, which broke a run's second background checkpoint;
     spent_after_a_stage makes this torch's stager do so too, and the writer then stages each save with a new one."""
@@ -106,8 +118,12 @@ def test_async_saves_resume_exactly_and_show_whole_checkpoints_only(tiny_data, s
     checkpoints = run / "checkpoints"
     # waited for at the end: the last one in place, the history pruned to keep_last_k=2, no staging left
     assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000004.ckpt", "step000008.ckpt"]
-    assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                      SHARDED_META]
+    assert sorted(p.name for p in (checkpoints / LAST).iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        SHARDED_META,
+    ]
     # bit for bit the uninterrupted run that saved synchronously: writing in the background changes no step
     straight = straight_run("fsdp")
     assert sorted(scalars(run, "train/loss")) == list(range(8))
@@ -141,8 +157,10 @@ def test_a_failed_background_write_stops_the_run_and_keeps_the_last_checkpoint(t
     launcher.write_text(FULL_DISK + launcher.read_text())
     done = subprocess.run(command, env=_env(run, "run"), capture_output=True, text=True, timeout=900)
     assert done.returncode != 0
-    assert (f"checkpoint: cannot write {run / 'checkpoints' / 'step000008.ckpt'}: no space left on the device"
-            in done.stderr), done.stderr[-3000:]
+    assert (
+        f"checkpoint: cannot write {run / 'checkpoints' / 'step000008.ckpt'}: no space left on the device"
+        in done.stderr
+    ), done.stderr[-3000:]
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 4
     # found failed one step later, at the next logging step: the step after the save trained while it was written
     assert {step for step, _ in seen(run)} == set(range(9))

@@ -13,13 +13,33 @@ import pytest
 import torch
 
 from keel.cli import main as cli_main
+from keel.config import ModelConfig
 from keel.flops import device_peak_flops, flops_per_token
 from keel.model import KeelLM
 from keel.ops.chunked_ce import DEFAULT_CHUNK
-from keel.config import ModelConfig
 
-TINY = ["--depth", "2", "--width", "32", "--heads", "2", "--seq-len", "32", "--vocab", "512", "--batch", "4",
-        "--steps", "2", "--warmup", "1", "--repeats", "2", "--threads", "1"]
+TINY = [
+    "--depth",
+    "2",
+    "--width",
+    "32",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--vocab",
+    "512",
+    "--batch",
+    "4",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--repeats",
+    "2",
+    "--threads",
+    "1",
+]
 TINY_FLOPS = flops_per_token(ModelConfig(depth=2, width=32, n_heads=2, seq_len=32, vocab_size=512))
 
 
@@ -57,8 +77,10 @@ def test_loss_heads_side_by_side(one_thread, tmp_path, capsys):
     rows = {row["label"]: row for row in result["rows"]}
     # a chunked head against its scheme's plain head; the plain heads Keel against Pre-LN
     assert {label: row["reference"] for label, row in rows.items()} == {
-        "step:keel t1 lc0": "step:preln t1 lc0", "step:keel t1 lc16": "step:keel t1 lc0",
-        "step:preln t1 lc0": None, "step:preln t1 lc16": "step:preln t1 lc0",
+        "step:keel t1 lc0": "step:preln t1 lc0",
+        "step:keel t1 lc16": "step:keel t1 lc0",
+        "step:preln t1 lc0": None,
+        "step:preln t1 lc16": "step:preln t1 lc0",
     }
     assert [row["loss_chunk"] for row in rows.values()] == [0, 16, 0, 16]
     assert all(row["peak_memory_bytes"] > 0 and label in printed for label, row in rows.items())
@@ -114,8 +136,18 @@ def test_members_rows_against_the_single_model(one_thread, tmp_path, capsys):
 
 def test_app_and_loader_rows(one_thread, tiny_data, tmp_path, capsys):
     result, printed = run_bench(
-        tmp_path, capsys, "--schemes", "keel", "--app", "--loader-workers", "0", "--peak-flops", "1e9",
-        "eval.enabled=false", "trainer.progress_bar=false", *tiny_data,
+        tmp_path,
+        capsys,
+        "--schemes",
+        "keel",
+        "--app",
+        "--loader-workers",
+        "0",
+        "--peak-flops",
+        "1e9",
+        "eval.enabled=false",
+        "trainer.progress_bar=false",
+        *tiny_data,
     )
     step, app, loader = result["rows"]
     assert (step["label"], app["label"], loader["label"]) == ("step:keel t1", "app:keel t1 w0", "loader w0")
@@ -169,10 +201,12 @@ def test_a_bench_too_big_for_this_machine_is_refused_before_any_model_is_built(m
     built = []
     monkeypatch.setattr(KeelLM, "__init__", lambda *args: built.append(args))
     assert cli_main(["bench", "--depth", "100000", "--width", "4096", "--device", "cpu", "--threads", "1,2"]) == 2
-    assert re.fullmatch(r"keel bench: config error: keel bench --depth 100000 --width 4096 --batch 8 x --seq-len 256, "
-                        r"4 model\(s\) held at once needs about [\d.]+ GiB \([\d,]+ parameters: weights, gradients and "
-                        r"AdamW state, per model; plus activations\), more than the "
-                        r"[\d.]+ GiB available here; lower them, or bench fewer --schemes, --loss-chunk, "
-                        r"--compile or --threads values at once",
-                        capsys.readouterr().err.strip())
+    assert re.fullmatch(
+        r"keel bench: config error: keel bench --depth 100000 --width 4096 --batch 8 x --seq-len 256, "
+        r"4 model\(s\) held at once needs about [\d.]+ GiB \([\d,]+ parameters: weights, gradients and "
+        r"AdamW state, per model; plus activations\), more than the "
+        r"[\d.]+ GiB available here; lower them, or bench fewer --schemes, --loss-chunk, "
+        r"--compile or --threads values at once",
+        capsys.readouterr().err.strip(),
+    )
     assert not built

@@ -5,7 +5,6 @@ order."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import re
@@ -22,10 +21,9 @@ from keel.config import ModelConfig, load_config
 from keel.errors import ConfigError
 from keel.layer_skip import skip_losses
 from keel.lit import KeelLitModule, make_optimizer
-from keel.schedule import lr_factor
 from keel.model import KeelLM, next_token_loss
+from keel.schedule import lr_factor
 from keel.training import build_callbacks, train
-
 from keeltest import TINY_MODEL
 from keeltest.runs import NO_EXTRAS, NaNLossAt, events, tiny_config
 
@@ -70,8 +68,9 @@ def test_grad_norms_match_manual_computation():
 
 def test_nonfinite_step_is_skipped_and_every_tag_is_logged(tiny_data, tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_config(tiny_data, run, "trainer.max_steps=12", "trainer.val_every_n_steps=6", "trainer.val_batches=1",
-                      *BUSY_CALLBACKS)
+    cfg = tiny_config(
+        tiny_data, run, "trainer.max_steps=12", "trainer.val_every_n_steps=6", "trainer.val_batches=1", *BUSY_CALLBACKS
+    )
     trainer = train(cfg, extra_callbacks=[NaNLossAt(4)])
     assert trainer.global_step == 12  # skip: the run goes on
     optimizer = trainer.optimizers[0]
@@ -81,14 +80,39 @@ def test_nonfinite_step_is_skipped_and_every_tag_is_logged(tiny_data, tmp_path):
     acc = events(run)
     scalars = set(acc.Tags()["scalars"])
     depth = cfg.model.depth
-    expected = {"train/loss", "train/tokens", "val/loss", "val/ppl", "lr/matrices", "lr/gains",
-                "grad/global", "grad/embed", "grad/head", "grad/ratio/bottom_top", "grad/ratio/middle_top",
-                "grad/ratio/block0_top", "grad/act/ratio/bottom_top", "grad/act/ratio/middle_top",
-                "stability/nonfinite_steps", "stability/spikes", "stability/stagnations", "stability/failed",
-                "stability/loss_excess", "perf/tokens_per_s", "perf/tokens_per_s_per_device", "perf/flops_per_token",
-                "perf/flops_per_s", "perf/data_wait_frac", "perf/step_ms", "importance/base_loss",
-                "time/grad_norms_ms", "time/grad_act_ms", "time/stability_ms", "time/throughput_ms",
-                "time/layer_importance_ms"}
+    expected = {
+        "train/loss",
+        "train/tokens",
+        "val/loss",
+        "val/ppl",
+        "lr/matrices",
+        "lr/gains",
+        "grad/global",
+        "grad/embed",
+        "grad/head",
+        "grad/ratio/bottom_top",
+        "grad/ratio/middle_top",
+        "grad/ratio/block0_top",
+        "grad/act/ratio/bottom_top",
+        "grad/act/ratio/middle_top",
+        "stability/nonfinite_steps",
+        "stability/spikes",
+        "stability/stagnations",
+        "stability/failed",
+        "stability/loss_excess",
+        "perf/tokens_per_s",
+        "perf/tokens_per_s_per_device",
+        "perf/flops_per_token",
+        "perf/flops_per_s",
+        "perf/data_wait_frac",
+        "perf/step_ms",
+        "importance/base_loss",
+        "time/grad_norms_ms",
+        "time/grad_act_ms",
+        "time/stability_ms",
+        "time/throughput_ms",
+        "time/layer_importance_ms",
+    }
     for b in range(depth):
         expected |= {f"importance/block_{b:03d}"}
         for kind in ("attn", "ffn"):
@@ -103,22 +127,34 @@ def test_nonfinite_step_is_skipped_and_every_tag_is_logged(tiny_data, tmp_path):
 
 def test_nonfinite_step_stops_the_run_when_configured(tiny_data, tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_config(tiny_data, run, "trainer.max_steps=20", "callbacks.stability.on_nonfinite=stop",
-                      "optim.warmup_steps=10")
+    cfg = tiny_config(
+        tiny_data, run, "trainer.max_steps=20", "callbacks.stability.on_nonfinite=stop", "optim.warmup_steps=10"
+    )
     trainer = train(cfg, extra_callbacks=[NaNLossAt(3)])
     assert trainer.global_step == 4  # stopped after the failing step, whose update was dropped
     report = json.loads((run / "stability.json").read_text())
     assert report["failed"] and report["kind"] == "nonfinite" and report["step"] == 3
-    assert report["max_tolerable_lr"] == pytest.approx(cfg.optim.lr * lr_factor(1, cfg.optim, 20))  # update 2 made step 3 fail
+    assert report["max_tolerable_lr"] == pytest.approx(
+        cfg.optim.lr * lr_factor(1, cfg.optim, 20)
+    )  # update 2 made step 3 fail
     assert (run / "checkpoints" / "last.ckpt").exists()
 
 
 def test_learning_rate_blow_up_is_detected_and_stops(tiny_data, tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_config(tiny_data, run, "trainer.max_steps=80", "optim.lr=50", "optim.warmup_steps=20",
-                      "optim.schedule=exp_warmup", "optim.min_lr_ratio=1e-4",  # 5e-3 -> 50: sustained at first
-                      "callbacks.stability.stop_on_failure=true", "callbacks.stability.spike_patience=5",
-                      "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false")
+    cfg = tiny_config(
+        tiny_data,
+        run,
+        "trainer.max_steps=80",
+        "optim.lr=50",
+        "optim.warmup_steps=20",
+        "optim.schedule=exp_warmup",
+        "optim.min_lr_ratio=1e-4",  # 5e-3 -> 50: sustained at first
+        "callbacks.stability.stop_on_failure=true",
+        "callbacks.stability.spike_patience=5",
+        "callbacks.grad_norms.enabled=false",
+        "callbacks.layer_importance.enabled=false",
+    )
     trainer = train(cfg)
     monitor = next(cb for cb in trainer.callbacks if type(cb).__name__ == "StabilityMonitor")
     failure = monitor.failure
@@ -135,11 +171,19 @@ def test_held_out_signal_judges_validation_and_reports_the_onset(tiny_data, tmp_
     failure is found at step 8, its onset is step 3, and the max tolerable LR is that of step 2 (the last good
     evaluation), the detection's LR that of step 8. A resumed run stays stopped."""
     run = tmp_path / "run"
-    stability = ["trainer.val_every_n_steps=3", "trainer.val_batches=2", "optim.schedule=exp_warmup",
-                 "optim.min_lr_ratio=0.01", "optim.warmup_steps=20", "callbacks.stability.signal=val",
-                 "callbacks.stability.stagnation_window=6", "callbacks.stability.stagnation_min_delta=100",
-                 "callbacks.stability.stop_on_failure=true", "callbacks.grad_norms.enabled=false",
-                 "callbacks.layer_importance.enabled=false"]
+    stability = [
+        "trainer.val_every_n_steps=3",
+        "trainer.val_batches=2",
+        "optim.schedule=exp_warmup",
+        "optim.min_lr_ratio=0.01",
+        "optim.warmup_steps=20",
+        "callbacks.stability.signal=val",
+        "callbacks.stability.stagnation_window=6",
+        "callbacks.stability.stagnation_min_delta=100",
+        "callbacks.stability.stop_on_failure=true",
+        "callbacks.grad_norms.enabled=false",
+        "callbacks.layer_importance.enabled=false",
+    ]
     cfg = tiny_config(tiny_data, run, "trainer.max_steps=20", *stability)
     trainer = train(cfg)
     assert trainer.global_step == 9
@@ -155,8 +199,15 @@ def test_held_out_signal_judges_validation_and_reports_the_onset(tiny_data, tmp_
     again = train(tiny_config(tiny_data, run, "trainer.max_steps=20", "resume=auto", *stability))
     assert again.global_step == 9  # resumed after the failure: stopped at once
     assert json.loads((run / "stability.json").read_text())["heldout"] == report["heldout"]
-    plateau = train(tiny_config(tiny_data, tmp_path / "plateau", "trainer.max_steps=12", *stability,
-                                "callbacks.stability.stagnation_below=0.5"))  # a level the model never reaches
+    plateau = train(
+        tiny_config(
+            tiny_data,
+            tmp_path / "plateau",
+            "trainer.max_steps=12",
+            *stability,
+            "callbacks.stability.stagnation_below=0.5",
+        )
+    )  # a level the model never reaches
     assert plateau.global_step == 12  # not judged on its plateau: no stagnation, the run goes on
     assert not json.loads((tmp_path / "plateau" / "stability.json").read_text())["failed"]
 
@@ -164,27 +215,42 @@ def test_held_out_signal_judges_validation_and_reports_the_onset(tiny_data, tmp_
 def test_a_run_not_learned_by_learn_by_step_fails_and_stays_stopped(tiny_data, tmp_path):
     """learn_by_step=5 with validation every 3 steps: a ceiling no tiny model gets 0.5 below (1.0) stops the run at
     the first evaluation from step 5 on, with no max tolerable LR; one it is below from the start (100) never does."""
-    learn = ["trainer.val_every_n_steps=3", "trainer.val_batches=2", "callbacks.stability.signal=val",
-             "callbacks.stability.learn_by_step=5", "callbacks.stability.stop_on_failure=true",
-             "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false"]
+    learn = [
+        "trainer.val_every_n_steps=3",
+        "trainer.val_batches=2",
+        "callbacks.stability.signal=val",
+        "callbacks.stability.learn_by_step=5",
+        "callbacks.stability.stop_on_failure=true",
+        "callbacks.grad_norms.enabled=false",
+        "callbacks.layer_importance.enabled=false",
+    ]
     run = tmp_path / "run"
-    trainer = train(tiny_config(tiny_data, run, "trainer.max_steps=20", *learn, "callbacks.stability.spike_ceiling=1.0"))
+    trainer = train(
+        tiny_config(tiny_data, run, "trainer.max_steps=20", *learn, "callbacks.stability.spike_ceiling=1.0")
+    )
     assert trainer.global_step == 6
     report = json.loads((run / "stability.json").read_text())
     assert (report["kind"], report["step"], report["max_tolerable_lr"]) == ("unlearned", 5, None)
     assert report["message"].startswith("val loss at best ") and "not yet 0.5 below 1.000" in report["message"]
-    again = train(tiny_config(tiny_data, run, "trainer.max_steps=20", "resume=auto", *learn,
-                              "callbacks.stability.spike_ceiling=1.0"))
+    again = train(
+        tiny_config(
+            tiny_data, run, "trainer.max_steps=20", "resume=auto", *learn, "callbacks.stability.spike_ceiling=1.0"
+        )
+    )
     assert again.global_step == 6  # resumed after it: stopped at once
-    learned = train(tiny_config(tiny_data, tmp_path / "learned", "trainer.max_steps=9", *learn,
-                                "callbacks.stability.spike_ceiling=100"))
+    learned = train(
+        tiny_config(
+            tiny_data, tmp_path / "learned", "trainer.max_steps=9", *learn, "callbacks.stability.spike_ceiling=100"
+        )
+    )
     assert learned.global_step == 9
     assert not json.loads((tmp_path / "learned" / "stability.json").read_text())["failed"]
 
 
 def test_exponential_warmup_is_geometric_then_constant():
-    optim = load_config(overrides=["optim.schedule=exp_warmup", "optim.min_lr_ratio=0.001",
-                                   "optim.warmup_steps=31"]).optim
+    optim = load_config(
+        overrides=["optim.schedule=exp_warmup", "optim.min_lr_ratio=0.001", "optim.warmup_steps=31"]
+    ).optim
     factors = [lr_factor(step, optim, 100) for step in range(40)]
     assert factors[0] == pytest.approx(0.001) and factors[30] == pytest.approx(1.0)
     ratios = [b / a for a, b in zip(factors[:30], factors[1:31])]
@@ -210,16 +276,24 @@ def test_layer_importance_is_zero_for_an_identity_block():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["trainer.compile=true", "callbacks.grad_norms.activation_every_n_steps=5"],
-         "callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile (keel.gradflow) needs"),
-        (["trainer=fsdp", "callbacks.grad_norms.activation_every_n_steps=5"],
-         "callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile (keel.gradflow) needs"),
-        (["trainer.val_every_n_steps=30", "eval.every_n_steps=40"],
-         "eval.every_n_steps: must be a multiple of trainer.val_every_n_steps=30, got 40"),
+        (
+            ["trainer.compile=true", "callbacks.grad_norms.activation_every_n_steps=5"],
+            "callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile (keel.gradflow) needs",
+        ),
+        (
+            ["trainer=fsdp", "callbacks.grad_norms.activation_every_n_steps=5"],
+            "callbacks.grad_norms.activation_every_n_steps: the activation-gradient profile (keel.gradflow) needs",
+        ),
+        (
+            ["trainer.val_every_n_steps=30", "eval.every_n_steps=40"],
+            "eval.every_n_steps: must be a multiple of trainer.val_every_n_steps=30, got 40",
+        ),
         (["callbacks.stability.on_nonfinite=ignore"], "callbacks.stability.on_nonfinite: allowed: skip, stop"),
         (["callbacks.throughput.window=1"], "callbacks.throughput.window: must be >= 2"),
-        (["callbacks.stability.learn_by_step=100"],
-         "callbacks.stability.learn_by_step: needs callbacks.stability.spike_ceiling (the loss of a model that has"),
+        (
+            ["callbacks.stability.learn_by_step=100"],
+            "callbacks.stability.learn_by_step: needs callbacks.stability.spike_ceiling (the loss of a model that has",
+        ),
     ],
 )
 def test_callback_options_are_checked_when_the_config_loads(overrides, message):
@@ -228,20 +302,40 @@ def test_callback_options_are_checked_when_the_config_loads(overrides, message):
 
 
 def test_a_disabled_callback_is_not_checked_against_the_rest():
-    cfg = load_config(overrides=["trainer.compile=true", "callbacks.grad_norms.activation_every_n_steps=5",
-                                 "callbacks.grad_norms.enabled=false", "trainer.val_every_n_steps=30",
-                                 "eval.every_n_steps=40", "eval.enabled=false"])
+    cfg = load_config(
+        overrides=[
+            "trainer.compile=true",
+            "callbacks.grad_norms.activation_every_n_steps=5",
+            "callbacks.grad_norms.enabled=false",
+            "trainer.val_every_n_steps=30",
+            "eval.every_n_steps=40",
+            "eval.enabled=false",
+        ]
+    )
     assert cfg.callbacks.grad_norms.activation_every_n_steps == 5
 
 
 def test_callbacks_run_fixed_first_then_by_priority(tmp_path):
     cfg = load_config(overrides=[*NO_EXTRAS, f"run.dir={tmp_path}"])
     assert [type(cb).__name__ for cb in build_callbacks(cfg, None)] == [
-        "RunCheckpoint", "GracefulInterrupt", "LearningRateMonitor", "StepProgressBar",
-        "GradNormMonitor", "StabilityMonitor", "LayerImportance", "ThroughputMonitor",  # throughput last
+        "RunCheckpoint",
+        "GracefulInterrupt",
+        "LearningRateMonitor",
+        "StepProgressBar",
+        "GradNormMonitor",
+        "StabilityMonitor",
+        "LayerImportance",
+        "ThroughputMonitor",  # throughput last
     ]
-    cfg = load_config(overrides=[*NO_EXTRAS, f"run.dir={tmp_path}", "trainer.progress_bar=false",
-                                 "callbacks.stability.enabled=false", "callbacks.layer_importance.enabled=false"])
+    cfg = load_config(
+        overrides=[
+            *NO_EXTRAS,
+            f"run.dir={tmp_path}",
+            "trainer.progress_bar=false",
+            "callbacks.stability.enabled=false",
+            "callbacks.layer_importance.enabled=false",
+        ]
+    )
     assert [type(cb).__name__ for cb in build_callbacks(cfg, None)][3:] == ["GradNormMonitor", "ThroughputMonitor"]
 
 
@@ -249,9 +343,17 @@ def test_gradient_norms_are_computed_once_per_step(tiny_data, tmp_path, monkeypa
     """Grad-norm logging (every step here), the stability check and clipping share one computation per step."""
     calls = []
     full_norms = keel.tensor_norms.full_norms
-    monkeypatch.setattr(keel.tensor_norms, "full_norms", lambda tensors: calls.append(len(tensors)) or full_norms(tensors))
-    cfg = tiny_config(tiny_data, tmp_path / "run", "trainer.max_steps=4", "trainer.grad_accum=2",
-                      "callbacks.grad_norms.every_n_steps=1", "optim.grad_clip=0.5")
+    monkeypatch.setattr(
+        keel.tensor_norms, "full_norms", lambda tensors: calls.append(len(tensors)) or full_norms(tensors)
+    )
+    cfg = tiny_config(
+        tiny_data,
+        tmp_path / "run",
+        "trainer.max_steps=4",
+        "trainer.grad_accum=2",
+        "callbacks.grad_norms.every_n_steps=1",
+        "optim.grad_clip=0.5",
+    )
     train(cfg)
     assert len(calls) == 4 and set(calls) == {len(list(KeelLM(cfg.model).parameters()))}
     grad_global = [event.value for event in events(tmp_path / "run").Scalars("grad/global")]
@@ -287,7 +389,13 @@ def test_clipping_folded_into_fused_adamw_matches_the_separate_pass():
         exact = step < 2
         for (name, p), q in zip(folded.model.named_parameters(), separate.model.parameters()):
             state, expected = optimizers[0].state[p], optimizers[1].state[q]
-            for actual, wanted in ((p, q), (p.grad, q.grad), (state["exp_avg"], expected["exp_avg"]),
-                                   (state["exp_avg_sq"], expected["exp_avg_sq"]), (state["step"], expected["step"])):
-                torch.testing.assert_close(actual, wanted, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7,
-                                           msg=f"step {step}: {name}")
+            for actual, wanted in (
+                (p, q),
+                (p.grad, q.grad),
+                (state["exp_avg"], expected["exp_avg"]),
+                (state["exp_avg_sq"], expected["exp_avg_sq"]),
+                (state["step"], expected["step"]),
+            ):
+                torch.testing.assert_close(
+                    actual, wanted, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7, msg=f"step {step}: {name}"
+                )

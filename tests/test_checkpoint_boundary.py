@@ -19,7 +19,6 @@ from keel.cli import main as cli_main
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.training import train
-
 from keeltest.distributed import _sharded_checkpoint
 from keeltest.runs import tiny_config
 
@@ -56,9 +55,11 @@ class Escaped:
     other_shard: Path  # where that leads
 
     def refused(self, err: str) -> None:
-        expected = (f"checkpoint: {self.path}/{DCP_METADATA} refused: it must name shard files in {self.path} itself, "
-                    f"but its entry {ENTRY} is read from {self.name!r}, which leads to {self.other_shard}; do not use "
-                    "this checkpoint")
+        expected = (
+            f"checkpoint: {self.path}/{DCP_METADATA} refused: it must name shard files in {self.path} itself, "
+            f"but its entry {ENTRY} is read from {self.name!r}, which leads to {self.other_shard}; do not use "
+            "this checkpoint"
+        )
         assert any(expected in line for line in err.splitlines()), err  # in one line
 
 
@@ -112,10 +113,13 @@ READERS = {
     "read_checkpoint": lambda path, request: _raised(lambda: read_checkpoint(path)),
     "read_checkpoint without weights": lambda path, request: _raised(lambda: read_checkpoint(path, weights=False)),
     "keel consolidate": lambda path, request: _cli(request, "consolidate", str(path), str(path.parent / "one.ckpt")),
-    "keel eval": lambda path, request: _cli(request, "eval", "--model_args", f"checkpoint={path}", "--tasks",
-                                            "keel_next_line", "--device", "cpu"),
+    "keel eval": lambda path, request: _cli(
+        request, "eval", "--model_args", f"checkpoint={path}", "--tasks", "keel_next_line", "--device", "cpu"
+    ),
     "keel generate": lambda path, request: _cli(request, "generate", f"checkpoint={path}", "--prompt", "def "),
-    "keel export": lambda path, request: _cli(request, "export", f"checkpoint={path}", "--out", str(path.parent / "hf")),
+    "keel export": lambda path, request: _cli(
+        request, "export", f"checkpoint={path}", "--out", str(path.parent / "hf")
+    ),
     "resume=PATH": lambda path, request: _train(request, _new_run(path), f"resume={path}"),
     "init_from=PATH": lambda path, request: _train(request, _new_run(path), f"init_from={path}"),
     "resume=auto": lambda path, request: _train(request, path.parents[1], "resume=auto"),
@@ -126,8 +130,11 @@ READERS = {
 def tree(root: Path) -> dict[str, int | None]:
     """Every path under root, with its mtime if a file; not the run dirs' lock files, which train takes before it
     reads a checkpoint and leaves, released and empty (tests/test_run_dir.py)."""
-    return {str(path.relative_to(root)): None if path.is_dir() else path.lstat().st_mtime_ns
-            for path in root.rglob("*") if path.name != LOCK}
+    return {
+        str(path.relative_to(root)): None if path.is_dir() else path.lstat().st_mtime_ns
+        for path in root.rglob("*")
+        if path.name != LOCK
+    }
 
 
 def refused_writing_nothing(escaped: Escaped, reader: str, request, tmp_path: Path) -> None:
@@ -169,5 +176,7 @@ def test_a_shard_name_that_is_no_file_name_is_refused(tmp_path, name):
     rename_shard(path, name)
     with pytest.raises(ConfigError) as err:
         read_checkpoint(path)
-    assert f"refused: it must name shard files in {path} itself, but its entry {ENTRY} is read from {name!r}, " \
-           "which is no file name (" in str(err.value)
+    assert (
+        f"refused: it must name shard files in {path} itself, but its entry {ENTRY} is read from {name!r}, "
+        "which is no file name (" in str(err.value)
+    )

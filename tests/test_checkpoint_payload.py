@@ -18,7 +18,6 @@ from keel.config import to_dict
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule
 from keel.model import KeelLM
-
 from keeltest.distributed import _tiny_cfg
 
 ROOT = Path(__file__).parents[1]
@@ -31,8 +30,9 @@ def test_what_the_lightning_module_writes_reads_back_whole():
     checkpoint = {}
     module.on_save_checkpoint(checkpoint)
     payload = read_payload(checkpoint)
-    assert payload == KeelPayload(config=to_dict(cfg), tokenizer_json="{}", heldout={"step": 4, "loss": 3.25},
-                                  data_manifest_sha256="abc")
+    assert payload == KeelPayload(
+        config=to_dict(cfg), tokenizer_json="{}", heldout={"step": 4, "loss": 3.25}, data_manifest_sha256="abc"
+    )
     assert payload.run_config() == cfg
     torch.save(checkpoint, buffer := io.BytesIO())  # plain data: the weights-only reader takes it
     buffer.seek(0)
@@ -51,14 +51,22 @@ def test_a_checkpoint_in_the_layout_older_keel_wrote_still_loads_and_resumes(tmp
     if heldout is not None:
         old["heldout"] = heldout
     path = tmp_path / "old.ckpt"
-    torch.save({"keel": old, "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "optimizer_states": [{}], "global_step": 3, LEGACY_DATA_STATE: {"manifest_sha256": "abc"},
-                "loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": {"ready": 6}, "current": {"ready": 6}}}}},
-               path)
+    torch.save(
+        {
+            "keel": old,
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            "optimizer_states": [{}],
+            "global_step": 3,
+            LEGACY_DATA_STATE: {"manifest_sha256": "abc"},
+            "loops": {"fit_loop": {"epoch_loop.batch_progress": {"total": {"ready": 6}, "current": {"ready": 6}}}},
+        },
+        path,
+    )
 
     checkpoint = read_checkpoint(path)
-    assert read_payload(checkpoint) == KeelPayload(config=to_dict(cfg), tokenizer_json="{}", heldout=heldout,
-                                                   data_manifest_sha256="abc")
+    assert read_payload(checkpoint) == KeelPayload(
+        config=to_dict(cfg), tokenizer_json="{}", heldout=heldout, data_manifest_sha256="abc"
+    )
     loaded, loaded_cfg, tokenizer_json = load_model(path)
     assert loaded_cfg == cfg and tokenizer_json == "{}"
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
@@ -86,7 +94,11 @@ def test_no_module_but_the_payload_indexes_the_payload_entry():
     """Every reader goes through read_payload: none indexes a checkpoint's "keel" entry itself."""
     payload = ROOT / "src" / "keel" / "checkpoint" / "payload.py"
     sources = [path for root in (ROOT / "src", ROOT / "callbacks") for path in sorted(root.rglob("*.py"))]
-    indexing = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sources if path != payload
-                for node in ast.walk(ast.parse(path.read_text()))
-                if isinstance(node, ast.Subscript) and getattr(node.slice, "value", None) == "keel"]
+    indexing = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in sources
+        if path != payload
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Subscript) and getattr(node.slice, "value", None) == "keel"
+    ]
     assert not indexing, indexing

@@ -21,7 +21,6 @@ from keel.checkpoint.safe import read_dcp_metadata
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
 from keel.training import train
-
 from keeltest.distributed import _sharded_checkpoint
 from keeltest.runs import tiny_config
 
@@ -41,7 +40,7 @@ POISONED_ENTRY = "optimizer_0.param_groups.0.lr"  # a byte entry (a pickle) of e
 
 def poison_metadata(path: Path, payload: Payload) -> str:
     (path / DCP_METADATA).write_bytes(pickle.dumps(payload))
-    with pytest.raises(Exception):  # torch's own reader runs it (then fails on what it returned)
+    with pytest.raises(Exception):  # noqa: B017 - torch's own reader runs it (then fails on what it returned)
         FileSystemReader(path).read_metadata()
     return f"{DCP_METADATA} refused"
 
@@ -58,8 +57,12 @@ def poison_byte_entry(path: Path, payload: Payload) -> str:
         f.write(saved.getvalue())
     (path / DCP_METADATA).write_bytes(pickle.dumps(metadata))
     # torch's own load of the optimizer's param_groups, as the FSDP strategy's resume does, runs it
-    dcp_load({"optimizer_0": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=path, no_dist=True,
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp_load(
+        {"optimizer_0": {"param_groups": [{"lr": 0.0}]}},
+        checkpoint_id=path,
+        no_dist=True,
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
     return f"{info.relative_path} refused: its entry {POISONED_ENTRY}"
 
 
@@ -70,8 +73,9 @@ class Hostile:
     refusal: str  # what the message says after the checkpoint's path
 
     def refused(self, err: str, path: Path | None = None) -> None:
-        assert any(f"{path or self.path}/{self.refusal}" in line and "builtins.exec" in line
-                   for line in err.splitlines()), err  # in one line
+        assert any(
+            f"{path or self.path}/{self.refusal}" in line and "builtins.exec" in line for line in err.splitlines()
+        ), err  # in one line
         assert not self.marker.exists(), "the payload ran"
 
 
@@ -88,8 +92,9 @@ def hostile_checkpoint(request, tmp_path) -> Hostile:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_payload_in_sharded_checkpoint_is_refused_by_read_consolidate_eval_generate_and_export(hostile_checkpoint,
-                                                                                                tmp_path, capsys):
+def test_payload_in_sharded_checkpoint_is_refused_by_read_consolidate_eval_generate_and_export(
+    hostile_checkpoint, tmp_path, capsys
+):
     path = hostile_checkpoint.path
     for weights in (True, False):
         with pytest.raises(ConfigError) as err:
@@ -155,9 +160,11 @@ def test_a_payload_in_a_single_file_or_meta_pt_is_refused_naming_it_not_with_tor
         for weights in (True, False):
             with pytest.raises(ConfigError) as err:
                 read_checkpoint(path, weights=weights)
-            assert str(err.value) == (f"checkpoint: {file} refused: it refers to builtins.exec, which a checkpoint "
-                                      "never holds; it may have been made to run code when loaded: do not use this "
-                                      "checkpoint")
+            assert str(err.value) == (
+                f"checkpoint: {file} refused: it refers to builtins.exec, which a checkpoint "
+                "never holds; it may have been made to run code when loaded: do not use this "
+                "checkpoint"
+            )
         assert cli_main(["generate", f"checkpoint={path}"]) == 2
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "weights_only=False" not in err and "refers to builtins.exec" in err

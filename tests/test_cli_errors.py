@@ -16,7 +16,6 @@ from keel.checkpoint.read import read_checkpoint
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
 from keel.training import train
-
 from keeltest.distributed import _sharded_checkpoint
 from keeltest.runs import CrashAtStep, tiny_config
 
@@ -31,12 +30,16 @@ def test_a_directory_that_is_no_checkpoint_is_called_so_with_the_checkpoint_mean
     last = tiny_run / "checkpoints" / LAST
     for directory in (tiny_run, tiny_run / "checkpoints"):
         assert cli_main(["generate", f"checkpoint={directory}", "--prompt", "def "]) == 2
-        assert capsys.readouterr().err == (f"keel generate: config error: checkpoint: {directory} is not a checkpoint: "
-                                           f"it has no .metadata nor meta.pt; did you mean {last}?\n")
+        assert capsys.readouterr().err == (
+            f"keel generate: config error: checkpoint: {directory} is not a checkpoint: "
+            f"it has no .metadata nor meta.pt; did you mean {last}?\n"
+        )
     assert cli_main(["consolidate", str(tmp_path), str(tmp_path / "out.ckpt")]) == 2
-    assert capsys.readouterr().err == (f"keel consolidate: config error: checkpoint: {tmp_path} is not a checkpoint: "
-                                       "it has no .metadata nor meta.pt (a checkpoint is a .ckpt file or an FSDP "
-                                       "checkpoint directory holding both)\n")
+    assert capsys.readouterr().err == (
+        f"keel consolidate: config error: checkpoint: {tmp_path} is not a checkpoint: "
+        "it has no .metadata nor meta.pt (a checkpoint is a .ckpt file or an FSDP "
+        "checkpoint directory holding both)\n"
+    )
     assert not (tmp_path / "out.ckpt").exists() and read_checkpoint(last, weights=False)["global_step"] == 30
 
 
@@ -51,7 +54,8 @@ def test_compare_of_a_run_without_validation_says_so(tiny_data, tmp_path, capsys
         assert capsys.readouterr().err == (
             f"keel compare: config error: compare: {run} has nothing to compare: its tb/ events hold no val/loss or "
             "eval/ scalars (validation runs every trainer.val_every_n_steps steps: a run stopped before the first "
-            "has none)\n")
+            "has none)\n"
+        )
     assert not (tmp_path / "compare.png").exists()
     assert read_checkpoint(short / "checkpoints" / LAST, weights=False)["global_step"] == 2  # the run is untouched
 
@@ -59,10 +63,15 @@ def test_compare_of_a_run_without_validation_says_so(tiny_data, tmp_path, capsys
 def test_a_config_file_whose_top_level_is_a_list_is_a_clear_error(tmp_path, capsys):
     listed = tmp_path / "list.yaml"
     listed.write_text("- optim.lr: 0.001\n- trainer.max_steps: 10\n")
-    refusal = (f"config error: {listed}: its top level is a list; a config file maps keys to settings "
-               "(e.g. a line `optim:`, then `  lr: 0.001`)\n")
-    for command in (["pretrain", "--print-config", "--config", str(listed)], ["pretrain", f"model={listed}"],
-                    ["data", "--config", str(listed), f"data.dir={tmp_path / 'data'}"]):
+    refusal = (
+        f"config error: {listed}: its top level is a list; a config file maps keys to settings "
+        "(e.g. a line `optim:`, then `  lr: 0.001`)\n"
+    )
+    for command in (
+        ["pretrain", "--print-config", "--config", str(listed)],
+        ["pretrain", f"model={listed}"],
+        ["data", "--config", str(listed), f"data.dir={tmp_path / 'data'}"],
+    ):
         assert cli_main(command) == 2  # was ListConfig.pop()'s TypeError
         assert capsys.readouterr() == ("", f"keel {command[0]}: {refusal}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["list.yaml"]  # nothing written
@@ -112,10 +121,14 @@ def test_consolidate_refuses_an_existing_output_one_under_a_file_and_its_own_inp
     torch.save({"optimizer_states": [], "global_step": 5}, taken)
     blocker.write_text("mine")
     before = taken.read_bytes()
-    for output, said in ((taken, f"{taken} already exists; choose a new output path (nothing is overwritten)"),
-                         (sharded, f"{sharded} already exists; choose a new output path (nothing is overwritten)"),
-                         (blocker / "out.ckpt", f"cannot write {blocker / 'out.ckpt'}: {blocker} is a file, not a "
-                                                "directory; choose another output path")):
+    for output, said in (
+        (taken, f"{taken} already exists; choose a new output path (nothing is overwritten)"),
+        (sharded, f"{sharded} already exists; choose a new output path (nothing is overwritten)"),
+        (
+            blocker / "out.ckpt",
+            f"cannot write {blocker / 'out.ckpt'}: {blocker} is a file, not a directory; choose another output path",
+        ),
+    ):
         assert cli_main(["consolidate", str(sharded), str(output)]) == 2
         assert capsys.readouterr().err == f"keel consolidate: config error: consolidate: {said}\n"
     assert taken.read_bytes() == before and blocker.read_text() == "mine"
@@ -132,12 +145,18 @@ print(codes, "torch" in sys.modules)
 
 def test_optimizer_values_torch_would_refuse_are_config_errors_naming_the_key_before_torch_loads():
     """optim.beta1=1.5 and optim.eps=-1 ended in torch's ValueError traceback once the model was built (~45 s)."""
-    done = subprocess.run([sys.executable, "-c", OPTIMIZER_VALUES, "optim.beta1=1.5", "optim.beta2=-0.1",
-                           "optim.eps=-1"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", OPTIMIZER_VALUES, "optim.beta1=1.5", "optim.beta2=-0.1", "optim.eps=-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.stdout == "[2, 2, 2] False\n"  # refused, and torch was never imported
-    assert done.stderr.splitlines() == ["keel pretrain: config error: optim.beta1: must be in [0, 1), got 1.5",
-                                        "keel pretrain: config error: optim.beta2: must be in [0, 1), got -0.1",
-                                        "keel pretrain: config error: optim.eps: must be > 0, got -1.0"]
+    assert done.stderr.splitlines() == [
+        "keel pretrain: config error: optim.beta1: must be in [0, 1), got 1.5",
+        "keel pretrain: config error: optim.beta2: must be in [0, 1), got -0.1",
+        "keel pretrain: config error: optim.eps: must be > 0, got -1.0",
+    ]
 
 
 def test_overrides_after_config_are_overrides(tmp_path, capsys):

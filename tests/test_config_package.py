@@ -17,7 +17,15 @@ import keel.callbacks.options
 import keel.config.trainer
 from keel.callbacks.options.downstream_eval import EvalConfig
 from keel.config import (
-    CALLBACKS, SOURCES, Config, DataConfig, ModelConfig, TextFilesConfig, from_dict, load_config, to_dict,
+    CALLBACKS,
+    SOURCES,
+    Config,
+    DataConfig,
+    ModelConfig,
+    TextFilesConfig,
+    from_dict,
+    load_config,
+    to_dict,
 )
 from keel.config.data import MOVED_KEYS, new_spelling
 from keel.config.loading import _valid_keys
@@ -42,8 +50,12 @@ def test_importing_the_config_loads_nothing_of_the_engine():
     modules = loaded_after("import keel.config; keel.config.load_config()")
     assert not [m for m in modules if m.split(".")[0] in ENGINE]
     keel_modules = [m for m in modules if m.split(".")[0] == "keel"]
-    assert [m for m in keel_modules if m not in ("keel", "keel.errors", "keel.conf", "keel.callbacks")
-            and not m.startswith(("keel.config", "keel.callbacks.options"))] == []
+    assert [
+        m
+        for m in keel_modules
+        if m not in ("keel", "keel.errors", "keel.conf", "keel.callbacks")
+        and not m.startswith(("keel.config", "keel.callbacks.options"))
+    ] == []
     # (the check above looked at what it should)
     assert {"keel.config.model", "keel.callbacks.options.stability"} <= set(keel_modules)
 
@@ -79,15 +91,20 @@ def test_each_callback_is_named_by_one_options_class():
     built = set()
     for path in Path(keel.callbacks.__path__[0]).glob("*.py"):
         classes = [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)]
-        built |= {f"keel.callbacks.{path.stem}.{c.name}" for c in classes
-                  if any(isinstance(f, ast.FunctionDef) and f.name == "from_config" for f in c.body)}
+        built |= {
+            f"keel.callbacks.{path.stem}.{c.name}"
+            for c in classes
+            if any(isinstance(f, ast.FunctionDef) and f.name == "from_config" for f in c.body)
+        }
     assert sorted(o.callback for o in options) == sorted(built)
 
 
 def test_the_downstream_eval_callback_is_imported_only_when_built():
     """lm-eval loads slowly: its options name the callback without importing it."""
-    modules = loaded_after("from keel.config import load_config\nfrom keel.training import configured_callbacks\n"
-                           "configured_callbacks(load_config(overrides=['eval.enabled=false']))")
+    modules = loaded_after(
+        "from keel.config import load_config\nfrom keel.training import configured_callbacks\n"
+        "configured_callbacks(load_config(overrides=['eval.enabled=false']))"
+    )
     assert "keel.callbacks.throughput" in modules  # (built)
     assert "keel.callbacks.downstream_eval" not in modules and "lm_eval" not in modules
 
@@ -150,9 +167,11 @@ def test_a_new_callback_is_two_files(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout) == {
-        "saved": {"enabled": True, "every_n_steps": 3}, "refused": "callbacks.step_echo.every_n_steps: must be >= 1",
+        "saved": {"enabled": True, "every_n_steps": 3},
+        "refused": "callbacks.step_echo.every_n_steps: must be >= 1",
         "built": ["GradNormMonitor", "StabilityMonitor", "StepEcho", "LayerImportance", "ThroughputMonitor"],
-        "every": 3}
+        "every": 3,
+    }
 
 
 def test_each_source_has_its_own_section():
@@ -179,12 +198,22 @@ def test_a_config_saved_before_the_sections_is_read_in_todays_spelling():
     """Checkpoints and run dirs keep the config they were made with: their flat data.* keys land in the sections."""
     saved = to_dict(load_config(overrides=["data=text_files", "data.text_files.paths=[a/*.txt]"]))
     data = {key: value for key, value in saved["data"].items() if key not in SOURCES}
-    data |= {"paths": ["b/*.txt"], "doc_chars": 7, "text_field": "body", "hf_dataset": "x/y", "hf_name": None,
-             "hf_split": "test"}
+    data |= {
+        "paths": ["b/*.txt"],
+        "doc_chars": 7,
+        "text_field": "body",
+        "hf_dataset": "x/y",
+        "hf_name": None,
+        "hf_split": "test",
+    }
     cfg = from_dict({**saved, "data": data})
     assert cfg.data.text_files == TextFilesConfig(paths=["b/*.txt"], text_field="body", doc_chars=7)
-    assert (cfg.data.hf.dataset, cfg.data.hf.name, cfg.data.hf.split, cfg.data.hf.text_field) == ("x/y", None, "test",
-                                                                                                   "body")
+    assert (cfg.data.hf.dataset, cfg.data.hf.name, cfg.data.hf.split, cfg.data.hf.text_field) == (
+        "x/y",
+        None,
+        "test",
+        "body",
+    )
     assert from_dict(saved) == load_config(overrides=["data=text_files", "data.text_files.paths=[a/*.txt]"])
 
 
@@ -199,4 +228,5 @@ def test_a_resume_of_a_config_saved_before_the_sections_reports_no_moved_key_as_
     saved = {**saved, "data": flat, "run": {key: value for key, value in saved["run"].items() if key != "overwrite"}}
     assert changed_keys(saved, cfg) == []
     assert changed_keys(saved, load_config(overrides=["data=text_files", "data.text_files.paths=[b/*.txt]"])) == [
-        "data.text_files.paths: ['a/*.txt'] -> ['b/*.txt']"]
+        "data.text_files.paths: ['a/*.txt'] -> ['b/*.txt']"
+    ]

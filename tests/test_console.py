@@ -15,7 +15,6 @@ import torch
 
 from keel.checkpoint.layout import LAST
 from keel.evaluation.cli import with_defaults
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
 from keeltest.distributed import LAUNCHER
 
@@ -47,8 +46,9 @@ BARE_BAR = re.compile(r"^\s*\d+%\|")  # a progress bar without a name: lm-eval's
 def keel(*argv: str, launcher: tuple[str, ...] = ("-m", "keel.cli"), env: dict | None = None):
     """`keel argv...` in a subprocess on the CPU (no GPU to be offered: Lightning says when one is not used)."""
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.run([sys.executable, *launcher, *argv], capture_output=True, text=True, env=environment,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, *launcher, *argv], capture_output=True, text=True, env=environment, timeout=600
+    )
 
 
 def lines(done: subprocess.CompletedProcess) -> list[str]:
@@ -66,9 +66,20 @@ def assert_no_noise(done: subprocess.CompletedProcess) -> None:
 def run_overrides(tiny_data, run, *extra: str) -> list[str]:
     """The tiny model for 4 steps, one validation and one in-loop evaluation (of 4 documents per task) at its end,
     the step bar on."""
-    return [*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "trainer.progress_bar=true", "trainer.max_steps=4",
-            "trainer.val_every_n_steps=4", "trainer.val_batches=1", "optim.warmup_steps=1", "eval.every_n_steps=4",
-            "eval.limit=4", f"run.dir={run}", *extra]
+    return [
+        *TINY_MODEL,
+        *QUIET_TRAINER,
+        *tiny_data,
+        "trainer.progress_bar=true",
+        "trainer.max_steps=4",
+        "trainer.val_every_n_steps=4",
+        "trainer.val_batches=1",
+        "optim.warmup_steps=1",
+        "eval.every_n_steps=4",
+        "eval.limit=4",
+        f"run.dir={run}",
+        *extra,
+    ]
 
 
 def test_pretrain_piped_prints_where_the_run_is_its_steps_one_eval_line_and_the_result(tiny_data, tmp_path):
@@ -84,22 +95,35 @@ def test_pretrain_piped_prints_where_the_run_is_its_steps_one_eval_line_and_the_
     out = done.stdout.splitlines()
     assert out[0].startswith("model       keel: depth 2 blocks (L = 4 sublayers), width 32")
     assert f"run dir     {run} (config.yaml, checkpoints/, logs; one run per directory)" in out
-    assert f"checkpoints every 100 steps and at the end: {run / 'checkpoints' / LAST} (and the newest 2 " \
-           "step-numbered)" in out
+    assert (
+        f"checkpoints every 100 steps and at the end: {run / 'checkpoints' / LAST} (and the newest 2 "
+        "step-numbered)" in out
+    )
     assert f"tensorboard tensorboard --logdir {run / 'tb'}  (then http://localhost:6006)" in out
     start = out.index("start       fresh initialization (seed 1337)")
-    steps = out[start + 1:-1]
+    steps = out[start + 1 : -1]
     assert [line.split(",")[0] for line in steps if line.startswith("step ")] == [
-        "step 1/4 (25%)", "step 2/4 (50%)", "step 3/4 (75%)", "step 4/4: evaluating keel_next_line", "step 4/4 (100%)"]
+        "step 1/4 (25%)",
+        "step 2/4 (50%)",
+        "step 3/4 (75%)",
+        "step 4/4: evaluating keel_next_line",
+        "step 4/4 (100%)",
+    ]
     assert re.fullmatch(r"step 2/4 \(50%\), ETA 0:00:\d\d, tokens/s [\d,]+, train/loss \d\.\d{4}", steps[1]), steps[1]
     [evaluation] = [line for line in steps if line.startswith("downstream eval: ")]
-    assert re.fullmatch(r"downstream eval: step 4: keel_next_line acc_mutual_info \S+, keel_last_token "
-                        r"perplexity \S+ \(\d+\.\d s\)", evaluation), evaluation
+    assert re.fullmatch(
+        r"downstream eval: step 4: keel_next_line acc_mutual_info \S+, keel_last_token "
+        r"perplexity \S+ \(\d+\.\d s\)",
+        evaluation,
+    ), evaluation
     assert steps.index(evaluation) == len(steps) - 2  # after "evaluating", before the last step line
     loss = re.fullmatch(r"step 4/4 \(100%\), tokens/s [\d,]+, train/loss \d\.\d{4}, val/loss (\d\.\d{4})", steps[-1])
     assert loss, steps[-1]
-    assert re.fullmatch(rf"end         step 4 of 4, val/loss {loss[1]} at step 4; checkpoint "
-                        rf"{re.escape(str(run / 'checkpoints' / LAST))} \(step 4\)", out[-1]), out[-1]
+    assert re.fullmatch(
+        rf"end         step 4 of 4, val/loss {loss[1]} at step 4; checkpoint "
+        rf"{re.escape(str(run / 'checkpoints' / LAST))} \(step 4\)",
+        out[-1],
+    ), out[-1]
     assert "Spearman" not in done.stdout  # one evaluation: no correlation to print
 
     resumed = keel("pretrain", *run_overrides(tiny_data, run, "trainer.max_steps=6", "eval.enabled=false"))
@@ -112,15 +136,19 @@ def test_pretrain_piped_prints_where_the_run_is_its_steps_one_eval_line_and_the_
 
     again = keel("pretrain", *run_overrides(tiny_data, run, "trainer.max_steps=6", "eval.enabled=false"))
     assert again.returncode == 0 and again.stdout == "", again.stdout
-    assert again.stderr == (f"keel pretrain: run.dir={run} is complete (step 6 of trainer.max_steps=6, val/loss "
-                            f"{out[-1].split()[6]} at step 6; {run / 'checkpoints' / LAST}): raise "
-                            "trainer.max_steps to train on, or start another run in a new run.dir\n")
+    assert again.stderr == (
+        f"keel pretrain: run.dir={run} is complete (step 6 of trainer.max_steps=6, val/loss "
+        f"{out[-1].split()[6]} at step 6; {run / 'checkpoints' / LAST}): raise "
+        "trainer.max_steps to train on, or start another run in a new run.dir\n"
+    )
 
 
 def test_data_prints_its_own_lines_only(tiny_data, tmp_path):
     shards = tmp_path / "shards"
-    overrides = [o for o in tiny_data if not o.startswith("data.dir=")] + [f"data.dir={shards}",
-                                                                          "data.prepare_workers=2"]
+    overrides = [o for o in tiny_data if not o.startswith("data.dir=")] + [
+        f"data.dir={shards}",
+        "data.prepare_workers=2",
+    ]
     done = keel("data", *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == ""  # no bar either: stderr is not a terminal
@@ -145,8 +173,16 @@ def test_two_processes_say_each_line_once(tiny_data, tmp_path):
     run = tmp_path / "run"
     launcher = tmp_path / "launch.py"
     launcher.write_text(LAUNCHER)
-    overrides = run_overrides(tiny_data, run, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-                              "trainer.max_steps=8", "trainer.val_every_n_steps=2", "eval.every_n_steps=2")
+    overrides = run_overrides(
+        tiny_data,
+        run,
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=8",
+        "trainer.val_every_n_steps=2",
+        "eval.every_n_steps=2",
+    )
     done = keel("pretrain", *overrides, launcher=(str(launcher),), env={"KEEL_TEST_INTERRUPT_AT": "3"})
     assert done.returncode == 130, done.stderr[-3000:]
     assert_no_noise(done)
@@ -161,7 +197,12 @@ def test_two_processes_say_each_line_once(tiny_data, tmp_path):
 def test_keel_eval_outside_a_git_checkout_prints_no_git_error(tmp_path):
     """lm-eval records the working directory's git commit with `git describe`, whose 'fatal: not a git
     repository' reached the console outside a checkout."""
-    done = subprocess.run([sys.executable, "-c", "import keel.evaluation.cli, lm_eval.evaluator as e; "
-                           "print(e.get_git_commit_hash())"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)})
+    done = subprocess.run(
+        [sys.executable, "-c", "import keel.evaluation.cli, lm_eval.evaluator as e; print(e.get_git_commit_hash())"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)},
+    )
     assert done.returncode == 0 and done.stdout == "None\n" and "fatal" not in done.stderr, done.stderr

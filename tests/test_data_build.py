@@ -14,12 +14,19 @@ from keel import cli
 from keel.config import TextFilesConfig
 from keel.data.loading import open_dataset
 from keel.data.preparation import prepare
-from keel.data.spooling import is_validation
 from keel.data.sources import read_documents
+from keel.data.spooling import is_validation
 from keel.data.tokenizer import EOS_TOKEN, train_tokenizer
 from keel.errors import ConfigError
 from keeltest.data import (
-    DOCUMENTS, LATIN1_TEXT, VAL_FRACTION, chunk_tokens, config, copy_of, expected_tokens, write_corpus,
+    DOCUMENTS,
+    LATIN1_TEXT,
+    VAL_FRACTION,
+    chunk_tokens,
+    config,
+    copy_of,
+    expected_tokens,
+    write_corpus,
 )
 
 
@@ -76,8 +83,14 @@ def test_shards_built_with_another_doc_chars_are_refused(built):
 
 def test_force_rebuilds_with_the_new_settings(built, tmp_path, capsys):
     cfg = copy_of(built, tmp_path, "data.vocab_size=280")
-    overrides = ["data=text_files", f"data.text_files.paths=[{built.root}/corpus/*.txt]", f"data.dir={cfg.data.dir}",
-                 "data.vocab_size=280", f"data.val_fraction={VAL_FRACTION}", "model.seq_len=32"]
+    overrides = [
+        "data=text_files",
+        f"data.text_files.paths=[{built.root}/corpus/*.txt]",
+        f"data.dir={cfg.data.dir}",
+        "data.vocab_size=280",
+        f"data.val_fraction={VAL_FRACTION}",
+        "model.seq_len=32",
+    ]
     assert cli.main(["data", *overrides]) == 2
     assert "--force" in capsys.readouterr().err
     assert cli.main(["data", "--force", *overrides]) == 0
@@ -86,8 +99,9 @@ def test_force_rebuilds_with_the_new_settings(built, tmp_path, capsys):
 
 def test_given_tokenizer_file_is_used_verbatim(built, tmp_path):
     tokenizer = built.dir / "tokenizer.json"
-    cfg = config(tmp_path / "shards", f"data.tokenizer={tokenizer}", "data.vocab_size=999",
-                 corpus=built.root / "corpus")
+    cfg = config(
+        tmp_path / "shards", f"data.tokenizer={tokenizer}", "data.vocab_size=999", corpus=built.root / "corpus"
+    )
     manifest = prepare(cfg)
     assert (tmp_path / "shards" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     assert manifest["tokenizer_sha256"] == built.manifest["tokenizer_sha256"]
@@ -100,11 +114,24 @@ def test_truncated_tokenizer_file_is_refused_naming_it(built, tmp_path, capsys):
     whole = (built.dir / "tokenizer.json").read_text()
     truncated.write_text(whole[: len(whole) // 2])  # a copy cut short (between characters: JSON's fault, not UTF-8's)
     out = tmp_path / "shards"
-    assert cli.main(["data", "data=text_files", f"data.text_files.paths=[{built.root}/corpus/*.txt]", f"data.dir={out}",
-                     f"data.val_fraction={VAL_FRACTION}", f"data.tokenizer={truncated}"]) == 2  # was a bare Exception
+    assert (
+        cli.main(
+            [
+                "data",
+                "data=text_files",
+                f"data.text_files.paths=[{built.root}/corpus/*.txt]",
+                f"data.dir={out}",
+                f"data.val_fraction={VAL_FRACTION}",
+                f"data.tokenizer={truncated}",
+            ]
+        )
+        == 2
+    )  # was a bare Exception
     [said] = capsys.readouterr().err.splitlines()
-    assert said.startswith(f"keel data: config error: data.tokenizer: {truncated} is not a tokenizer.json the "
-                           "tokenizers library can read (EOF while parsing")  # serde's reason, with its position
+    assert said.startswith(
+        f"keel data: config error: data.tokenizer: {truncated} is not a tokenizer.json the "
+        "tokenizers library can read (EOF while parsing"
+    )  # serde's reason, with its position
     assert said.endswith("); give a complete tokenizer.json, or null to train a BPE on the corpus")
     assert not out.exists()
 
@@ -148,9 +175,11 @@ def test_binary_and_non_utf8_files_are_skipped_and_named(tmp_path, capsys):
     (corpus / "nul.txt").write_bytes(b"text with a NUL\0 byte\n" * 50)
     manifest = prepare(config(tmp_path / "shards", corpus=corpus))
     skipped = [str(corpus / name) for name in ("latin1.txt", "nul.txt", "random.txt")]  # in glob order
-    assert (f"keel data: skipped 3 binary or non-utf-8 file(s): {', '.join(skipped)} (a NUL, or more than 1% of the "
-            "characters undecodable); files in another encoding are read with data.encoding=CODEC (e.g. latin-1, "
-            "cp1252)\n") in capsys.readouterr().out
+    assert (
+        f"keel data: skipped 3 binary or non-utf-8 file(s): {', '.join(skipped)} (a NUL, or more than 1% of the "
+        "characters undecodable); files in another encoding are read with data.encoding=CODEC (e.g. latin-1, "
+        "cp1252)\n"
+    ) in capsys.readouterr().out
     assert manifest["skipped_files"] == {"binary_or_undecodable": 3, "first": skipped}
     assert manifest["documents"]["train"] + manifest["documents"]["val"] == DOCUMENTS
     val_text = (tmp_path / "shards" / "val_docs.jsonl").read_text()
@@ -161,9 +190,12 @@ def test_binary_and_non_utf8_files_are_skipped_and_named(tmp_path, capsys):
     for k in range(7):
         (only_binary / f"{k}.txt").write_bytes(random.Random(k).randbytes(5_000))
     shown = ", ".join(str(only_binary / f"{k}.txt") for k in range(5))
-    with pytest.raises(ConfigError, match=re.escape(f"corpus is empty: no non-blank text in files matching "
-                                                    f"{only_binary}/*.txt") + ".*" + re.escape(
-            f"; skipped 7 binary or non-utf-8 file(s): {shown}, ... (2 more)")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"corpus is empty: no non-blank text in files matching {only_binary}/*.txt")
+        + ".*"
+        + re.escape(f"; skipped 7 binary or non-utf-8 file(s): {shown}, ... (2 more)"),
+    ):
         prepare(config(tmp_path / "shards2", corpus=only_binary))
 
 
@@ -171,12 +203,16 @@ def test_data_encoding_decodes_the_corpus_and_is_a_build_setting(tmp_path, capsy
     corpus = tmp_path / "corpus"
     texts = write_corpus(corpus)
     (corpus / "latin1.txt").write_bytes(LATIN1_TEXT.encode("latin-1"))
-    (tmp_path / "records.jsonl").write_bytes(json.dumps({"text": "crème brûlée"}, ensure_ascii=False)
-                                             .encode("latin-1") + b"\n")
-    cfg = config(tmp_path / "shards", "data.encoding=LATIN-1",
-                 f"data.text_files.paths=[{corpus}/latin1.txt,{tmp_path}/*.jsonl]")
-    assert dict(read_documents(cfg.data)) == {str(corpus / "latin1.txt"): LATIN1_TEXT,
-                                              f"{tmp_path}/records.jsonl:1": "crème brûlée"}
+    (tmp_path / "records.jsonl").write_bytes(
+        json.dumps({"text": "crème brûlée"}, ensure_ascii=False).encode("latin-1") + b"\n"
+    )
+    cfg = config(
+        tmp_path / "shards", "data.encoding=LATIN-1", f"data.text_files.paths=[{corpus}/latin1.txt,{tmp_path}/*.jsonl]"
+    )
+    assert dict(read_documents(cfg.data)) == {
+        str(corpus / "latin1.txt"): LATIN1_TEXT,
+        f"{tmp_path}/records.jsonl:1": "crème brûlée",
+    }
     cfg = config(tmp_path / "shards", "data.encoding=latin-1", corpus=corpus)
     manifest = prepare(cfg)  # one encoding for every file: write_corpus's UTF-8 ones decode too, into mojibake
     assert manifest["skipped_files"]["binary_or_undecodable"] == 0  # (latin-1 maps every byte to a character)

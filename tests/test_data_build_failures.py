@@ -31,8 +31,11 @@ from keeltest.data import copy_of, overrides_for, write_corpus
 
 def files_of(data_dir: Path) -> dict[str, bytes]:
     """A build's files by relative path (the lock file aside: it records who builds)."""
-    return {str(path.relative_to(data_dir)): path.read_bytes() for path in sorted(data_dir.rglob("*"))
-            if path.is_file() and path.name != LOCK}
+    return {
+        str(path.relative_to(data_dir)): path.read_bytes()
+        for path in sorted(data_dir.rglob("*"))
+        if path.is_file() and path.name != LOCK
+    }
 
 
 def full_disk(self, raw_data, filename, compress=None):
@@ -43,15 +46,25 @@ def killed(self, span):  # as the out-of-memory killer would
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("failure, said", [
-    ((BinaryWriter, "write_chunk_to_file", full_disk), "no space left on the device writing the shards in {shards}/"
-     ".keel-build/train: free space or choose another data.dir / TMPDIR"),
-    ((keel.data.shard_writing.SpanEncoder, "__call__", killed), "the train shard writer (worker 0 of 1) was killed by "
-     "SIGKILL (the kernel's out-of-memory killer sends it: use fewer data.prepare_workers, or more memory) before it "
-     "was done"),
-])
+@pytest.mark.parametrize(
+    "failure, said",
+    [
+        (
+            (BinaryWriter, "write_chunk_to_file", full_disk),
+            "no space left on the device writing the shards in {shards}/"
+            ".keel-build/train: free space or choose another data.dir / TMPDIR",
+        ),
+        (
+            (keel.data.shard_writing.SpanEncoder, "__call__", killed),
+            "the train shard writer (worker 0 of 1) was killed by "
+            "SIGKILL (the kernel's out-of-memory killer sends it: use fewer data.prepare_workers, or more memory) "
+            "before it was done",
+        ),
+    ],
+)
 def test_a_shard_writer_that_fails_or_dies_stops_the_build_and_keeps_the_earlier_one(
-        built, tmp_path, monkeypatch, capsys, failure, said):
+    built, tmp_path, monkeypatch, capsys, failure, said
+):
     """The forked writers inherit the failure patched in here. litdata's optimize() hung when a worker failed after
     its last input (its main process joined a worker that was joining its own idle child), and a full disk read as a
     bare OSError."""
@@ -80,9 +93,11 @@ KEEL_DATA = "import sys\nfrom keel import cli\nsys.exit(cli.main(['data', *sys.a
 
 def write_at_most(size: int):
     """A subprocess's preexec_fn: files of at most `size` bytes (past it a write fails with EFBIG, SIGXFSZ ignored)."""
+
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
     return limit
 
 
@@ -96,17 +111,40 @@ def test_writes_that_run_out_of_room_fail_in_one_line_without_hanging(built, tmp
     environment = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
     overrides = overrides_for(shards, corpus=built.root / "corpus")
     cases = [
-        (FORKS_MAY_WRITE_4KB, None, re.escape(f"the file is too large (past a file size limit or the file system's) writing the shards in {shards}/.keel-build/train: ")),
-        (KEEL_DATA, write_at_most(16_384), re.escape(f"the file is too large (past a file size limit or the file system's) writing the spooled corpus in {tmp}/keel-data-")
-         + r"\S+: "),
+        (
+            FORKS_MAY_WRITE_4KB,
+            None,
+            re.escape(
+                f"the file is too large (past a file size limit or the file system's) writing the shards in "
+                f"{shards}/.keel-build/train: "
+            ),
+        ),
+        (
+            KEEL_DATA,
+            write_at_most(16_384),
+            re.escape(
+                f"the file is too large (past a file size limit or the file system's) writing the spooled corpus in "
+                f"{tmp}/keel-data-"
+            )
+            + r"\S+: ",
+        ),
     ]
     for driver, preexec_fn, what in cases:
-        done = subprocess.run([sys.executable, "-c", driver, *overrides], env=environment, preexec_fn=preexec_fn,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", driver, *overrides],
+            env=environment,
+            preexec_fn=preexec_fn,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr
-        assert re.fullmatch(f"keel data: config error: {what}raise the file size limit \\(ulimit -f\\) or choose "
-                            "another data.dir / TMPDIR", done.stderr.splitlines()[-1])
+        assert re.fullmatch(
+            f"keel data: config error: {what}raise the file size limit \\(ulimit -f\\) or choose "
+            "another data.dir / TMPDIR",
+            done.stderr.splitlines()[-1],
+        )
         assert not shards.exists() and not list(tmp.iterdir())  # the data.dir it made removed, lock file and all
 
 
@@ -150,8 +188,11 @@ def test_ctrl_c_stops_keel_data_at_once_removing_the_unfinished_build(built, tmp
         rng = random.Random(5)
         (tmp_path / "words").mkdir()
         for number in range(20):
-            (tmp_path / "words" / f"{number}.txt").write_text("\n".join(
-                " ".join("".join(rng.choices(string.ascii_lowercase, k=16)) for _ in range(100)) for _ in range(100)))
+            (tmp_path / "words" / f"{number}.txt").write_text(
+                "\n".join(
+                    " ".join("".join(rng.choices(string.ascii_lowercase, k=16)) for _ in range(100)) for _ in range(100)
+                )
+            )
         driver, overrides = KEEL_DATA, overrides_for(shards, "data.vocab_size=250000", corpus=tmp_path / "words")
         announced = "keel data: training a"
     else:
@@ -159,9 +200,15 @@ def test_ctrl_c_stops_keel_data_at_once_removing_the_unfinished_build(built, tmp
         announced = "keel data: encoding the train split"
     # SIGINT as a terminal leaves it: the test suite run as a background job of a script starts with it ignored,
     # which the child would inherit (and Python then installs no KeyboardInterrupt handler)
-    process = subprocess.Popen([sys.executable, "-c", driver, "--force", *overrides], env=environment,
-                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [sys.executable, "-c", driver, "--force", *overrides],
+        env=environment,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         sent = interrupt_when(process, announced)
         stderr = process.communicate(timeout=60)[1]
@@ -170,8 +217,9 @@ def test_ctrl_c_stops_keel_data_at_once_removing_the_unfinished_build(built, tmp
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, stderr
-    assert stderr.splitlines()[-1] == (f"keel data: interrupted: the unfinished build was removed; {shards} holds what "
-                                       "it held before")
+    assert stderr.splitlines()[-1] == (
+        f"keel data: interrupted: the unfinished build was removed; {shards} holds what it held before"
+    )
     assert stopped_in < 5
     with pytest.raises(ProcessLookupError):
         os.killpg(process.pid, 0)  # no shard writer outlived it
@@ -190,7 +238,8 @@ def test_a_second_build_of_a_data_dir_is_refused_naming_the_holder(built, tmp_pa
         assert capsys.readouterr().err.splitlines() == [
             f"keel data: config error: data.dir={shards} is in use by another keel process: pid {os.getpid()} on host "
             f"{socket.gethostname()} (since {since}). Two builds in one data.dir would replace each other's files; "
-            "wait for it to end, stop it, or use another data.dir"]
+            "wait for it to end, stop it, or use another data.dir"
+        ]
         assert sorted(path.name for path in shards.iterdir()) == [LOCK]  # nothing written
         up_to_date = copy_of(built, tmp_path / "copy")
         with DataDirLock(up_to_date.data.dir):
@@ -214,7 +263,8 @@ def test_keel_data_never_removes_what_no_build_wrote(built, tmp_path, capsys):
     assert cli.main(["data", *overrides]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"keel data: config error: data.dir={corpus} holds tokenizer.json, train/, val/, which no keel build wrote (a "
-        "build would replace them); nothing was changed: choose a new or empty data.dir"]
+        "build would replace them); nothing was changed: choose a new or empty data.dir"
+    ]
     assert files_of(corpus) == before and not (corpus / LOCK).exists()
     # an earlier build is replaced (--force), and one whose move into place was stopped is rebuilt; a user's file
     # inside a split is not shards

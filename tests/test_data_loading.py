@@ -20,8 +20,8 @@ from keel.checkpoint.payload import LEGACY_DATA_STATE, read_payload, write_paylo
 from keel.config import Config, DataConfig, load_config
 from keel.data.loading import KeelDataModule, open_dataset, token_loader
 from keel.data.preparation import prepare
-from keel.data.spooling import is_validation
 from keel.data.sources import read_documents
+from keel.data.spooling import is_validation
 from keel.data.tokenizer import train_tokenizer
 from keel.errors import ConfigError
 from keeltest import SHARED_DATA
@@ -126,10 +126,19 @@ def test_trainer_resume_is_exact_and_cycles_epochs(built, tmp_path):
         model = Recorder()
         callbacks = []
         if every:
-            callbacks.append(ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=every, save_top_k=-1))
-        trainer = Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=callbacks,
-                            enable_checkpointing=bool(every), enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0)
+            callbacks.append(
+                ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=every, save_top_k=-1)
+            )
+        trainer = Trainer(
+            max_steps=max_steps,
+            accelerator="cpu",
+            logger=False,
+            callbacks=callbacks,
+            enable_checkpointing=bool(every),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
         trainer.fit(model, datamodule=KeelDataModule(cfg), ckpt_path=ckpt_path)
         return model.seen
 
@@ -150,8 +159,15 @@ def shared(relative: str) -> Path:
 
 def test_shared_jsonl_corpus_builds_and_loads(tmp_path):
     questions = shared("gsm8k/train.jsonl")
-    cfg = config(tmp_path / "gsm8k", f"data.text_files.paths=[{questions}]", "data.text_files.text_field=question",
-                 "data.max_chars=300000", "data.val_fraction=0.05", "data.vocab_size=512", "model.vocab_size=512")
+    cfg = config(
+        tmp_path / "gsm8k",
+        f"data.text_files.paths=[{questions}]",
+        "data.text_files.text_field=question",
+        "data.max_chars=300000",
+        "data.val_fraction=0.05",
+        "data.vocab_size=512",
+        "model.vocab_size=512",
+    )
     manifest = prepare(cfg)
     assert sum(manifest["chars"].values()) == 300000
     assert manifest["documents"]["val"] > 0 and manifest["tokens"]["train"] > 50000
@@ -223,29 +239,46 @@ def dispersion_p_value(cfg: Config, batches: int) -> float:
         owners = [s for s, alphabet in enumerate(ALPHABETS) if chars and chars <= set(alphabet)]
         if len(owners) == 1:
             token_source[token] = owners[0]
-    share = torch.bincount(torch.cat([sequence_sources(b, token_source) for b in token_loader(cfg, "train", False)]),
-                           minlength=len(ALPHABETS)).double()
+    share = torch.bincount(
+        torch.cat([sequence_sources(b, token_source) for b in token_loader(cfg, "train", False)]),
+        minlength=len(ALPHABETS),
+    ).double()
     expected = BATCH * share / share.sum()
     loader = KeelDataModule(cfg).train_dataloader()
-    observed = torch.stack([torch.bincount(sequence_sources(b, token_source), minlength=len(ALPHABETS))
-                            for b in itertools.islice(loader, batches)]).double()  # (batches, sources)
+    observed = torch.stack(
+        [
+            torch.bincount(sequence_sources(b, token_source), minlength=len(ALPHABETS))
+            for b in itertools.islice(loader, batches)
+        ]
+    ).double()  # (batches, sources)
     chi2 = ((observed - expected) ** 2 / expected).sum().item()
     return stats.chi2.sf(chi2, batches * (len(ALPHABETS) - 1))
 
 
-@pytest.mark.parametrize("shuffle_documents, shuffle_window, random_sample", [
-    (True, 0, True),  # the defaults
-    (False, 256, False),  # before: corpus order on disk and litdata's default window
-    (False, 0, False),  # full permutation alone: each chunk still holds one stretch of the corpus
-])
-def test_training_batches_are_a_uniform_sample(sourced_corpus, tmp_path, monkeypatch, shuffle_documents,
-                                               shuffle_window, random_sample):
+@pytest.mark.parametrize(
+    "shuffle_documents, shuffle_window, random_sample",
+    [
+        (True, 0, True),  # the defaults
+        (False, 256, False),  # before: corpus order on disk and litdata's default window
+        (False, 0, False),  # full permutation alone: each chunk still holds one stretch of the corpus
+    ],
+)
+def test_training_batches_are_a_uniform_sample(
+    sourced_corpus, tmp_path, monkeypatch, shuffle_documents, shuffle_window, random_sample
+):
     # ~200 documents a chunk (as with litdata's default chunk size on a real corpus, not one chunk in all)
     monkeypatch.setattr(keel.data.spooling, "SPAN_CHARS", 60_000)
     monkeypatch.chdir(sourced_corpus)  # relative ids: the split, hence every figure here, is the same on each run
-    cfg = config(tmp_path / "shards", f"data.shuffle_documents={shuffle_documents}",
-                 f"data.shuffle_window={shuffle_window}", "data.text_files.doc_chars=0", "data.chunk_bytes=16KB",
-                 "data.val_fraction=0.05", f"trainer.micro_batch_size={BATCH}", "data.text_files.paths=['*.txt']")
+    cfg = config(
+        tmp_path / "shards",
+        f"data.shuffle_documents={shuffle_documents}",
+        f"data.shuffle_window={shuffle_window}",
+        "data.text_files.doc_chars=0",
+        "data.chunk_bytes=16KB",
+        "data.val_fraction=0.05",
+        f"trainer.micro_batch_size={BATCH}",
+        "data.text_files.paths=['*.txt']",
+    )
     prepare(cfg)
     chunks = json.loads((tmp_path / "shards" / "train" / "index.json").read_text())["chunks"]
     assert len(chunks) >= 4
@@ -262,17 +295,27 @@ def test_each_epoch_is_a_new_permutation(built):
 
 def test_resume_refuses_other_shards_or_read_shuffle(tiny_data, tmp_path):
     """A checkpoint's loader position refers to the shards and the read-time shuffle it was saved with."""
-    from keeltest import QUIET_TRAINER, TINY_MODEL
-
     from keel.training import train
+    from keeltest import QUIET_TRAINER, TINY_MODEL
 
     shards = tmp_path / "shards"
     shutil.copytree(next(o.split("=", 1)[1] for o in tiny_data if o.startswith("data.dir=")), shards)
 
     def run(*overrides: str) -> None:
-        train(load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"data.dir={shards}",
-                                     "eval.enabled=false", f"run.dir={tmp_path / 'run'}", "trainer.max_steps=2",
-                                     *overrides]))
+        train(
+            load_config(
+                overrides=[
+                    *TINY_MODEL,
+                    *QUIET_TRAINER,
+                    *tiny_data,
+                    f"data.dir={shards}",
+                    "eval.enabled=false",
+                    f"run.dir={tmp_path / 'run'}",
+                    "trainer.max_steps=2",
+                    *overrides,
+                ]
+            )
+        )
 
     run()
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"

@@ -17,10 +17,10 @@ import keel.data.shard_writing
 import keel.data.spooling
 from keel.config import DataConfig, TextFilesConfig, load_config
 from keel.data.preparation import prepare
-from keel.data.spooling import SPAN_CHARS, Spool, is_validation
 from keel.data.sources import SOURCES, read_documents
 from keel.data.sources.stdlib import STDLIB_EXCLUDED_DIRS
 from keel.data.sources.text_files import cut_text
+from keel.data.spooling import SPAN_CHARS, Spool, is_validation
 from keel.data.tokenizer import EOS_TOKEN, PIECE_CHARS, tokenizer_pieces, train_tokenizer
 from keel.errors import ConfigError
 from keeltest.data import VAL_FRACTION, WORDS, config, expected_tokens
@@ -32,11 +32,16 @@ def test_jsonl_parquet_and_max_chars(tmp_path):
 
     (tmp_path / "a.jsonl").write_text('{"body": "first"}\n\n{"body": "second"}\n')
     pq.write_table(pa.table({"body": ["third", None, "fourth"]}), tmp_path / "b.parquet")
-    cfg = config(tmp_path, f"data.text_files.paths=[{tmp_path}/*.jsonl,{tmp_path}/*.parquet]",
-                 "data.text_files.text_field=body")
+    cfg = config(
+        tmp_path, f"data.text_files.paths=[{tmp_path}/*.jsonl,{tmp_path}/*.parquet]", "data.text_files.text_field=body"
+    )
     docs = list(read_documents(cfg.data))
-    assert docs == [(f"{tmp_path}/a.jsonl:1", "first"), (f"{tmp_path}/a.jsonl:3", "second"),
-                    (f"{tmp_path}/b.parquet:0", "third"), (f"{tmp_path}/b.parquet:2", "fourth")]
+    assert docs == [
+        (f"{tmp_path}/a.jsonl:1", "first"),
+        (f"{tmp_path}/a.jsonl:3", "second"),
+        (f"{tmp_path}/b.parquet:0", "third"),
+        (f"{tmp_path}/b.parquet:2", "fourth"),
+    ]
     cfg.data.max_chars = 8
     assert [text for _, text in read_documents(cfg.data)] == ["first", "sec"]
     cfg.data.text_files.text_field = "text"
@@ -50,7 +55,7 @@ def test_cut_text_prefers_paragraph_ends_then_line_ends_then_whitespace():
     prose = paragraph * 40
     pieces = cut_text(prose, 1000)
     assert pieces == [paragraph * 3] * 13 + [paragraph]  # the paragraph end nearest to 1000 characters: 903
-    assert cut_text(prose + line * 30, 1000)[:len(pieces) - 2] == pieces[:-2]  # appending changes only the last
+    assert cut_text(prose + line * 30, 1000)[: len(pieces) - 2] == pieces[:-2]  # appending changes only the last
     assert cut_text(prose.replace("\n\n", "\n \r\n"), 1000)[0].endswith("\n \r\n")  # blank = whitespace only
     lines = line * 35
     assert cut_text(lines, 1000) == [line * 10] * 3 + [line * 5]  # no paragraph end: at the nearest line end
@@ -119,8 +124,12 @@ def test_long_texts_reach_the_tokenizer_in_pieces_that_change_no_token(built):
     # trained on in pieces, the same BPE as on the whole text
     whole = Tokenizer(models.BPE())
     whole.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    whole.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    whole.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     assert train_tokenizer([text], 400).get_vocab() == whole.get_vocab()
 
 
@@ -188,6 +197,8 @@ def test_data_source_names_come_from_the_registry():
 def test_keel_data_imports_no_lightning():
     """`keel data` runs before every `make pretrain`, mostly to find nothing to do: it must not pay for importing
     Lightning (~2.7 s on the loaded 2-core dev machine), which only training's side, keel.data.loading, needs."""
-    code = ("import sys, keel.cli, keel.data.preparation\n"
-            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'lightning'))")
+    code = (
+        "import sys, keel.cli, keel.data.preparation\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'lightning'))"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

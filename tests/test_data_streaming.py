@@ -26,7 +26,6 @@ from keel.data.sources.json_stream import LongRecord
 from keel.data.sources.text_files import LONG_LINE_BYTES, cut_chunks, cut_text
 from keel.errors import ConfigError
 
-
 # every kind of character the cutter and the JSON decoder treat apart: line ends, blank lines, whitespace runs,
 # characters json escapes (quotes, backslashes, control characters), and non-ASCII, astral (a surrogate pair) too
 PARTS = ["word", "deep", " ", "  ", "\n", "\n\n", " \n\n", "\t", "\r\n", '"', "\\", "\x01", "/", "é", "深い", "🚀"]
@@ -41,13 +40,20 @@ def in_chunks(text: str, rng: random.Random, longest: int) -> Iterator[str]:
     start = 0
     while start < len(text):
         size = rng.randint(1, longest)
-        yield text[start:start + size]
+        yield text[start : start + size]
         start += size
 
 
 def overrides_for(data_dir: Path, *overrides: str) -> list[str]:
-    return ["data=text_files", f"data.dir={data_dir}", "data.vocab_size=300", "data.val_fraction=0.2",
-            "model.seq_len=32", "model.vocab_size=300", *overrides]
+    return [
+        "data=text_files",
+        f"data.dir={data_dir}",
+        "data.vocab_size=300",
+        "data.val_fraction=0.2",
+        "model.seq_len=32",
+        "model.vocab_size=300",
+        *overrides,
+    ]
 
 
 def config(tmp_path: Path, *overrides: str) -> Config:
@@ -88,18 +94,25 @@ def test_files_read_in_chunks_give_the_documents_they_gave_read_whole(tmp_path, 
     monkeypatch.setattr(keel.data.sources.text_files, "LONG_LINE_BYTES", 64)
     rng = random.Random(2)
     long_text, plain = random_text(rng, 400), random_text(rng, 600)
-    records = [{"text": "short"}, {"text": long_text, "meta": 1}, {"meta": "x" * 100, "text": "short too"},
-               {"text": None, "meta": "y" * 100}]
+    records = [
+        {"text": "short"},
+        {"text": long_text, "meta": 1},
+        {"meta": "x" * 100, "text": "short too"},
+        {"text": None, "meta": "y" * 100},
+    ]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(record) for record in records).replace("\n", "\n\n", 1))
     (tmp_path / "p.txt").write_text(plain, encoding="utf-8", newline="")
     (tmp_path / "p.py").write_text(plain, encoding="utf-8", newline="")
     cfg = config(tmp_path, f"data.text_files.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.*]", "data.text_files.doc_chars=50")
     docs = list(read_documents(cfg.data))
     jsonl, txt, py = f"{tmp_path}/r.jsonl", f"{tmp_path}/p.txt", f"{tmp_path}/p.py"
-    expected = [(f"{jsonl}:1", "short"),
-                *((f"{jsonl}:3#{k}", piece) for k, piece in enumerate(cut_text(long_text, 50))),
-                (f"{jsonl}:4", "short too"), (py, plain),
-                *((f"{txt}#{k}", piece) for k, piece in enumerate(cut_text(plain, 50)))]
+    expected = [
+        (f"{jsonl}:1", "short"),
+        *((f"{jsonl}:3#{k}", piece) for k, piece in enumerate(cut_text(long_text, 50))),
+        (f"{jsonl}:4", "short too"),
+        (py, plain),
+        *((f"{txt}#{k}", piece) for k, piece in enumerate(cut_text(plain, 50))),
+    ]
     assert docs == [(doc_id, text) for doc_id, text in expected if text.strip()]
 
 
@@ -120,19 +133,22 @@ def test_chunked_decoding_finds_what_whole_decoding_found(tmp_path, monkeypatch)
             assert SkippedFiles(encoding).read_text(path) == (whole if keep else None)
 
 
-@pytest.mark.parametrize("record, message", [
-    (b'{"text": "a\\x"}', "is not utf-8 JSON (Invalid \\escape at character 11)"),
-    (b'{"text": "a\x01"}', "is not utf-8 JSON (Invalid control character at character 11)"),
-    (b'{"text": "a', "is not utf-8 JSON (Unterminated string starting at character 9)"),
-    (b'{"text": "\xff"}', "is not utf-8 JSON (b'\\xff': invalid start byte at byte 10)"),
-    (b'{"text": "a" "b"}', "is not utf-8 JSON (expected '}', found '\"' at character 13)"),
-    (b'{"meta": [1,,2], "text": "a"}', "is not utf-8 JSON (expected a JSON value, found ',' at character 12)"),
-    (b'{"text": "a"} {}', "is not utf-8 JSON (expected the end of the line, found '{' at character 14)"),
-    (b'{"meta": 1, "body": "a"}', "has no field 'text' (found: meta, body)"),
-    (b'["text", "a"]', "has no field 'text' (it is not a JSON object)"),
-    (b'{"text": "a", "text": "b"}', "has field 'text' twice"),
-    (b'{"text": ["a"]}', ": 'text' is not a string or null"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (b'{"text": "a\\x"}', "is not utf-8 JSON (Invalid \\escape at character 11)"),
+        (b'{"text": "a\x01"}', "is not utf-8 JSON (Invalid control character at character 11)"),
+        (b'{"text": "a', "is not utf-8 JSON (Unterminated string starting at character 9)"),
+        (b'{"text": "\xff"}', "is not utf-8 JSON (b'\\xff': invalid start byte at byte 10)"),
+        (b'{"text": "a" "b"}', "is not utf-8 JSON (expected '}', found '\"' at character 13)"),
+        (b'{"meta": [1,,2], "text": "a"}', "is not utf-8 JSON (expected a JSON value, found ',' at character 12)"),
+        (b'{"text": "a"} {}', "is not utf-8 JSON (expected the end of the line, found '{' at character 14)"),
+        (b'{"meta": 1, "body": "a"}', "has no field 'text' (found: meta, body)"),
+        (b'["text", "a"]', "has no field 'text' (it is not a JSON object)"),
+        (b'{"text": "a", "text": "b"}', "has field 'text' twice"),
+        (b'{"text": ["a"]}', ": 'text' is not a string or null"),
+    ],
+)
 def test_a_malformed_long_record_is_refused_naming_its_path_and_line(tmp_path, monkeypatch, record, message):
     monkeypatch.setattr(keel.data.sources.text_files, "LONG_LINE_BYTES", 8)
     monkeypatch.setattr(keel.data.sources.json_stream, "READ_BYTES", 3)
@@ -168,14 +184,18 @@ def test_a_multi_megabyte_line_and_plain_file_build_into_the_documents_read_whol
     assert len(line) > LONG_LINE_BYTES
     (tmp_path / "r.jsonl").write_bytes(line + b'{"text": "short"}\n')
     (tmp_path / "p.txt").write_text(plain, encoding="utf-8")
-    cfg = config(tmp_path, f"data.text_files.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.txt]",
-                 f"data.tokenizer={word_tokenizer}")
+    cfg = config(
+        tmp_path, f"data.text_files.paths=[{tmp_path}/r.jsonl,{tmp_path}/p.txt]", f"data.tokenizer={word_tokenizer}"
+    )
     docs = list(read_documents(cfg.data))
     jsonl, txt = f"{tmp_path}/r.jsonl", f"{tmp_path}/p.txt"
     doc_chars = cfg.data.text_files.doc_chars
     record_pieces, plain_pieces = cut_text(record, doc_chars), cut_text(plain, doc_chars)
-    assert docs == [*((f"{jsonl}:1#{k}", piece) for k, piece in enumerate(record_pieces)), (f"{jsonl}:2", "short"),
-                    *((f"{txt}#{k}", piece) for k, piece in enumerate(plain_pieces))]
+    assert docs == [
+        *((f"{jsonl}:1#{k}", piece) for k, piece in enumerate(record_pieces)),
+        (f"{jsonl}:2", "short"),
+        *((f"{txt}#{k}", piece) for k, piece in enumerate(plain_pieces)),
+    ]
     assert max(map(len, record_pieces)) <= 2 * doc_chars and "".join(record_pieces) == record
     manifest = prepare(cfg)
     assert sum(manifest["documents"].values()) == len(docs)
@@ -201,10 +221,12 @@ def test_the_peak_memory_of_keel_data_does_not_grow_with_a_single_line_record(tm
     for megabytes in (5, 20):
         path = tmp_path / f"r{megabytes}.jsonl"
         path.write_text(json.dumps({"text": words_text(megabytes)}, ensure_ascii=False) + "\n", encoding="utf-8")
-        overrides = overrides_for(tmp_path / f"shards{megabytes}", f"data.text_files.paths=[{path}]",
-                                  f"data.tokenizer={word_tokenizer}")
-        done = subprocess.run([sys.executable, "-c", DATA_PEAK, *overrides], capture_output=True, text=True,
-                              timeout=300)
+        overrides = overrides_for(
+            tmp_path / f"shards{megabytes}", f"data.text_files.paths=[{path}]", f"data.tokenizer={word_tokenizer}"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", DATA_PEAK, *overrides], capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         peaks.append([int(peak) for peak in done.stderr.split()[-2:]])
     (own_small, writers_small), (own_large, writers_large) = peaks

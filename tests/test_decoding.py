@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from keel.config.model import SCHEMES
 from keel.decoding import generate
 from keel.model import KeelLM, KVCache
-from keel.config.model import SCHEMES
 from keeltest.model import tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,7 +43,9 @@ def test_generate_with_cache_matches_full_recompute(overrides):
     assert greedy.shape == (2, 12) and torch.equal(greedy[:, :4], prompt)
     assert torch.equal(greedy, generate(model, prompt, 8, use_cache=False))
     sampled = [
-        generate(model, prompt, 8, temperature=0.8, top_k=5, use_cache=cached, generator=torch.Generator().manual_seed(1))
+        generate(
+            model, prompt, 8, temperature=0.8, top_k=5, use_cache=cached, generator=torch.Generator().manual_seed(1)
+        )
         for cached in (True, False)
     ]
     assert torch.equal(*sampled)

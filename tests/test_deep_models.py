@@ -14,7 +14,6 @@ from keel.model import KeelLM
 from keel.parallel import apply_activation_checkpointing, compile_blocks
 from keeltest.model import tiny
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -16,7 +16,6 @@ import torch.multiprocessing as mp
 
 from keel.config import load_config
 from keel.errors import ConfigError
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
 
 WORLD = 2
@@ -45,8 +44,9 @@ def _verify_worker(rank: int, port: int, data: list[str], out: str) -> None:
         return original(fs, path)
 
     shards._file_sha256 = counting
-    cfg = load_config(overrides=[*TINY_MODEL, *data, "trainer=ddp", "trainer.accelerator=cpu",
-                                 f"trainer.devices={WORLD}"])
+    cfg = load_config(
+        overrides=[*TINY_MODEL, *data, "trainer=ddp", "trainer.accelerator=cpu", f"trainer.devices={WORLD}"]
+    )
     dataset = open_dataset(cfg)  # sizes only: the processes hash once joined
     result = {"at_open": list(hashed)}
     for attempt in ("intact", "damaged"):
@@ -87,9 +87,22 @@ def test_pretrain_on_two_processes_refuses_a_corrupt_chunk(tiny_data, tmp_path):
     chunk = shards / "train" / "chunk-0-0.bin"
     original = chunk.read_bytes()
     chunk.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    cmd = [sys.executable, "-m", "keel.cli", "pretrain", "trainer=ddp", "trainer.accelerator=cpu",
-           f"trainer.devices={WORLD}", *TINY_MODEL, *QUIET_TRAINER, *data, "eval.enabled=false",
-           "trainer.max_steps=1", "trainer.val_batches=1", f"run.dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "keel.cli",
+        "pretrain",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        f"trainer.devices={WORLD}",
+        *TINY_MODEL,
+        *QUIET_TRAINER,
+        *data,
+        "eval.enabled=false",
+        "trainer.max_steps=1",
+        "trainer.val_batches=1",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"{shards}/train/chunk-0-0.bin is corrupt" in done.stderr
@@ -155,12 +168,15 @@ def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_
 
     from keel.checkpoint.layout import LAST
     from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
-
     from keeltest.distributed import pretrain
 
     run = tmp_path / "run"
-    pretrain(tiny_data, run, "ddp", overrides=["eval.enabled=true", "eval.every_n_steps=4", f"eval.limit={EVAL_LIMIT}",
-                                               "eval.batch_size=8"])
+    pretrain(
+        tiny_data,
+        run,
+        "ddp",
+        overrides=["eval.enabled=true", "eval.every_n_steps=4", f"eval.limit={EVAL_LIMIT}", "eval.batch_size=8"],
+    )
     history = json.loads((run / "eval_history.json").read_text())["evaluations"]
     assert [e["step"] for e in history] == [3, 7]
     data_dir = next(o for o in tiny_data if o.startswith("data.dir=")).split("=", 1)[1]
@@ -172,7 +188,7 @@ def test_in_loop_evaluation_of_a_ddp_run_scores_like_one_process(tiny_data, tmp_
 
 # ----------------------------------------------------------------- two nodes of two processes: litdata's node split
 
-NODES_LAUNCHER = '''
+NODES_LAUNCHER = """
 import os, sys
 from pathlib import Path
 import torch
@@ -191,7 +207,7 @@ class Record(Callback):  # this rank's sequences, and the node count litdata dea
 configured = training.build_callbacks
 training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), Record()]
 sys.exit(cli.main(sys.argv[1:]))
-'''
+"""
 STEPS = 4
 
 
@@ -208,15 +224,44 @@ def test_two_nodes_of_two_processes_read_disjoint_sequences(tiny_data, tmp_path)
     record.mkdir()
     port, nodes = find_free_network_port(), []
     for node_rank in range(2):
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-                    f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        cmd = [*torchrun, str(launcher), "pretrain", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-               "trainer.num_nodes=2", *TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false",
-               "trainer.micro_batch_size=1",  # 4 validation sequences in all: the tiny val split may hold ~15
-               f"trainer.max_steps={STEPS}", f"trainer.val_every_n_steps={STEPS}", "trainer.val_batches=1",
-               f"trainer.checkpoint_every_n_steps={STEPS}", f"run.dir={tmp_path / 'run'}"]
-        nodes.append(subprocess.Popen(cmd, env={**os.environ, "KEEL_TEST_RECORD": str(record)},
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+        ]
+        cmd = [
+            *torchrun,
+            str(launcher),
+            "pretrain",
+            "trainer=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.num_nodes=2",
+            *TINY_MODEL,
+            *QUIET_TRAINER,
+            *tiny_data,
+            "eval.enabled=false",
+            "trainer.micro_batch_size=1",  # 4 validation sequences in all: the tiny val split may hold ~15
+            f"trainer.max_steps={STEPS}",
+            f"trainer.val_every_n_steps={STEPS}",
+            "trainer.val_batches=1",
+            f"trainer.checkpoint_every_n_steps={STEPS}",
+            f"run.dir={tmp_path / 'run'}",
+        ]
+        nodes.append(
+            subprocess.Popen(
+                cmd,
+                env={**os.environ, "KEEL_TEST_RECORD": str(record)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     errors = [node.communicate(timeout=900)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(error[-3000:] for error in errors)
     ranks = [torch.load(record / f"rank{rank}.pt") for rank in range(2 * WORLD)]

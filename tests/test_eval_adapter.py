@@ -33,8 +33,12 @@ def test_loglikelihood_is_the_models_own_logprob(checkpoint):
     lm = KeelEvalLM(model=model, tokenizer_json=tokenizer_json, batch_size=3)  # padded batches of mixed lengths
     encode = lm.tok_encode
     long_context = "x = compute(value)\n" * 40  # far beyond seq_len: left-truncated
-    cases = [("def f(x):", "\n    return x + 1"), ("import os", "\nimport sys"), (long_context.strip(), "\ny = 2"),
-             ("class A:\n    pass", "\n")]
+    cases = [
+        ("def f(x):", "\n    return x + 1"),
+        ("import os", "\nimport sys"),
+        (long_context.strip(), "\ny = 2"),
+        ("class A:\n    pass", "\n"),
+    ]
     results = lm.loglikelihood([Instance("loglikelihood", {}, case, i) for i, case in enumerate(cases)])
     for (context, continuation), (logprob, greedy) in zip(cases, results):
         whole, ctx = encode(context + continuation), encode(context)
@@ -86,7 +90,8 @@ def test_in_loop_evaluation_leaves_training_unchanged(eval_data, baseline, manag
     for evaluation in history["evaluations"]:  # next to validation loss, on its x-axis
         assert evaluation["val_loss"] == pytest.approx(val_loss[evaluation["step"]])
         assert scalars(run, "eval/keel_next_line/acc_mutual_info")[evaluation["step"]] == pytest.approx(
-            evaluation["scores"]["keel_next_line"]["acc_mutual_info"])
+            evaluation["scores"]["keel_next_line"]["acc_mutual_info"]
+        )
     assert set(scalars(run, "time/downstream_eval_s")) == {9, 19, 29}
     assert set(scalars(run, "eval/disagree/keel_last_token")) == {19, 29}
     assert set(history["spearman"]) == {"keel_next_line", "keel_last_token"}
@@ -112,10 +117,22 @@ def test_a_generated_task_rises_above_chance_after_a_short_training_run(eval_dat
     """300 steps of a 2-block model (~25 s on an idle 2-core CPU): keel_next_line's acc_mutual_info goes from
     chance (25%) to ~45% on 500 documents, where 32% is already 3.5 standard errors above chance."""
     run = tmp_path / "learn"
-    train(config(eval_data, run, "model.width=64", "model.seq_len=128", "trainer.micro_batch_size=8",
-                 "trainer.max_steps=300", "trainer.val_every_n_steps=300", "trainer.val_batches=2",
-                 "trainer.checkpoint_every_n_steps=300", "eval.every_n_steps=300", "eval.limit=500",
-                 "eval.tasks=[keel_next_line]"))
+    train(
+        config(
+            eval_data,
+            run,
+            "model.width=64",
+            "model.seq_len=128",
+            "trainer.micro_batch_size=8",
+            "trainer.max_steps=300",
+            "trainer.val_every_n_steps=300",
+            "trainer.val_batches=2",
+            "trainer.checkpoint_every_n_steps=300",
+            "eval.every_n_steps=300",
+            "eval.limit=500",
+            "eval.tasks=[keel_next_line]",
+        )
+    )
     [evaluation] = json.loads((run / "eval_history.json").read_text())["evaluations"]
     assert evaluation["scores"]["keel_next_line"]["acc_mutual_info"] > 0.32
 
@@ -144,5 +161,7 @@ def test_a_disagreement_is_said_at_the_step_the_bar_counts():
     before = {"step": 99, "val_loss": 5.5676, "scores": {"keel_next_line": {"acc_mutual_info": 0.55}}}
     after = {"step": 199, "val_loss": 5.2072, "scores": {"keel_next_line": {"acc_mutual_info": 0.54}}}
     assert evaluation._disagreements(module, before, after) == {"eval/disagree/keel_next_line": 1.0}
-    assert said == ["downstream eval: step 200: val loss 5.5676 -> 5.2072 (better) but keel_next_line acc_mutual_info "
-                    "0.5500 -> 0.5400 (worse)"]
+    assert said == [
+        "downstream eval: step 200: val loss 5.5676 -> 5.2072 (better) but keel_next_line acc_mutual_info "
+        "0.5500 -> 0.5400 (worse)"
+    ]

@@ -19,7 +19,6 @@ from keel.config import load_config
 from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
 from keel.model import KeelLM
 from keel.parallel import parallelize
-
 from keeltest import TINY_MODEL
 
 WORLD = 2
@@ -30,8 +29,15 @@ TIMEOUT_S = 300  # a rank left waiting in a collective never returns: the test f
 
 def _model(data_dir: str, mesh=None) -> KeelLM:
     """The same weights in every process (rank 0's reach the others' shards under FSDP)."""
-    cfg = load_config(overrides=[*TINY_MODEL, f"data.dir={data_dir}", "trainer.accelerator=cpu",
-                                 "trainer.compile=false", "trainer.precision=32-true"])
+    cfg = load_config(
+        overrides=[
+            *TINY_MODEL,
+            f"data.dir={data_dir}",
+            "trainer.accelerator=cpu",
+            "trainer.compile=false",
+            "trainer.precision=32-true",
+        ]
+    )
     torch.manual_seed(0)
     model = KeelLM(cfg.model)
     if mesh is not None:
@@ -54,11 +60,14 @@ def _scores(model: KeelLM, data_dir: str, distributed: bool) -> tuple[KeelEvalLM
 def _uneven_requests(rank: int) -> tuple[list[Instance], list[Instance]]:
     """This rank's loglikelihood and generate_until requests: rank 0 has 3 (1 batch) and 1 generation of 2 tokens,
     rank 1 has 13 (4 batches) and 3 generations of 9 tokens."""
-    scored = [Instance("loglikelihood", {}, (f"def f{i}(x):", f"\n    return x + {i}"), i)
-              for i in range(3 if rank == 0 else 13)]
+    scored = [
+        Instance("loglikelihood", {}, (f"def f{i}(x):", f"\n    return x + {i}"), i)
+        for i in range(3 if rank == 0 else 13)
+    ]
     gen_kwargs = {"until": [], "max_gen_toks": 2 if rank == 0 else 9}
-    generated = [Instance("generate_until", {}, (f"import os{i}\n", gen_kwargs), i)
-                 for i in range(1 if rank == 0 else 3)]
+    generated = [
+        Instance("generate_until", {}, (f"import os{i}\n", gen_kwargs), i) for i in range(1 if rank == 0 else 3)
+    ]
     return scored, generated
 
 
@@ -86,8 +95,13 @@ def test_split_evaluation_of_a_sharded_model_equals_one_process(tiny_data, tmp_p
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     data_dir = next(o for o in tiny_data if o.startswith("data.dir=")).split("=", 1)[1]
-    processes = mp.start_processes(_worker, args=(find_free_network_port(), data_dir, str(tmp_path)), nprocs=WORLD,
-                                   join=False, start_method="spawn")
+    processes = mp.start_processes(
+        _worker,
+        args=(find_free_network_port(), data_dir, str(tmp_path)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + TIMEOUT_S
     while not processes.join(timeout=5):
         if time.monotonic() > deadline:

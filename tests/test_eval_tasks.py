@@ -12,14 +12,13 @@ import pytest
 from lm_eval.api.registry import get_model
 
 from keel.cli import main as cli_main
-from keel.errors import ConfigError
 from keel.data.generated_tasks import TASKS_SUBDIR, generate_tasks
+from keel.errors import ConfigError
 from keel.evaluation import KeelEvalLM, load_tasks, run_tasks, task_manager
 from keel.evaluation.offline import STANDARD_TASKS as LM_EVAL_STANDARD
 from keel.evaluation.offline import lm_eval_configs, write_local_task
 from keel.evaluation.suite import primary_metric
 from keel.training import train
-
 from keeltest import SHARED_DATA, shared_data, write_sharded
 from keeltest.evaluation import SHORT_RUN, STANDARD_TASKS, config
 
@@ -39,7 +38,8 @@ def test_generated_tasks_are_deterministic_and_well_formed(eval_data, tmp_path):
     assert {path.parent for path in again.values()} == {copies["writable"] / TASKS_SUBDIR}
     assert [path.name for path in copies["older"].rglob("*")] == ["val_docs.jsonl"]  # the data dir is not written
     assert sorted(str(path.relative_to(run)) for path in run.rglob("*")) == sorted(  # no temporary file left
-        [*(str(Path(TASKS_SUBDIR, f"{name}.jsonl")) for name in paths), TASKS_SUBDIR, str(Path(TASKS_SUBDIR).parent)])
+        [*(str(Path(TASKS_SUBDIR, f"{name}.jsonl")) for name in paths), TASKS_SUBDIR, str(Path(TASKS_SUBDIR).parent)]
+    )
     for name, path in paths.items():
         assert path.read_bytes() == again[name].read_bytes() == elsewhere[name].read_bytes()
         assert 100 <= len(path.read_text().splitlines()) <= 500  # 500, or every candidate a small corpus has
@@ -66,32 +66,64 @@ def write_benchmark_files(root: Path) -> Path:
     n = range(GENERATED_DOCS)
     for name in ("Easy-Dev", "Easy-Test", "Challenge-Dev", "Challenge-Test"):
         labels = [["A", "B", "C", "D"], ["1", "2", "3", "4"], ["A", "B", "C"], ["A", "B", "C", "D", "E"]]
-        write_jsonl(root / f"arc/ARC-{name}.jsonl", [
-            {"id": f"{name}-{i}", "question": {"stem": f"Which tool measures mass ({i})?",
-                                                "choices": [{"text": f"tool {c}", "label": c} for c in labels[i % 4]]},
-             "answerKey": labels[i % 4][i % len(labels[i % 4])]} for i in n])
-    write_jsonl(root / "boolq/val.jsonl", [{"question": f"is {i} even", "passage": f"{i} is a number.", "idx": i,
-                                            "label": ["true", "false"][i % 2]} for i in n])
+        write_jsonl(
+            root / f"arc/ARC-{name}.jsonl",
+            [
+                {
+                    "id": f"{name}-{i}",
+                    "question": {
+                        "stem": f"Which tool measures mass ({i})?",
+                        "choices": [{"text": f"tool {c}", "label": c} for c in labels[i % 4]],
+                    },
+                    "answerKey": labels[i % 4][i % len(labels[i % 4])],
+                }
+                for i in n
+            ],
+        )
+    write_jsonl(
+        root / "boolq/val.jsonl",
+        [
+            {"question": f"is {i} even", "passage": f"{i} is a number.", "idx": i, "label": ["true", "false"][i % 2]}
+            for i in n
+        ],
+    )
     for split in ("train", "test"):
-        write_jsonl(root / f"gsm8k/{split}.jsonl", [{"question": f"What is {i} + {i}?",
-                                                      "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in n])
+        write_jsonl(
+            root / f"gsm8k/{split}.jsonl",
+            [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in n],
+        )
     (root / "hellaswag").mkdir()
-    (root / "hellaswag/hellaswag_val_full.txt").write_text("".join(
-        f"Cooking: a man cracks egg {i} into a bowl. he\n{i % 4}\n" + "".join(f"stirs it {e}.\n" for e in range(4))
-        for i in n))
+    (root / "hellaswag/hellaswag_val_full.txt").write_text(
+        "".join(
+            f"Cooking: a man cracks egg {i} into a bowl. he\n{i % 4}\n" + "".join(f"stirs it {e}.\n" for e in range(4))
+            for i in n
+        )
+    )
     write_jsonl(root / "lambada/lambada_test.jsonl", [{"text": f"the cat sat on mat {i} and then the cat"} for i in n])
     (root / "openbookqa").mkdir()
     for split in ("dev", "test"):
-        rows = [f"{split}-{i}\tThe sun is a\t(A) star (B) planet (C) moon (D) comet {i}\tThe sun is a star\tA"
-                for i in n]
+        rows = [
+            f"{split}-{i}\tThe sun is a\t(A) star (B) planet (C) moon (D) comet {i}\tThe sun is a star\tA" for i in n
+        ]
         (root / f"openbookqa/{split}.tsv").write_text(
-            "\n".join(["ID\tQuestion Stem\tChoices\tComplete Question\tAnswer Key", *rows]) + "\n")
-    write_jsonl(root / "piqa/valid.jsonl", [{"goal": f"open jar {i}", "sol1": "twist the lid", "sol2": "eat the lid"}
-                                            for i in n])
+            "\n".join(["ID\tQuestion Stem\tChoices\tComplete Question\tAnswer Key", *rows]) + "\n"
+        )
+    write_jsonl(
+        root / "piqa/valid.jsonl",
+        [{"goal": f"open jar {i}", "sol1": "twist the lid", "sol2": "eat the lid"} for i in n],
+    )
     (root / "piqa/valid-labels.lst").write_text("".join(f"{i % 2}\n" for i in n))
-    write_jsonl(root / "winogrande/winogrande.jsonl", [
-        {"context_options": ["Ann helped Bo because Ann", "Ann helped Bo because Bo"],
-         "continuation": f"was kind ({i}).", "gold": i % 2} for i in n])
+    write_jsonl(
+        root / "winogrande/winogrande.jsonl",
+        [
+            {
+                "context_options": ["Ann helped Bo because Ann", "Ann helped Bo because Bo"],
+                "continuation": f"was kind ({i}).",
+                "gold": i % 2,
+            }
+            for i in n
+        ],
+    )
     return root
 
 
@@ -167,22 +199,40 @@ def test_standard_suite_scores_are_deterministic(checkpoint, standard_tasks):
 def hub_rows(task: str, split: str, i: int) -> dict:
     """Row i of a split of the Hugging Face dataset each lm-eval task reads, in that dataset's schema."""
     if task.startswith("arc_"):
-        return {"id": f"{split}-{i}", "question": f"Which tool measures mass ({i})?",
-                "choices": {"text": ["a balance", "a ruler", "a clock", "a cup"], "label": ["A", "B", "C", "D"]},
-                "answerKey": "ABCD"[i % 4]}
+        return {
+            "id": f"{split}-{i}",
+            "question": f"Which tool measures mass ({i})?",
+            "choices": {"text": ["a balance", "a ruler", "a clock", "a cup"], "label": ["A", "B", "C", "D"]},
+            "answerKey": "ABCD"[i % 4],
+        }
     return {
         "boolq": {"question": f"is {i} even", "passage": f"{i} is a number.", "idx": i, "label": i % 2},
-        "hellaswag": {"ind": i, "activity_label": "Cooking", "ctx_a": f"A man cracks egg {i} [title] into a bowl.",
-                      "ctx_b": "he", "ctx": f"A man cracks egg {i} into a bowl. he",
-                      "endings": [f"stirs it {e}." for e in range(4)], "source_id": "x", "split": split,
-                      "split_type": "indomain", "label": str(i % 4)},
+        "hellaswag": {
+            "ind": i,
+            "activity_label": "Cooking",
+            "ctx_a": f"A man cracks egg {i} [title] into a bowl.",
+            "ctx_b": "he",
+            "ctx": f"A man cracks egg {i} into a bowl. he",
+            "endings": [f"stirs it {e}." for e in range(4)],
+            "source_id": "x",
+            "split": split,
+            "split_type": "indomain",
+            "label": str(i % 4),
+        },
         "lambada_openai": {"text": f"the cat sat on mat {i} and then the cat"},
-        "openbookqa": {"id": f"{split}-{i}", "question_stem": "The sun is a",
-                       "choices": {"text": ["star", "planet", "moon", "comet"], "label": ["A", "B", "C", "D"]},
-                       "answerKey": "A"},
+        "openbookqa": {
+            "id": f"{split}-{i}",
+            "question_stem": "The sun is a",
+            "choices": {"text": ["star", "planet", "moon", "comet"], "label": ["A", "B", "C", "D"]},
+            "answerKey": "A",
+        },
         "piqa": {"goal": f"open jar {i}", "sol1": "twist the lid", "sol2": "eat the lid", "label": i % 2},
-        "winogrande": {"sentence": f"Ann helped Bo because _ was kind ({i}).", "option1": "Ann", "option2": "Bo",
-                       "answer": str(1 + i % 2)},
+        "winogrande": {
+            "sentence": f"Ann helped Bo because _ was kind ({i}).",
+            "option1": "Ann",
+            "option2": "Bo",
+            "answer": str(1 + i % 2),
+        },
         "gsm8k": {"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"},
     }[task]
 
@@ -195,10 +245,12 @@ def local_copies(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("eval_data")
     for name, cfg in lm_eval_configs(LM_EVAL_STANDARD).items():
-        splits = {cfg[key] for key in ("training_split", "validation_split", "test_split", "fewshot_split")
-                  if cfg.get(key)}
-        dataset = datasets.DatasetDict({split: datasets.Dataset.from_list([hub_rows(name, split, i) for i in range(3)])
-                                        for split in splits})
+        splits = {
+            cfg[key] for key in ("training_split", "validation_split", "test_split", "fewshot_split") if cfg.get(key)
+        }
+        dataset = datasets.DatasetDict(
+            {split: datasets.Dataset.from_list([hub_rows(name, split, i) for i in range(3)]) for split in splits}
+        )
         assert write_local_task(cfg, dataset, root) == root / name / f"{name}.yaml"
     return root
 
@@ -217,16 +269,37 @@ def test_lm_evals_tasks_run_from_a_fetched_local_copy(local_copies, checkpoint):
     assert winogrande.doc_to_text(doc) == 1 and winogrande.doc_to_target(doc) == "was kind (1)."
     assert tasks["gsm8k"].config.num_fewshot == 5 and tasks["gsm8k"].config.fewshot_split == "train"
 
-    scores = run_tasks(KeelEvalLM(checkpoint=str(checkpoint), device="cpu"),
-                       {name: tasks[name] for name in ("arc_easy", "hellaswag", "winogrande")}, limit=2)
+    scores = run_tasks(
+        KeelEvalLM(checkpoint=str(checkpoint), device="cpu"),
+        {name: tasks[name] for name in ("arc_easy", "hellaswag", "winogrande")},
+        limit=2,
+    )
     assert set(scores["arc_easy"]) == {"acc", "acc_norm"} and set(scores["winogrande"]) == {"acc"}
     assert all(0 <= value <= 1 for values in scores.values() for value in values.values())
 
 
 def test_keel_eval_reads_lm_evals_task_from_its_local_copy(local_copies, checkpoint, tmp_path):
     out = tmp_path / "results"
-    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "arc_easy", "--limit", "2",
-                     "--device", "cpu", "--metadata", f"data_dir={local_copies}", "--output_path", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--model_args",
+                f"checkpoint={checkpoint}",
+                "--tasks",
+                "arc_easy",
+                "--limit",
+                "2",
+                "--device",
+                "cpu",
+                "--metadata",
+                f"data_dir={local_copies}",
+                "--output_path",
+                str(out),
+            ]
+        )
+        == 0
+    )
     [results_file] = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())
     assert results["n-samples"]["arc_easy"] == {"original": 3, "effective": 2}
@@ -237,8 +310,22 @@ def test_without_local_copy_or_hub_the_error_names_both(checkpoint, eval_data, t
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as HF_DATASETS_OFFLINE=1, or no network
-    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "arc_easy", "--device", "cpu",
-                     "--output_path", str(tmp_path)]) == 2
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--model_args",
+                f"checkpoint={checkpoint}",
+                "--tasks",
+                "arc_easy",
+                "--device",
+                "cpu",
+                "--output_path",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith("keel eval: config error: Couldn't reach 'allenai/ai2_arc' on the Hub")
     assert "--metadata data_dir=DIR" in error and "keel eval-data fetch DIR" in error and "HF_DATASETS_OFFLINE" in error
@@ -264,8 +351,24 @@ def test_keel_eval_runs_a_local_task_and_writes_lm_evals_results(checkpoint, tmp
     for layout, path in (("file", checkpoint), ("sharded", write_sharded(checkpoint, tmp_path / "sharded.ckpt"))):
         out = tmp_path / layout
         # no corpus_dir given: the generated task finds its documents through the checkpoint's data.dir
-        assert cli_main(["eval", "--model_args", f"checkpoint={path}", "--tasks", "keel_next_line", "--limit", "8",
-                         "--device", "cpu", "--output_path", str(out)]) == 0
+        assert (
+            cli_main(
+                [
+                    "eval",
+                    "--model_args",
+                    f"checkpoint={path}",
+                    "--tasks",
+                    "keel_next_line",
+                    "--limit",
+                    "8",
+                    "--device",
+                    "cpu",
+                    "--output_path",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         [results_file] = out.rglob("results_*.json")
         results = json.loads(results_file.read_text())
         assert get_model("keel") is KeelEvalLM and results["config"]["model"] == "keel"

@@ -17,19 +17,23 @@ from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.errors import ConfigError
 from keel.experiments.axes import non_embedding_params, resolve_alpha, width_for_budget
-from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.hold import WARMUP_HOLD, fit
+from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name
+from keel.experiments.paper import init_sensitivity
 from keel.experiments.records import already_trained
 from keel.experiments.stats import sign_test
-from keel.experiments.paper import init_sensitivity
 from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
 
-QUICK = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "callbacks.layer_importance.enabled=false",
-         "callbacks.grad_norms.enabled=false"]
+QUICK = [
+    *TINY_MODEL,
+    *QUIET_TRAINER,
+    "eval.enabled=false",
+    "callbacks.layer_importance.enabled=false",
+    "callbacks.grad_norms.enabled=false",
+]
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -56,15 +60,17 @@ def test_width_at_fixed_params_keeps_the_budget():
     assert list(widths.values()) == sorted(widths.values(), reverse=True)  # deeper = narrower
     for depth, width in widths.items():
         assert width % 8 == 0
-        params = non_embedding_params(load_config(overrides=[f"model.depth={depth}", f"model.width={width}",
-                                                             "model.n_heads=4"]).model)
+        params = non_embedding_params(
+            load_config(overrides=[f"model.depth={depth}", f"model.width={width}", "model.n_heads=4"]).model
+        )
         assert abs(params / budget - 1) < 0.1, (depth, width, params, budget)
 
 
 def ramp_curve(losses: list[float], every: int = 20, start: float = 1e-3, per_decade: int = 161) -> list:
     """A held-out curve as stability.json records it: (step, LR of that step on the exponential ramp, loss)."""
-    return [(every * (i + 1) - 1, start * 10 ** ((every * (i + 1) - 1) / per_decade), loss)
-            for i, loss in enumerate(losses)]
+    return [
+        (every * (i + 1) - 1, start * 10 ** ((every * (i + 1) - 1) / per_decade), loss) for i, loss in enumerate(losses)
+    ]
 
 
 UNIGRAM = 6.7
@@ -118,11 +124,11 @@ def test_the_hold_is_the_steps_between_x_and_four_thirds_x_and_its_fit_recovers_
     assert ramp_name(geometric) == "geometric from 0.001, 161 steps per decade"
     # max LR = 0.5 h^-0.4, two seeds a few percent apart at each of three holds: the exponent and the 5,000-step
     # warm-up's value come back, their intervals around them
-    points = [(h, 0.5 * h ** -0.4 * wobble) for h in (20, 200, 800) for wobble in (0.97, 1.03)]
+    points = [(h, 0.5 * h**-0.4 * wobble) for h in (20, 200, 800) for wobble in (0.97, 1.03)]
     result = fit(points)
     assert result["exponent low"] < -0.4 < result["exponent high"] and result["exponent high"] < 0
-    assert result["value low"] < 0.5 * WARMUP_HOLD ** -0.4 < result["value high"]
-    assert result["value"] == pytest.approx(0.5 * WARMUP_HOLD ** -0.4, rel=0.01)
+    assert result["value low"] < 0.5 * WARMUP_HOLD**-0.4 < result["value high"]
+    assert result["value"] == pytest.approx(0.5 * WARMUP_HOLD**-0.4, rel=0.01)
     flat = fit([(h, 0.1 * wobble) for h in (20, 200, 800) for wobble in (0.9, 1.1)])
     assert flat["exponent low"] < 0 < flat["exponent high"]  # no dependence: the interval holds 0
     assert fit([(20, 0.1), (20, 0.2), (20, 0.15)]) is None  # one hold says nothing about the hold
@@ -131,9 +137,28 @@ def test_the_hold_is_the_steps_between_x_and_four_thirds_x_and_its_fit_recovers_
 def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path, capsys):
     out = tmp_path / "maxlr"
     peak = 20.0  # absurd for AdamW: every run must fail on the way up
-    argv = ["maxlr", "--schemes", "preln,keel", "--depths", "2", "--steps", "24", "--peak-lr", str(peak),
-            "--ramp", "linear", "--eval-every", "4", "--out", str(out), *QUICK, *tiny_data,
-            "callbacks.stability.spike_patience=4", "--variant", "keel-nogain=model.scheme=keel,model.out_norm_gain=false"]
+    argv = [
+        "maxlr",
+        "--schemes",
+        "preln,keel",
+        "--depths",
+        "2",
+        "--steps",
+        "24",
+        "--peak-lr",
+        str(peak),
+        "--ramp",
+        "linear",
+        "--eval-every",
+        "4",
+        "--out",
+        str(out),
+        *QUICK,
+        *tiny_data,
+        "callbacks.stability.spike_patience=4",
+        "--variant",
+        "keel-nogain=model.scheme=keel,model.out_norm_gain=false",
+    ]
     assert cli_main(argv) == 0
     rows = read_csv(out / "maxlr.csv")
     assert [r["row"] for r in rows] == ["preln", "keel", "keel-nogain"]
@@ -175,18 +200,23 @@ def test_maxlr_detects_a_forced_divergence(tiny_data, tmp_path, capsys):
     shutil.copytree(out, tmp_path / "paper" / "nogain-d16")
     assert cli_main(["paper-report", str(tmp_path / "paper")]) == 0
     paper = (tmp_path / "paper" / "report.md").read_text()
-    section = paper.split("## Keel without its outer norms' gains, 16 x 64 (nogain-d16 beside table1-d16's keel rows)")[1]
+    section = paper.split("## Keel without its outer norms' gains, 16 x 64 (nogain-d16 beside table1-d16's keel rows)")[
+        1
+    ]
     assert "| keel | " in section and "| keel-nogain | " in section and "| keel-nogain vs keel |" in section
     # a truncated stability.json is named (it was JSONDecodeError's traceback), as is a missing directory
     stability = tmp_path / "paper" / "nogain-d16" / "keel-d2-s1337" / "stability.json"
     stability.write_text(stability.read_text()[:20])
     capsys.readouterr()
     assert cli_main(["paper-report", str(tmp_path / "paper")]) == 2
-    assert capsys.readouterr().err.startswith(f"keel paper-report: config error: {stability} cannot be read "
-                                              "(truncated?): ")
+    assert capsys.readouterr().err.startswith(
+        f"keel paper-report: config error: {stability} cannot be read (truncated?): "
+    )
     assert cli_main(["paper-report", str(tmp_path / "none")]) == 2
-    assert capsys.readouterr().err == (f"keel paper-report: config error: paper-report: {tmp_path / 'none'} is not a "
-                                       "directory; give the DIR `make paper` wrote (PAPER_OUT, by default runs/paper)\n")
+    assert capsys.readouterr().err == (
+        f"keel paper-report: config error: paper-report: {tmp_path / 'none'} is not a "
+        "directory; give the DIR `make paper` wrote (PAPER_OUT, by default runs/paper)\n"
+    )
 
 
 def test_maxlr_stops_a_probe_not_learned_by_learn_by_lr(tiny_data, tmp_path):
@@ -194,8 +224,27 @@ def test_maxlr_stops_a_probe_not_learned_by_learn_by_lr(tiny_data, tmp_path):
     the peak, the probe stops at the first evaluation from the step the ramp reaches it (step 11: LR 12/24 of the
     peak), is never judged, and counts as finished on a rerun; the emitted commands carry the option."""
     out = tmp_path / "maxlr"
-    argv = ["maxlr", "--schemes", "keel", "--depths", "2", "--steps", "24", "--peak-lr", "0.02", "--ramp", "linear",
-            "--eval-every", "4", "--learn-by-lr", "0.01", "--out", str(out), *QUICK, *tiny_data]
+    argv = [
+        "maxlr",
+        "--schemes",
+        "keel",
+        "--depths",
+        "2",
+        "--steps",
+        "24",
+        "--peak-lr",
+        "0.02",
+        "--ramp",
+        "linear",
+        "--eval-every",
+        "4",
+        "--learn-by-lr",
+        "0.01",
+        "--out",
+        str(out),
+        *QUICK,
+        *tiny_data,
+    ]
     assert cli_main(argv) == 0
     stability = json.loads((out / "keel-d2-s1337" / "stability.json").read_text())
     assert (stability["kind"], stability["step"], stability["steps"]) == ("unlearned", 11, 12)
@@ -217,7 +266,6 @@ def test_a_resumed_probe_counts_the_cost_of_its_earlier_sessions(tiny_data, tmp_
     earlier one had spent by its last checkpoint, and adds its own."""
     from keel.experiments.timing import RunTime
     from keel.training import train
-
     from keeltest.runs import tiny_config
 
     run = tmp_path / "probe"
@@ -234,11 +282,23 @@ def test_a_resumed_probe_counts_the_cost_of_its_earlier_sessions(tiny_data, tmp_
 
 def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     out = tmp_path / "g"
-    grid = ["maxlr", "--schemes", "keel,preln", "--alphas", "1,L", "--seeds", "1,2", "--out", str(out),
-            "--variant", "noinner=model.scheme=keel,model.keel_inner_norm=false"]
+    grid = [
+        "maxlr",
+        "--schemes",
+        "keel,preln",
+        "--alphas",
+        "1,L",
+        "--seeds",
+        "1,2",
+        "--out",
+        str(out),
+        "--variant",
+        "noinner=model.scheme=keel,model.keel_inner_norm=false",
+    ]
     assert cli_main([*grid, "--steps", "10", "--eval-every", "20"]) == 2  # no held-out loss would be measured
-    assert capsys.readouterr().err == ("keel maxlr: config error: --steps 10: must be at least --eval-every 20, or no "
-                                       "held-out loss is measured\n")
+    assert capsys.readouterr().err == (
+        "keel maxlr: config error: --steps 10: must be at least --eval-every 20, or no held-out loss is measured\n"
+    )
     assert cli_main([*grid, "--emit", "commands"]) == 0
     commands = (out / "commands.sh").read_text().splitlines()
     names = [c.split("--only ")[-1] for c in commands]
@@ -250,20 +310,34 @@ def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
     assert printed.startswith("# keel maxlr run noinner-d16-s2\n")
     cfg = yaml.safe_load(printed)
     assert cfg["model"]["keel_inner_norm"] is False and cfg["model"]["width"] == 64  # the miniature
-    assert (cfg["run"]["seed"], cfg["callbacks"]["stability"]["signal"], cfg["optim"]["schedule"]) == (2, "val", "exp_warmup")
+    assert (cfg["run"]["seed"], cfg["callbacks"]["stability"]["signal"], cfg["optim"]["schedule"]) == (
+        2,
+        "val",
+        "exp_warmup",
+    )
     assert cli_main(["maxlr", "model=paper_d64", "--schemes", "keel", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
-    assert (model["depth"], model["width"], model["n_heads"], model["n_kv_heads"], model["seq_len"]) == (64, 1024, 16, 8, 2048)
+    assert (model["depth"], model["width"], model["n_heads"], model["n_kv_heads"], model["seq_len"]) == (
+        64,
+        1024,
+        16,
+        8,
+        2048,
+    )
     assert cli_main(["maxlr", "--depths", "48", "model.width=32", "--schemes", "keel", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (model["depth"], model["width"], model["n_heads"]) == (48, 32, 4)  # a model key: no miniature
     assert cli_main(["maxlr", "--schemes", "preln", "model.init=normal", "--print-config"]) == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert (model["init"], model["width"]) == ("normal", 64)  # the shared init for all: still the miniature
-    for bad, named in ((["--variant", "noinner"], "--variant"), (["--only", "nope"], "--only"),
-                       (["--start-lr", "5"], "--start-lr"), (["--peak-lr", "0"], "--peak-lr"),
-                       (["--ramp", "linear", "--peak-lr", "0"], "--peak-lr"),
-                       (["--ramp", "linear", "--start-lr", "1e-4"], "a linear ramp starts at 0")):
+    for bad, named in (
+        (["--variant", "noinner"], "--variant"),
+        (["--only", "nope"], "--only"),
+        (["--start-lr", "5"], "--start-lr"),
+        (["--peak-lr", "0"], "--peak-lr"),
+        (["--ramp", "linear", "--peak-lr", "0"], "--peak-lr"),
+        (["--ramp", "linear", "--start-lr", "1e-4"], "a linear ramp starts at 0"),
+    ):
         with pytest.raises(ConfigError, match=named):
             maxlr_main(["--out", str(out), *bad])
     # a linear ramp has no start LR to compare with: any positive peak is a valid ramp (0 -> peak)
@@ -291,16 +365,39 @@ def test_sweep_emits_commands_and_slurm(tmp_path, capsys):
     assert script.count("'keel pretrain ") == 3
     manifest = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert [r["axes"].get("alpha") for r in manifest["runs"]] == ["sqrt(L)", "2L", None]
-    deeper = ["sweep", "--depths", "2,4,8", "--fixed-params", "--emit", "commands", "--out", str(tmp_path / "w"),
-              "model.depth=4", "model.width=64", "model.n_heads=4"]
+    deeper = [
+        "sweep",
+        "--depths",
+        "2,4,8",
+        "--fixed-params",
+        "--emit",
+        "commands",
+        "--out",
+        str(tmp_path / "w"),
+        "model.depth=4",
+        "model.width=64",
+        "model.n_heads=4",
+    ]
     assert cli_main(deeper) == 0
     widths = [c.split("model.width=")[-1].split()[0] for c in (tmp_path / "w" / "commands.sh").read_text().splitlines()]
     assert widths == ["88", "64", "48"]  # deeper = narrower, at ~ the depth-4 width-64 parameter count
 
 
 def sweep_argv(out: Path, tiny_data: list[str]) -> list[str]:
-    return ["sweep", "--schemes", "preln", "--lrs", "1e-3,3e-3", "--out", str(out), *QUICK, *tiny_data,
-            "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.val_batches=2"]
+    return [
+        "sweep",
+        "--schemes",
+        "preln",
+        "--lrs",
+        "1e-3,3e-3",
+        "--out",
+        str(out),
+        *QUICK,
+        *tiny_data,
+        "trainer.max_steps=6",
+        "trainer.val_every_n_steps=6",
+        "trainer.val_batches=2",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -356,8 +453,12 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
     argv = ["redundancy", f"checkpoint={zeroed}", "--checkpoint", str(other), "--batches", "2", "--out", str(out)]
     assert cli_main(argv) == 0
     rows = read_csv(out / "redundancy.csv")
-    assert [(r["path"], int(r["block"])) for r in rows] == [(str(zeroed), 0), (str(zeroed), 1), (str(other), 0),
-                                                            (str(other), 1)]
+    assert [(r["path"], int(r["block"])) for r in rows] == [
+        (str(zeroed), 0),
+        (str(zeroed), 1),
+        (str(other), 0),
+        (str(other), 1),
+    ]
     assert float(rows[1]["ppl_increase"]) == pytest.approx(0.0, abs=1e-6)
     assert abs(float(rows[0]["ppl_increase"])) > 1e-3
     assert (out / "redundancy.png").stat().st_size > 0
@@ -368,8 +469,12 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
     assert cli_main(["redundancy", str(other), str(third), "--batches", "2", "--out", str(out), "--append"]) == 0
     appended = read_csv(out / "redundancy.csv")
     assert appended[:2] == rows[:2]
-    assert [(r["path"], int(r["block"])) for r in appended[2:]] == [(str(other), 0), (str(other), 1), (str(third), 0),
-                                                                    (str(third), 1)]
+    assert [(r["path"], int(r["block"])) for r in appended[2:]] == [
+        (str(other), 0),
+        (str(other), 1),
+        (str(third), 0),
+        (str(third), 1),
+    ]
     assert [r["loss_increase"] for r in appended[2:4]] == [r["loss_increase"] for r in rows[2:]]  # deterministic
     assert cli_main(["redundancy", str(third), "--batches", "2", "--out", str(out)]) == 0
     assert [r["path"] for r in read_csv(out / "redundancy.csv")] == [str(third)] * 2
@@ -384,23 +489,45 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
 def test_the_ratio_trend_counts_the_seeds_where_one_or_neither_learned(tmp_path):
     """Where one scheme or neither resolves there is no ratio, but the report counts each case and the plot marks
     the seeds where only Keel learned; a point's grids are read together."""
-    def row(scheme, seed, lr):
-        return {"row": scheme, "seed": seed, "depth": 16, "width": 32, "resolved": lr is not None,
-                "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01,
-                "init": "gpt2" if scheme == "preln" else "normal"}
 
-    rows = [row("keel", 1, 0.2), row("preln", 1, 0.4), row("keel", 2, 0.1), row("preln", 2, None),
-            row("keel", 3, None), row("preln", 3, 0.3), row("keel", 4, None), row("preln", 4, None),
-            *[{**row(scheme, seed, None), "resolved": True, "failure": None, "max_lr_seen": 0.1}  # ran the ramp
-              for scheme, seed in (("keel", 5), ("preln", 5), ("keel", 6))], row("preln", 6, 0.05)]
+    def row(scheme, seed, lr):
+        return {
+            "row": scheme,
+            "seed": seed,
+            "depth": 16,
+            "width": 32,
+            "resolved": lr is not None,
+            "failure": "divergence",
+            "max_tolerable_lr": lr,
+            "loss_optimal_lr": 0.01,
+            "init": "gpt2" if scheme == "preln" else "normal",
+        }
+
+    rows = [
+        row("keel", 1, 0.2),
+        row("preln", 1, 0.4),
+        row("keel", 2, 0.1),
+        row("preln", 2, None),
+        row("keel", 3, None),
+        row("preln", 3, 0.3),
+        row("keel", 4, None),
+        row("preln", 4, None),
+        *[
+            {**row(scheme, seed, None), "resolved": True, "failure": None, "max_lr_seen": 0.1}  # ran the ramp
+            for scheme, seed in (("keel", 5), ("preln", 5), ("keel", 6))
+        ],
+        row("preln", 6, 0.05),
+    ]
     # seeds 3-4: Keel unresolved, 5: two lower bounds, nothing to plot; 6: Keel's peak over Pre-LN's limit, a bound
     assert ratios(rows) == [0.5, None, 2.0]
     gentle = [{**row("postln", 1, 0.02), "init": "normal"}]  # a point's second grid (Post-LN's slope) is read too
-    table, points = trend({"depth-d16": rows, "gentle-d16": gentle}, {16: (("depth-d16", "gentle-d16"), 16, 32)},
-                          "blocks")
+    table, points = trend(
+        {"depth-d16": rows, "gentle-d16": gentle}, {16: (("depth-d16", "gentle-d16"), 16, 32)}, "blocks"
+    )
     assert table[0]["keel / preln (per seed)"] == (  # each seed once; a peak reached unbroken is a lower bound
         "0.5, >=2; Pre-LN unresolved in 1; Keel unresolved in 1; neither resolved in 1; "
-        "neither broke by the ramp's end in 1")
+        "neither broke by the ramp's end in 1"
+    )
     assert (table[0]["grid"], table[0]["postln max LR"]) == ("depth-d16, gentle-d16", "0.02 (1/1)")
     assert table[0]["keel max LR"] == "0.1 (4/6, 2 unbroken by the ramp's end)"
     plot_ratios(points, {32: [None, None]}, [], tmp_path / "ratio.png")  # a panel with no ratio at all draws too
@@ -410,12 +537,26 @@ def test_the_ratio_trend_counts_the_seeds_where_one_or_neither_learned(tmp_path)
 def test_the_transfer_table_says_how_far_each_lr_moves_over_the_widths(tmp_path):
     """sp's grids (the width trend) beside mup's: per width the seeds' loss-optimal LR, and max / min of the medians;
     a width with no run is a dash and is not counted."""
-    def row(width, seed, optimal, max_lr):
-        return {"row": "keel", "seed": seed, "depth": 16, "width": width, "resolved": max_lr is not None,
-                "failure": "divergence", "max_tolerable_lr": max_lr, "loss_optimal_lr": optimal, "init": "normal"}
 
-    grids = {"depth-d16": [row(32, 1, 0.04, 0.3), row(32, 2, 0.02, 0.3)], "width-w256": [row(256, 1, 0.0075, 0.015)],
-             "mup-width-w32": [row(32, 1, 0.01, 0.1)], "mup-width-w128": [row(128, 1, 0.012, None)]}
+    def row(width, seed, optimal, max_lr):
+        return {
+            "row": "keel",
+            "seed": seed,
+            "depth": 16,
+            "width": width,
+            "resolved": max_lr is not None,
+            "failure": "divergence",
+            "max_tolerable_lr": max_lr,
+            "loss_optimal_lr": optimal,
+            "init": "normal",
+        }
+
+    grids = {
+        "depth-d16": [row(32, 1, 0.04, 0.3), row(32, 2, 0.02, 0.3)],
+        "width-w256": [row(256, 1, 0.0075, 0.015)],
+        "mup-width-w32": [row(32, 1, 0.01, 0.1)],
+        "mup-width-w128": [row(128, 1, 0.012, None)],
+    }
     table, points = transfer(grids)
     assert [entry["width"] for entry in table] == [32, 64, 128, 256, "max / min over widths"]
     assert table[0]["keel sp loss-optimal LR"] == "0.03 [0.02-0.04] (2 seeds)"
@@ -432,19 +573,41 @@ def test_the_transfer_table_says_how_far_each_lr_moves_over_the_widths(tmp_path)
 
 def test_the_init_table_sets_each_schemes_recipe_beside_the_shared_init():
     """Only schemes whose init differs between the two trees are compared; Keel's rows (the same runs) are not."""
+
     def row(scheme, seed, lr, init, best):
-        return {"row": scheme, "seed": seed, "depth": 16, "width": 128, "resolved": lr is not None,
-                "failure": "divergence", "max_tolerable_lr": lr, "loss_optimal_lr": 0.01, "init": init,
-                "best_heldout": best}
+        return {
+            "row": scheme,
+            "seed": seed,
+            "depth": 16,
+            "width": 128,
+            "resolved": lr is not None,
+            "failure": "divergence",
+            "max_tolerable_lr": lr,
+            "loss_optimal_lr": 0.01,
+            "init": init,
+            "best_heldout": best,
+        }
 
     own = [row("keel", 1, 0.17, "normal", 5.6), row("preln", 1, 0.17, "gpt2", 5.9), row("preln", 2, 0.1, "gpt2", 6.1)]
-    shared = [row("keel", 1, 0.17, "normal", 5.6), row("preln", 1, None, "normal", 6.3),
-              row("preln", 2, None, "normal", 6.4)]
+    shared = [
+        row("keel", 1, 0.17, "normal", 5.6),
+        row("preln", 1, None, "normal", 6.3),
+        row("preln", 2, None, "normal", 6.4),
+    ]
     (entry,) = init_sensitivity({"width-w128": own}, {"width-w128": shared, "depth-d16": shared})
-    assert entry == {"grid": "width-w128", "blocks x width": "16 x 128", "scheme": "preln",
-                     "own init": "gpt2", "own: learned": "2/2", "own: max LR median": "0.135",
-                     "own: best held-out median": "6", "shared init": "normal", "shared: learned": "0/2",
-                     "shared: max LR median": "-", "shared: best held-out median": "6.35"}
+    assert entry == {
+        "grid": "width-w128",
+        "blocks x width": "16 x 128",
+        "scheme": "preln",
+        "own init": "gpt2",
+        "own: learned": "2/2",
+        "own: max LR median": "0.135",
+        "own: best held-out median": "6",
+        "shared init": "normal",
+        "shared: learned": "0/2",
+        "shared: max LR median": "-",
+        "shared: best held-out median": "6.35",
+    }
 
 
 def test_a_record_that_claims_more_steps_than_its_checkpoint_holds_is_not_finished(tiny_run, tmp_path):

@@ -19,15 +19,14 @@ from keel.checkpoint.layout import LAST  # noqa: E402
 from keel.checkpoint.payload import read_payload  # noqa: E402
 from keel.checkpoint.read import load_model, read_checkpoint  # noqa: E402
 from keel.cli import main as cli_main  # noqa: E402
-from keel.evaluation.generated import load_next_line  # noqa: E402
 from keel.config import to_dict  # noqa: E402
+from keel.config.model import formulas  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
 from keel.errors import ConfigError  # noqa: E402
+from keel.evaluation.generated import load_next_line  # noqa: E402
 from keel.export import export  # noqa: E402
 from keel.model import next_token_loss  # noqa: E402
-from keel.config.model import formulas  # noqa: E402
 from keel.training import train  # noqa: E402
-
 from keeltest import write_sharded  # noqa: E402
 from keeltest.export import VOCAB, hf_model, load_hf, standalone  # noqa: E402
 from keeltest.runs import FOUR_STEP_RUN, FirstBatch, scalars, tiny_config  # noqa: E402
@@ -35,11 +34,21 @@ from keeltest.runs import FOUR_STEP_RUN, FirstBatch, scalars, tiny_config  # noq
 
 def test_the_directory_loads_offline_and_its_tokenizer_encodes_as_keel_does(exported, tiny_run):
     names = {path.name for path in exported.iterdir()}
-    assert {"config.json", "configuration_keel.py", "modeling_keel.py", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "configuration_keel.py",
+        "modeling_keel.py",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     config = json.loads((exported / "config.json").read_text())
-    assert config["auto_map"] == {"AutoConfig": "configuration_keel.KeelConfig", "AutoModel": "modeling_keel.KeelModel",
-                                  "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_keel.KeelConfig",
+        "AutoModel": "modeling_keel.KeelModel",
+        "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM",
+    }
     # the remote code is self-contained: it imports torch, transformers and itself only
     for name in ("configuration_keel.py", "modeling_keel.py"):
         tree = ast.parse((exported / name).read_text())
@@ -68,11 +77,13 @@ MODEL_CARD = """
 """
 
 
-def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(exported, tiny_run,
-                                                                                 tmp_path_factory):
+def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(exported, tiny_run, tmp_path_factory):
     card = json.loads(standalone(MODEL_CARD, exported / "README.md").stdout)  # as the hub reads it
     assert {key: card["metadata"].get(key) for key in ("license", "library_name", "pipeline_tag")} == {
-        "license": "other", "library_name": "transformers", "pipeline_tag": "text-generation"}
+        "license": "other",
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+    }
     _, cfg, _ = load_model(tiny_run / "checkpoints" / LAST)
     heldout = scalars(tiny_run, "val/loss")
     text = card["text"]
@@ -87,7 +98,6 @@ def test_the_model_card_renders_the_runs_facts_and_no_file_names_a_machine_path(
         assert not [place for place in machine if place.encode() in content], path.name
 
 
-
 def test_an_export_keeps_the_held_out_loss_for_the_model_card_of_its_export(tiny_run, exported, tmp_path):
     """An export carries the checkpoint's payload, held-out loss included: exported again (an export reads as a
     checkpoint), it writes the same model card."""
@@ -96,6 +106,7 @@ def test_an_export_keeps_the_held_out_loss_for_the_model_card_of_its_export(tiny
     assert read_payload(read_checkpoint(exported, weights=False)).heldout == source.heldout
     again = export(str(exported), tmp_path / "again")
     assert (again / "README.md").read_text() == (exported / "README.md").read_text()
+
 
 TRANSFORMERS_4 = """
     import transformers
@@ -112,9 +123,23 @@ TRANSFORMERS_4 = """
 def test_transformers_4_loads_the_tokenizer_and_refuses_the_model_in_one_line(exported, tokenizer_json, tmp_path):
     """transformers 4.57 (the last 4.x) installed beside this environment's torch, from PyPI."""
     target = tmp_path / "transformers4"
-    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                                str(target), "transformers==4.57.6", "tokenizers>=0.22,<0.23",
-                                "huggingface_hub>=0.34,<1.0"], capture_output=True, text=True)
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            "transformers==4.57.6",
+            "tokenizers>=0.22,<0.23",
+            "huggingface_hub>=0.34,<1.0",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if installed.returncode:
         pytest.skip(f"cannot install transformers 4.57 here: {installed.stderr.strip()[-300:]}")
     text = "def main(argv):\n    return 0\n"
@@ -123,7 +148,8 @@ def test_transformers_4_loads_the_tokenizer_and_refuses_the_model_in_one_line(ex
     assert version == "4.57.6" and json.loads(ids) == Tokenizer.from_str(tokenizer_json).encode(text).ids
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1] == (
         "ImportError: transformers>=5.24 is required for a normal functioning of this module, but found "
-        "transformers==4.57.6.")
+        "transformers==4.57.6."
+    )
 
 
 def test_bf16_sharded_export_and_the_save_load_round_trip(tiny_run, exported, tmp_path):
@@ -149,8 +175,10 @@ def test_bf16_sharded_export_and_the_save_load_round_trip(tiny_run, exported, tm
         assert {dtype for name, dtype in dtypes.items() if "norm" not in name} == {torch.bfloat16}
         logits = bf16(ids).logits.float()
         # so does an fp32 export loaded in bf16
-        cast = {(("norm" in name), param.dtype) for name, param in hf_model(exported, dtype=torch.bfloat16)
-                .named_parameters()}
+        cast = {
+            (("norm" in name), param.dtype)
+            for name, param in hf_model(exported, dtype=torch.bfloat16).named_parameters()
+        }
         assert cast == {(True, torch.float32), (False, torch.bfloat16)}
     assert (logits - fp32).abs().max() < 0.1 * fp32.abs().max()
     assert (logits.argmax(-1) == fp32.argmax(-1)).float().mean() > 0.9

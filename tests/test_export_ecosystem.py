@@ -12,12 +12,11 @@ from tokenizers import Tokenizer
 transformers = pytest.importorskip("transformers", reason="keel export needs the hf extra: pip install 'keel[hf]'")
 
 from keel.cli import main as cli_main  # noqa: E402
+from keel.data.generated_tasks import generate_tasks  # noqa: E402
 from keel.data.shards import VAL_DOCS  # noqa: E402
 from keel.data.tokenizer import eos_id_of  # noqa: E402
-from keel.data.generated_tasks import generate_tasks  # noqa: E402
 from keel.export import export  # noqa: E402
 from keeltest.export import hf_model, load_hf, random_checkpoint, standalone  # noqa: E402
-
 
 LM_EVAL_HF = """
     import json
@@ -54,8 +53,9 @@ def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus
     """At lm-eval's defaults (add_bos_token unset), on requests that fit seq_len whole, so an added BOS would show."""
     corpus = tmp_path / "corpus"  # held-out documents for the generated tasks
     corpus.mkdir()
-    (corpus / VAL_DOCS).write_text("".join(json.dumps({"text": path.read_text()}) + "\n"
-                                           for path in sorted(corpus_dir.glob("*.py"))[:6]))
+    (corpus / VAL_DOCS).write_text(
+        "".join(json.dumps({"text": path.read_text()}) + "\n" for path in sorted(corpus_dir.glob("*.py"))[:6])
+    )
     seq_len, limit = 512, 24
     _, checkpoint = random_checkpoint([f"model.seq_len={seq_len}"], tokenizer_json, tmp_path / "model.ckpt")
     directory = export(str(checkpoint), tmp_path / "hf")
@@ -64,13 +64,33 @@ def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus
     lengths = [len(Tokenizer.from_str(tokenizer_json).encode(doc["context"] + doc["target"]).ids) for doc in docs]
     assert max(lengths) < seq_len  # nothing left-truncated: a BOS in front would be scored
     keel_out = tmp_path / "keel"
-    assert cli_main(["eval", "--model_args", f"checkpoint={checkpoint}", "--tasks", "keel_last_token", "--limit",
-                     str(limit), "--device", "cpu", "--log_samples", "--output_path", str(keel_out),
-                     "--metadata", json.dumps({"corpus_dir": str(corpus)})]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--model_args",
+                f"checkpoint={checkpoint}",
+                "--tasks",
+                "keel_last_token",
+                "--limit",
+                str(limit),
+                "--device",
+                "cpu",
+                "--log_samples",
+                "--output_path",
+                str(keel_out),
+                "--metadata",
+                json.dumps({"corpus_dir": str(corpus)}),
+            ]
+        )
+        == 0
+    )
     [results] = keel_out.rglob("results_*.json")
     keel_metrics = json.loads(results.read_text())["results"]["keel_last_token"]
-    keel_samples = sorted((json.loads(line) for samples in keel_out.rglob("samples_*")
-                           for line in samples.read_text().splitlines()), key=lambda sample: sample["doc_id"])
+    keel_samples = sorted(
+        (json.loads(line) for samples in keel_out.rglob("samples_*") for line in samples.read_text().splitlines()),
+        key=lambda sample: sample["doc_id"],
+    )
     keel_loglikelihoods = [float(response[0][0]) for sample in keel_samples for response in sample["resps"]]
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -79,14 +99,17 @@ def test_lm_eval_hf_model_scores_the_export_as_keel_scores_the_checkpoint(corpus
     hf = json.loads((tmp_path / "hf.json").read_text())
     assert len(hf["loglikelihoods"]) == len(keel_loglikelihoods) == limit
     assert hf["loglikelihoods"] == pytest.approx(keel_loglikelihoods, abs=1e-4)
-    metrics = {metric: value for metric, value in keel_metrics.items()
-               if isinstance(value, float) and "stderr" not in metric}
-    assert metrics and all(hf["metrics"][metric] == pytest.approx(value, rel=1e-5)
-                           for metric, value in metrics.items())
+    metrics = {
+        metric: value for metric, value in keel_metrics.items() if isinstance(value, float) and "stderr" not in metric
+    }
+    assert metrics and all(hf["metrics"][metric] == pytest.approx(value, rel=1e-5) for metric, value in metrics.items())
 
 
-CHATS = [{"messages": [{"role": "user", "content": f"what is {a} + {b}?"},
-                       {"role": "assistant", "content": f"{a + b}"}]} for a in range(8) for b in range(4)]
+CHATS = [
+    {"messages": [{"role": "user", "content": f"what is {a} + {b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+    for a in range(8)
+    for b in range(4)
+]
 
 
 CHAT_TEMPLATE_CHECK = """
@@ -116,12 +139,13 @@ def test_the_chat_template_ends_turns_with_eos_and_marks_the_assistants(exported
     # the loss of TRL's assistant_only_loss: each answer and the EOS after it, nothing else
     spans = [run for run in "".join(map(str, assistant)).split("0") if run]
     marked = tokenizer.decode([token for token, flag in zip(ids, assistant) if flag], skip_special_tokens=False)
-    assert len(spans) == 2 and marked == "".join(message["content"] + tokenizer.id_to_token(eos)
-                                                 for message in chat[1::2])
+    assert len(spans) == 2 and marked == "".join(
+        message["content"] + tokenizer.id_to_token(eos) for message in chat[1::2]
+    )
     assert rendered["markers"] and rendered["stop_trained"]  # TRL's own checks
     # generation continues the prompt as training saw the chat: the prompt is the chat's own prefix
     prompt = rendered["prompt"]
-    assert ids[:len(prompt)] == prompt and tokenizer.decode(prompt).endswith("assistant:\n")
+    assert ids[: len(prompt)] == prompt and tokenizer.decode(prompt).endswith("assistant:\n")
 
 
 def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path):
@@ -131,11 +155,21 @@ def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path
 
     model, tokenizer = load_hf(exported)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=4, per_device_train_batch_size=4,
-                         learning_rate=1e-3, max_length=32, packing=True, assistant_only_loss=True, report_to=[],
-                         logging_steps=1, save_strategy="no", use_cpu=True, dataloader_num_workers=0)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHATS),
-                             processing_class=tokenizer)
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_length=32,
+        packing=True,
+        assistant_only_loss=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(CHATS), processing_class=tokenizer)
     batch = next(iter(trainer.get_train_dataloader()))
     assert "attention_mask" not in batch and batch["position_ids"].shape[0] == 1  # packed, padding-free
     trainer.train()
@@ -146,8 +180,9 @@ def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path
     assert tuned_tokenizer.chat_template == tokenizer.chat_template
     changed = [name for name, param in tuned.named_parameters() if not torch.equal(param, before[name])]
     assert len(changed) == len(before)  # every parameter trained, and saved
-    prompt = tuned_tokenizer.apply_chat_template(CHATS[0]["messages"][:1], add_generation_prompt=True,
-                                                 return_tensors="pt", return_dict=True)
+    prompt = tuned_tokenizer.apply_chat_template(
+        CHATS[0]["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         assert tuned.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]
 
@@ -155,8 +190,9 @@ def test_trl_fine_tunes_the_export_and_the_result_loads_again(exported, tmp_path
 def test_peft_lora_adapters_train_on_the_export(exported, tmp_path):
     peft = pytest.importorskip("peft", reason="the PEFT test needs the test extra")
     model, tokenizer = load_hf(exported)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["qkv", "out", "up", "down"],
-                                                      task_type="CAUSAL_LM"))
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["qkv", "out", "up", "down"], task_type="CAUSAL_LM")
+    )
     trainable = [name for name, param in lora.named_parameters() if param.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     base = {name: param.detach().clone() for name, param in lora.named_parameters() if not param.requires_grad}

@@ -81,8 +81,7 @@ def test_packed_sequences_from_trls_collator_are_each_computed_alone(tokenizer_j
         torch.testing.assert_close(packed["logits"][0], torch.cat(alone), rtol=0, atol=1e-5)
         # labels: each example's tokens after its first, as unpacked
         losses = [next_token_loss(model, torch.tensor([ids])) * (len(ids) - 1) for ids in examples]
-    assert packed["loss"].item() == pytest.approx(sum(losses).item() / sum(len(ids) - 1 for ids in examples),
-                                                  rel=1e-5)
+    assert packed["loss"].item() == pytest.approx(sum(losses).item() / sum(len(ids) - 1 for ids in examples), rel=1e-5)
 
 
 LOOK_INSIDE = """
@@ -105,7 +104,8 @@ LOOK_INSIDE = """
         greedy = {cache: model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation=cache)[0]
                   for cache in ("dynamic", "static")}
         torch.save({"hidden": hidden, "lens": torch.stack(lens), "eager_logits": seen.logits,
-                    "attentions": seen.attentions, "base": base(ids).last_hidden_state, "base_class": type(base).__name__,
+                    "attentions": seen.attentions, "base": base(ids).last_hidden_state,
+                    "base_class": type(base).__name__,
                     "greedy": greedy}, f"{work}/inside.pt")
 """
 
@@ -113,8 +113,9 @@ LOOK_INSIDE = """
 def test_hidden_states_attentions_base_model_and_static_cache_as_llamas(tokenizer_json, tmp_path):
     """output_hidden_states (a logit lens over them), output_attentions under attn_implementation="eager",
     AutoModel, and generate(cache_implementation="static"), standalone, against Keel's model."""
-    model, checkpoint = random_checkpoint(["model.scheme=hybridnorm", "model.n_kv_heads=2"], tokenizer_json,
-                                          tmp_path / "m.ckpt")
+    model, checkpoint = random_checkpoint(
+        ["model.scheme=hybridnorm", "model.n_kv_heads=2"], tokenizer_json, tmp_path / "m.ckpt"
+    )
     directory = export(str(checkpoint), tmp_path / "hf")
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
@@ -123,8 +124,10 @@ def test_hidden_states_attentions_base_model_and_static_cache_as_llamas(tokenize
     standalone(LOOK_INSIDE, directory, tmp_path)
     inside = torch.load(tmp_path / "inside.pt")
     streams = []  # Keel's: the embedding's output and each block's
-    hooks = [module.register_forward_hook(lambda _, args, out: streams.append(out.float()))
-             for module in (model.embed, *model.blocks)]
+    hooks = [
+        module.register_forward_hook(lambda _, args, out: streams.append(out.float()))
+        for module in (model.embed, *model.blocks)
+    ]
     with torch.no_grad():
         logits = model(ids)
         for hook in hooks:
@@ -156,14 +159,27 @@ def test_hidden_states_attentions_base_model_and_static_cache_as_llamas(tokenize
 
 def test_greedy_generate_is_keel_generate(exported, tiny_run, capsys):
     prompt = "def "
-    assert cli_main(["generate", f"checkpoint={tiny_run / 'checkpoints' / LAST}", "--prompt", prompt,
-                     "--max-new-tokens", "20", "--temperature", "0"]) == 0
+    assert (
+        cli_main(
+            [
+                "generate",
+                f"checkpoint={tiny_run / 'checkpoints' / LAST}",
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "20",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     model, tokenizer = load_hf(exported)
     inputs = tokenizer(tokenizer.eos_token + prompt, return_tensors="pt")  # EOS first, as keel generate puts it
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
-    new = out[0, inputs.input_ids.shape[1]:].tolist()
+    new = out[0, inputs.input_ids.shape[1] :].tolist()
     assert len(new) >= 8  # a real continuation
     text = tokenizer.decode(new, skip_special_tokens=True)  # keel generate stops at EOS and does not print it
     assert printed == prompt + text + "\n"

@@ -4,20 +4,19 @@ independent), the full relative flow, Keel's weight-gradient ratios. Small width
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
-from keel.gradflow import measure
 from keel.config import ModelConfig
 from keel.config.model import SCHEMES
+from keel.gradflow import measure
 from keeltest.model import TINY
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@lru_cache(maxsize=None)
+@cache
 def flow(scheme: str, depth: int, detach: bool, init: str = "unit", **overrides) -> dict:
     """gradflow.measure's summary (bottom/middle/top ratios; Keel's block 0 excluded)."""
     cfg = ModelConfig(**TINY, scheme=scheme, depth=depth, init=init, **overrides)

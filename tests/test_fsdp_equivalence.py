@@ -72,13 +72,16 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
         with torch.device("meta") if rank > 0 else nullcontext():
             model = KeelLM(cfg.model)
         parallelize(model, cfg.trainer, mesh)
-        full = {name: t.full_tensor() if isinstance(t, DTensor) else t
-                for name, t in model.state_dict(keep_vars=False).items()}
+        full = {
+            name: t.full_tensor() if isinstance(t, DTensor) else t
+            for name, t in model.state_dict(keep_vars=False).items()
+        }
         results[f"meta_build_tied_{tied}"] = {
             "same_weights": full.keys() == eager.state_dict().keys()
             and all(torch.equal(full[name], t) for name, t in eager.state_dict().items()),
             "same_rope": torch.equal(model.rope_cos, eager.rope_cos) and torch.equal(model.rope_sin, eager.rope_sin),
-            "tied": model.head.weight is model.embed.weight}
+            "tied": model.head.weight is model.embed.weight,
+        }
     # two micro-batches per step: the first's gradients reduced with the second's (trainer.reduce_every_micro_batch
     # false: no communication until the last; true: reduce-scattered each time), as if reduced every time
     for reduce_scatter in (False, True):
@@ -87,7 +90,13 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
         model = KeelLM(cfg.model)
         parallelize(model, cfg.trainer, mesh)
         results[f"accumulated_reduce_scatter_{reduce_scatter}"] = _train(
-            model, batches, global_mean, accumulate=lambda: deferred_gradient_reduction(model, reduce_scatter))
+            model,
+            batches,
+            global_mean,
+            accumulate=lambda model=model, reduce_scatter=reduce_scatter: deferred_gradient_reduction(
+                model, reduce_scatter
+            ),
+        )
     # the chunked loss head (3 chunks per rank: 4 x 32 tokens) on the sharded head weight, against the plain head
     cfg = _tiny_cfg("trainer.precision=32-true", "model.loss_chunk=48")
     torch.manual_seed(0)
@@ -103,7 +112,9 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     model = KeelLM(cfg.model)
     parallelize(model, cfg.trainer, mesh)
     seen = results["bf16_seen"] = []
-    model.blocks[1].register_forward_pre_hook(lambda block, args: seen.append((args[0].dtype, block.ffn.branch.up.weight.dtype)))
+    model.blocks[1].register_forward_pre_hook(
+        lambda block, args: seen.append((args[0].dtype, block.ffn.branch.up.weight.dtype))
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(batches[0, :, :-1])
     F.cross_entropy(logits.float().flatten(0, 1), batches[0, :, 1:].flatten()).backward()
@@ -135,7 +146,8 @@ def test_fsdp_matches_one_process_on_the_same_global_batches(tmp_path):
     assert all(abs(r["local"] / r["total"] - 1 / WORLD) < 0.02 for r in ranks)
     for tied in (False, True):  # rank 1 built on the meta device holds exactly the eager build's model
         assert [r[f"meta_build_tied_{str(tied).lower()}"] for r in ranks] == [
-            {"same_weights": True, "same_rope": True, "tied": tied}] * WORLD
+            {"same_weights": True, "same_rope": True, "tied": tied}
+        ] * WORLD
     assert ranks[0]["bf16_seen"] == [(torch.float32, torch.bfloat16)]  # fp32 stream in, bf16 weights gathered
     assert ranks[0]["bf16_grad_dtypes"] == {torch.float32}  # reduced and kept in fp32
 
@@ -146,8 +158,13 @@ HSDP_NODES, HSDP_DEVICES = 2, 2
 def _hsdp_worker(rank: int, port: int, out: str) -> None:
     """trainer.hsdp: 2 "nodes" x 2 processes, each parameter sharded within a node and replicated across."""
     lightnings, batches, global_mean = _join(rank, port, HSDP_NODES * HSDP_DEVICES)
-    cfg = _tiny_cfg("trainer.precision=32-true", "trainer.strategy=fsdp", "trainer.hsdp=true",
-                    f"trainer.num_nodes={HSDP_NODES}", f"trainer.devices={HSDP_DEVICES}")
+    cfg = _tiny_cfg(
+        "trainer.precision=32-true",
+        "trainer.strategy=fsdp",
+        "trainer.hsdp=true",
+        f"trainer.num_nodes={HSDP_NODES}",
+        f"trainer.devices={HSDP_DEVICES}",
+    )
     torch.manual_seed(0)
     with torch.device("meta") if rank > 0 else nullcontext():
         model = KeelLM(cfg.model)
@@ -162,7 +179,13 @@ def _hsdp_worker(rank: int, port: int, out: str) -> None:
             model = KeelLM(cfg.model)
         parallelize(model, cfg.trainer, lightnings)
         results[f"accumulated_reduce_scatter_{reduce_scatter}"] = _train(
-            model, batches, global_mean, accumulate=lambda: deferred_gradient_reduction(model, reduce_scatter))
+            model,
+            batches,
+            global_mean,
+            accumulate=lambda model=model, reduce_scatter=reduce_scatter: deferred_gradient_reduction(
+                model, reduce_scatter
+            ),
+        )
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

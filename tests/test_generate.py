@@ -10,7 +10,6 @@ from keel.checkpoint.read import load_model
 from keel.cli import main as cli_main
 from keel.data.tokenizer import eos_id_of
 from keel.generate import decoded_pieces
-
 from keeltest import write_sharded
 
 PROMPT = "def "
@@ -83,6 +82,9 @@ def test_generate_errors_name_the_option(tiny_run, capsys):
     assert "no file or directory at /nonexistent.ckpt" in capsys.readouterr().err
     for temperature in ("nan", "-1"):  # nan used to end in torch.multinomial's RuntimeError
         assert cli_main(["generate", str(checkpoint), "--temperature", temperature]) == 2
-        assert capsys.readouterr() == ("", "keel generate: config error: generate: --temperature and --top-k must be "
-                                       ">= 0 (0 = greedy / all tokens), got "
-                                       f"--temperature {float(temperature)} --top-k 50\n")
+        assert capsys.readouterr() == (
+            "",
+            "keel generate: config error: generate: --temperature and --top-k must be "
+            ">= 0 (0 = greedy / all tokens), got "
+            f"--temperature {float(temperature)} --top-k 50\n",
+        )

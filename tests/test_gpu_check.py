@@ -9,7 +9,6 @@ import subprocess
 import pytest
 
 from keel.cli import main as cli_main
-
 from keeltest import REPO
 
 
@@ -26,15 +25,26 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     result = json.loads((out / "gpu_check.json").read_text())
     printed = capsys.readouterr().out
     assert result["torch_below_floor"] is None and "keel declares; a failure here may be" not in printed
-    assert result["ok"] and list(result["sections"]) == ["bench", "pretrain", "depth", "paper", "callbacks", "multi",
-                                                      "fsdp", "checkpoint", "precision"]
+    assert result["ok"] and list(result["sections"]) == [
+        "bench",
+        "pretrain",
+        "depth",
+        "paper",
+        "callbacks",
+        "multi",
+        "fsdp",
+        "checkpoint",
+        "precision",
+    ]
     assert "PASS" in printed and "[ok] pretrain" in printed and "deepest fitting: 8 blocks" in printed
     bench = next(iter(result["sections"]["bench"]["configs"].values()))
     assert bench["keel"]["tokens_per_s"] > 0 and bench["keel"]["mfu"] > 0 and bench["preln"]["ratio"] is None
     runs = result["sections"]["pretrain"]["runs"]
     assert list(runs) == ["trainer=cpu", "trainer=fsdp devices=2"]
     assert all(all(run["checks"].values()) and len(run["loss_resumed"]) == 5 for run in runs.values())
-    gap, = result["sections"]["pretrain"]["thresholds"].values()  # FSDP against one process: on equal batches, GPU only
+    (gap,) = result["sections"]["pretrain"][
+        "thresholds"
+    ].values()  # FSDP against one process: on equal batches, GPU only
     assert gap["ok"] and gap["skipped"].startswith("cpu: FSDP needs 2 processes")
     assert [t["depth"] for t in result["sections"]["depth"]["tried"]] == [2, 4, 8]
     assert all(check["ok"] for check in result["sections"]["precision"]["checks"].values())
@@ -46,20 +56,38 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
         assert run["ok"] and run["loss_last"] < run["loss_first"] and run["tokens_per_s"] > 0
         assert run["sdpa"] == ["_scaled_dot_product_flash_attention_for_cpu"] and run["checkpoint_bytes"] > 0
     timed = result["sections"]["callbacks"]["callback_runs"]  # every variant trained and was timed
-    assert list(timed) == ["all on", "grad_norms off", "stability off", "throughput off", "layer_importance off",
-                           "progress bar off", "all off"]
+    assert list(timed) == [
+        "all on",
+        "grad_norms off",
+        "stability off",
+        "throughput off",
+        "layer_importance off",
+        "progress bar off",
+        "all off",
+    ]
     assert all(run["ok"] and run["step_ms"] > 0 for run in timed.values()) and timed["all on"]["cost_ms"] == 0
     multi = result["sections"]["multi"]  # 2 CPU processes stand for the GPUs
     assert multi["devices"] == 2 and list(multi["checks"]) == [
-        "every run ran", "fsdp x 2 = ddp x 2 (rel 1e-04)", "1 device = ddp x 2 (rel 1e-04)",
-        "fsdp resumed = fsdp x 2 (rel 1e-05)", "ddp in-loop evaluation written", "non-finite: exit 1, every rank"]
+        "every run ran",
+        "fsdp x 2 = ddp x 2 (rel 1e-04)",
+        "1 device = ddp x 2 (rel 1e-04)",
+        "fsdp resumed = fsdp x 2 (rel 1e-05)",
+        "ddp in-loop evaluation written",
+        "non-finite: exit 1, every rank",
+    ]
     assert all(multi["checks"].values()) and all(len(norms) == 10 for norms in multi["global_grad_norms"].values())
     # the GPU-only thresholds are said to be skipped on CPU, not faked
     assert result["sections"]["paper"]["thresholds"] == {
-        label: {"ok": True, "skipped": "cpu"} for label in
-        ("MFU, compiled, checkpointing off", "MFU, the recipe's shape", "peak memory, compiled, checkpointing off",
-         "peak memory, eager, checkpointing off", "peak memory, compiled, checkpointing on",
-         "peak memory, the recipe's shape")}
+        label: {"ok": True, "skipped": "cpu"}
+        for label in (
+            "MFU, compiled, checkpointing off",
+            "MFU, the recipe's shape",
+            "peak memory, compiled, checkpointing off",
+            "peak memory, eager, checkpointing off",
+            "peak memory, compiled, checkpointing on",
+            "peak memory, the recipe's shape",
+        )
+    }
     assert "[skipped] MFU, compiled, checkpointing off: cpu" in printed
     fsdp = result["sections"]["fsdp"]  # bf16 FSDP on 2 CPU processes with the in-loop evaluation
     assert fsdp["devices"] == 2 and all(fsdp["checks"].values()) and list(fsdp["fsdp_runs"]) == ["fsdp x 2"]
@@ -70,7 +98,8 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     for save in saves["saves"].values():
         assert save["bytes"] > 0 and save["total_s"] >= save["blocking_s"] > 0
     assert paper["activation checkpointing on"]["loss_last"] == pytest.approx(
-        paper["activation checkpointing off"]["loss_last"], rel=1e-3)
+        paper["activation checkpointing off"]["loss_last"], rel=1e-3
+    )
 
 
 def test_unknown_section_and_missing_gpu_are_refused(capsys, monkeypatch):
@@ -80,7 +109,10 @@ def test_unknown_section_and_missing_gpu_are_refused(capsys, monkeypatch):
     assert cli_main(["gpu-check", "--device", "cuda"]) == 2
     assert "no CUDA GPU is visible; run `make gpu-check DEVICE=cpu`" in capsys.readouterr().err
     assert cli_main(["gpu-check", "--device", "cpu", "--sections", "bench,speed"]) == 2
-    assert "--sections: unknown speed; allowed: bench, pretrain, depth, paper, callbacks, multi, fsdp, checkpoint, precision" in capsys.readouterr().err
+    assert (
+        "--sections: unknown speed; allowed: bench, pretrain, depth, paper, callbacks, multi, fsdp, checkpoint, "
+        "precision" in capsys.readouterr().err
+    )
 
 
 def test_thresholds_fail_when_missed_and_say_their_bound():
@@ -93,17 +125,25 @@ def test_thresholds_fail_when_missed_and_say_their_bound():
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     low, high = mfu_threshold({"mfu": MFU_FLOOR - 0.01}, cuda), mfu_threshold({"mfu": MFU_FLOOR + 0.01}, cuda)
-    assert (low["ok"], high["ok"]) == (False, True) and mfu_threshold({"mfu": 0.5}, cpu) == {"ok": True, "skipped": "cpu"}
+    assert (low["ok"], high["ok"]) == (False, True) and mfu_threshold({"mfu": 0.5}, cpu) == {
+        "ok": True,
+        "skipped": "cpu",
+    }
     estimate = 10 * 2**30
-    within, over = ({"peak_memory_bytes": int(estimate * r), "allocated_estimate_bytes": estimate} for r in (1.09, 1.11))
+    within, over = (
+        {"peak_memory_bytes": int(estimate * r), "allocated_estimate_bytes": estimate} for r in (1.09, 1.11)
+    )
     assert memory_threshold(within, cuda)["ok"] and not memory_threshold(over, cuda)["ok"]
     section = {"ok": False, "seconds": 1.0, "thresholds": {"MFU": low, "memory": memory_threshold(over, cuda)}}
     printed = table({"device_name": "H200", "torch": "2", "seconds": 1.0, "ok": False, "sections": {"paper": section}})
-    assert f"[FAIL] MFU: {MFU_FLOOR - 0.01:.1%} (threshold >= {MFU_FLOOR:.0%}: a floor, this project's choice" in printed
+    assert (
+        f"[FAIL] MFU: {MFU_FLOOR - 0.01:.1%} (threshold >= {MFU_FLOOR:.0%}: a floor, this project's choice" in printed
+    )
     assert "[FAIL] memory: 11,366 MB = 1.11 x the estimate 10,240 MB (threshold within 10%, above or below" in printed
     # both ways: an estimate well above the peak fails too (auto would recompute blocks that fit)
-    above, below = ({"peak_memory_bytes": int(estimate * r), "allocated_estimate_bytes": estimate}
-                    for r in (0.91, 0.89))
+    above, below = (
+        {"peak_memory_bytes": int(estimate * r), "allocated_estimate_bytes": estimate} for r in (0.91, 0.89)
+    )
     assert memory_threshold(above, cuda)["ok"] and not memory_threshold(below, cuda)["ok"]
 
 
@@ -115,7 +155,17 @@ def test_a_torch_below_keels_floor_is_said_before_the_results():
 
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={torch_floor()}" in declared  # read from the installed metadata
-    printed = table({"device_name": "H200", "torch": "2.11.0+cu130", "torch_below_floor": "2.13", "seconds": 1.0,
-                     "ok": True, "sections": {}}).splitlines()
-    assert printed[1] == ("warning: torch 2.11.0+cu130 is below the torch>=2.13 keel declares; a failure here may be "
-                          "that torch's, not keel's")
+    printed = table(
+        {
+            "device_name": "H200",
+            "torch": "2.11.0+cu130",
+            "torch_below_floor": "2.13",
+            "seconds": 1.0,
+            "ok": True,
+            "sections": {},
+        }
+    ).splitlines()
+    assert printed[1] == (
+        "warning: torch 2.11.0+cu130 is below the torch>=2.13 keel declares; a failure here may be "
+        "that torch's, not keel's"
+    )

@@ -17,8 +17,18 @@ from keel.gradflow import measure_model
 from keel.model import KeelLM
 from keel.parallel import apply_activation_checkpointing
 
-ROW_FIELDS = {"index", "block", "kind", "act_grad", "input_rms", "rel_act_grad", "weight_grad", "gain_grad", "output_rms",
-              "input_top_share"}
+ROW_FIELDS = {
+    "index",
+    "block",
+    "kind",
+    "act_grad",
+    "input_rms",
+    "rel_act_grad",
+    "weight_grad",
+    "gain_grad",
+    "output_rms",
+    "input_top_share",
+}
 RATIOS = [f"{q}_{where}_top" for q in ("act_grad", "rel_act_grad", "weight_grad") for where in ("bottom", "middle")]
 SMALL = ["--depth", "4", "--width", "32", "--heads", "2", "--seq-len", "8", "--batch", "2", "--vocab", "32"]
 
@@ -106,8 +116,10 @@ def _checkpoint_with_compounding_gains(path) -> str:
         for block in model.blocks[1:]:
             for sub in (block.attn, block.ffn):
                 sub.norm_out.weight.fill_(1.0)[-1] = 1.3
-    checkpoint = {"keel": {"config": to_dict(Config(model=cfg)), "tokenizer_json": None},
-                  "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}
+    checkpoint = {
+        "keel": {"config": to_dict(Config(model=cfg)), "tokenizer_json": None},
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+    }
     torch.save(checkpoint, path)
     return str(path)
 
@@ -117,7 +129,7 @@ def test_checkpoint_with_compounding_gains_collapses_and_flattening_undoes_it(ca
     results = {}
     for extra in ([], ["--flatten-gains"]):
         assert main(["gradflow", "--checkpoint", ckpt, "--batch", "4", *extra]) == 0
-        (name, result), = json.loads(capsys.readouterr().out)["schemes"].items()
+        ((name, result),) = json.loads(capsys.readouterr().out)["schemes"].items()
         results[name] = result
     trained, flat = results["keel"], results["keel (gains flattened)"]
     assert trained["config"]["depth"] == 16 and trained["config"]["seq_len"] == 8  # the checkpoint's model
@@ -127,10 +139,13 @@ def test_checkpoint_with_compounding_gains_collapses_and_flattening_undoes_it(ca
     assert 0.5 < flat["summary"]["rel_act_grad_bottom_top"] < 2  # measured 1.02
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--checkpoint", "x.ckpt", "--depth", "4"], "--depth: the checkpoint's model is measured as it is"),
-    (["--flatten-gains"], "--flatten-gains needs --checkpoint"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--checkpoint", "x.ckpt", "--depth", "4"], "--depth: the checkpoint's model is measured as it is"),
+        (["--flatten-gains"], "--flatten-gains needs --checkpoint"),
+    ],
+)
 def test_checkpoint_options_are_refused_where_they_cannot_apply(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["gradflow", *args])
@@ -153,16 +168,26 @@ def test_a_deep_measurement_says_its_time_and_progress_and_stays_within_its_memo
     from keel import memory
 
     argv = ["--depth", "1000", "--width", "8", "--seq-len", "8", "--batch", "1"]
-    done = subprocess.run([sys.executable, "-c", GRADFLOW_PEAK, *argv], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", GRADFLOW_PEAK, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["schemes"]["keel"]["config"]["depth"] == 1000
     *said, peak = done.stderr.splitlines()
-    assert re.fullmatch(r"keel gradflow: keel, 1,000 blocks: about [\d.]+ min \(extrapolated from 256 blocks\), about "
-                        r"[\d.]+ GiB", said[0]), said
+    assert re.fullmatch(
+        r"keel gradflow: keel, 1,000 blocks: about [\d.]+ min \(extrapolated from 256 blocks\), about "
+        r"[\d.]+ GiB",
+        said[0],
+    ), said
     progress = [re.sub(r", \d+ s$", "", line) for line in said[1:]]
-    assert progress == ["keel gradflow: building 1,000 blocks",
-                        *(f"keel gradflow: forward {n:,} of 1,000 blocks" for n in range(100, 1001, 100)),
-                        *(f"keel gradflow: backward {n:,} of 1,000 blocks" for n in range(100, 1001, 100))]
+    assert progress == [
+        "keel gradflow: building 1,000 blocks",
+        *(f"keel gradflow: forward {n:,} of 1,000 blocks" for n in range(100, 1001, 100)),
+        *(f"keel gradflow: backward {n:,} of 1,000 blocks" for n in range(100, 1001, 100)),
+    ]
     cfg = ModelConfig(depth=1000, width=8, n_heads=4, seq_len=8, vocab_size=256)
     assert int(peak) <= memory.measurement_bytes(cfg, 1)

@@ -33,8 +33,13 @@ def dry_run(capsys, *argv: str) -> list[list[str]]:
 def make_runs(*argv: str) -> list[str]:
     """The grids `make -n TARGET...` would run (through `keel paper-run GRID`) and its reports, in order."""
     keel = f"{sys.executable} -m keel.cli"
-    out = subprocess.run(["make", "-n", "--no-print-directory", *argv, f"KEEL={keel}"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["make", "-n", "--no-print-directory", *argv, f"KEEL={keel}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     runs = []
     for line in out.splitlines():
         if line.startswith(keel):
@@ -53,14 +58,34 @@ def test_make_runs_every_grid_and_the_report_reads_every_one():
     assert make_runs("paper-linear") == [*paper_run.grid_set("paper-linear"), "paper-report"]
     assert make_runs("paper", "PAPER_SCALE=1") == ["table1-d16", "table1-d64"]  # for a cluster, no report
     # what keel paper-report reads: every max-LR grid, the 1,024-block sweeps, the trained models and their layer use
-    read = {*roles.MAXLR_GRIDS, *roles.DEEP_RUNS, *roles.LR_GRIDS, *roles.TUNED_GRIDS,
-            *(f"redundancy-{grid}" for grid in roles.LR_GRIDS)}
+    read = {
+        *roles.MAXLR_GRIDS,
+        *roles.DEEP_RUNS,
+        *roles.LR_GRIDS,
+        *roles.TUNED_GRIDS,
+        *(f"redundancy-{grid}" for grid in roles.LR_GRIDS),
+    }
     assert read == set(GRIDS)
-    role_grids = [*roles.TABLE1, *roles.RAMP_CHECK, *(g for pair in roles.NOGAIN_PAIRS for g in pair),
-                  *(g for axis in (roles.DEPTH_TREND, roles.WIDTH_TREND, roles.BATCH_POINT, roles.LINEAR_DEPTH_TREND,
-                                   roles.LINEAR_SLOW_DEPTH_TREND, roles.LINEAR_WIDTH_TREND, roles.MUP_WIDTH_TREND)
-                    for names, _, _ in axis.values() for g in names),
-                  *(g for names in roles.HOLD_GRIDS.values() for g in names)]
+    role_grids = [
+        *roles.TABLE1,
+        *roles.RAMP_CHECK,
+        *(g for pair in roles.NOGAIN_PAIRS for g in pair),
+        *(
+            g
+            for axis in (
+                roles.DEPTH_TREND,
+                roles.WIDTH_TREND,
+                roles.BATCH_POINT,
+                roles.LINEAR_DEPTH_TREND,
+                roles.LINEAR_SLOW_DEPTH_TREND,
+                roles.LINEAR_WIDTH_TREND,
+                roles.MUP_WIDTH_TREND,
+            )
+            for names, _, _ in axis.values()
+            for g in names
+        ),
+        *(g for names in roles.HOLD_GRIDS.values() for g in names),
+    ]
     assert set(role_grids) <= set(roles.MAXLR_GRIDS) and set(roles.DEPTH_GRIDS) <= {*roles.LR_GRIDS, *roles.TUNED_GRIDS}
     assert all(GRIDS[g].point == point for point, names in roles.HOLD_GRIDS.items() for g in names)
 
@@ -70,11 +95,25 @@ def test_the_makefile_forwards_every_setting_and_only_those_given(tmp_path):
     names = re.search(r"PAPER_SETTINGS := ((?:.*\\\n)*.*)", text).group(1).replace("\\\n", " ").split()
     assert names == list(SETTINGS)
     keel = f"{sys.executable} -m keel.cli"
-    out = subprocess.run(["make", "-n", "--no-print-directory", "paper-hybridnorm", f"KEEL={keel}", "TREND_SEEDS=4,5",
-                          f"PAPER_OUT={tmp_path}", "ARGS=data=fineweb_edu --steps 100"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout.splitlines()
-    assert out[-1] == (f"{keel} paper-run --out {tmp_path} --set 'TREND_SEEDS=4,5' hybridnorm -- data=fineweb_edu "
-                       "--steps 100")
+    out = subprocess.run(
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            "paper-hybridnorm",
+            f"KEEL={keel}",
+            "TREND_SEEDS=4,5",
+            f"PAPER_OUT={tmp_path}",
+            "ARGS=data=fineweb_edu --steps 100",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert out[-1] == (
+        f"{keel} paper-run --out {tmp_path} --set 'TREND_SEEDS=4,5' hybridnorm -- data=fineweb_edu --steps 100"
+    )
 
 
 # one seed and one LR: the size of a grid's runs does not depend on them, and each run's config takes a while
@@ -101,8 +140,9 @@ def test_each_grids_runs_are_the_size_its_data_says(name, tmp_path, capsys):
     command, args = argv[0], one_scheme(argv[1:])
     if command == "maxlr":
         assert cli_main(["maxlr", *args, "--print-config"]) == 0
-        configs = [yaml.safe_load(doc) for doc in re.split(r"^# keel maxlr run .*$", capsys.readouterr().out,
-                                                             flags=re.M)[1:]]
+        configs = [
+            yaml.safe_load(doc) for doc in re.split(r"^# keel maxlr run .*$", capsys.readouterr().out, flags=re.M)[1:]
+        ]
         sizes = {(c["model"]["depth"], c["model"]["width"]) for c in configs}
     else:  # keel sweep writes one `keel pretrain` per run
         assert cli_main(["sweep", *args, "--emit", "commands"]) == 0
@@ -116,21 +156,47 @@ def test_settings_scale_and_args_change_only_what_they_name(tmp_path, capsys):
     (linear,) = dry_run(capsys, "linear-d16", "--set", "SEEDS=7", "--set", "TREND_SEEDS=8,9", "--", "data=x")
     assert linear[:7] == ["maxlr", "--out", "runs/paper/linear-d16", "--seeds", "7", "--ramp", "linear"]
     only = [linear[i + 1] for i, word in enumerate(linear) if word == "--only"]
-    assert only == ["keel-d16-s7", "preln-d16-s7", "postln-d16-s8", "postln-d16-s9", "deepnorm-d16-s8",
-                    "deepnorm-d16-s9", "mixln-d16-s8", "mixln-d16-s9"]
+    assert only == [
+        "keel-d16-s7",
+        "preln-d16-s7",
+        "postln-d16-s8",
+        "postln-d16-s9",
+        "deepnorm-d16-s8",
+        "deepnorm-d16-s9",
+        "mixln-d16-s8",
+        "mixln-d16-s9",
+    ]
     assert linear[-1] == "data=x"
-    miniature, paper = (dry_run(capsys, "table1-d64", *scale)[0] for scale in
-                        ([], ["--paper-scale", "--sbatch=--gres=gpu:8", "--sbatch=--time=1:00:00"]))
-    assert miniature[miniature.index("--seeds") + 2:] == ["--depths", "64", "model.width=32", "model.n_heads=4",
-                                                          "model.seq_len=128", "trainer.micro_batch_size=8",
-                                                          "trainer.threads=1"]
-    assert paper[paper.index("--seeds") + 2:] == ["--emit", "slurm", "--sbatch=--gres=gpu:8", "--sbatch=--time=1:00:00",
-                                                  "--depths", "256", "model=paper_d64", "trainer=gpu"]
+    miniature, paper = (
+        dry_run(capsys, "table1-d64", *scale)[0]
+        for scale in ([], ["--paper-scale", "--sbatch=--gres=gpu:8", "--sbatch=--time=1:00:00"])
+    )
+    assert miniature[miniature.index("--seeds") + 2 :] == [
+        "--depths",
+        "64",
+        "model.width=32",
+        "model.n_heads=4",
+        "model.seq_len=128",
+        "trainer.micro_batch_size=8",
+        "trainer.threads=1",
+    ]
+    assert paper[paper.index("--seeds") + 2 :] == [
+        "--emit",
+        "slurm",
+        "--sbatch=--gres=gpu:8",
+        "--sbatch=--time=1:00:00",
+        "--depths",
+        "256",
+        "model=paper_d64",
+        "trainer=gpu",
+    ]
     assert dry_run(capsys, "linear-d16", "--paper-scale") == dry_run(capsys, "linear-d16")  # not a scaled grid
-    for argv, message in ((["--set", "SEED=1", "ramp-2x"], "--set 'SEED=1': expected NAME=VALUE with NAME one of"),
-                          (["--sbatch=--x", "table1-d16"], "--sbatch: only at paper scale"),
-                          (["tabel1-d16"], "config error: unknown grid tabel1-d16; did you mean table1-d16 or "),
-                          ([], "config error: no grid given; the grids: linear-d16,")):
+    for argv, message in (
+        (["--set", "SEED=1", "ramp-2x"], "--set 'SEED=1': expected NAME=VALUE with NAME one of"),
+        (["--sbatch=--x", "table1-d16"], "--sbatch: only at paper scale"),
+        (["tabel1-d16"], "config error: unknown grid tabel1-d16; did you mean table1-d16 or "),
+        ([], "config error: no grid given; the grids: linear-d16,"),
+    ):
         assert cli_main(["paper-run", *argv]) == 2
         assert message in capsys.readouterr().err
 
@@ -139,8 +205,13 @@ def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys
     """Only finished runs' last.ckpt: not one with no checkpoint, nor one still training (its last.ckpt is from the
     middle of its schedule), nor a directory without a run's config, nor a run with rows in the table already (a
     rerun of make paper-trained measures none twice); with none left, paper-run says so and goes on."""
-    steps = {"preln-lr0.01-s1": 2000, "keel-lr0.01-s1": 2000, "keel-lr0.02-s1": 2000, "training": 1500,
-             "no-checkpoint": 2000}
+    steps = {
+        "preln-lr0.01-s1": 2000,
+        "keel-lr0.01-s1": 2000,
+        "keel-lr0.02-s1": 2000,
+        "training": 1500,
+        "no-checkpoint": 2000,
+    }
     for run, done in steps.items():
         cfg = load_config(None, ["trainer.max_steps=2000", f"run.dir={tmp_path / 'lr-d16' / run}"])
         Path(cfg.run.dir).mkdir(parents=True)
@@ -156,32 +227,53 @@ def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys
     columns = "checkpoint,path,scheme,depth,block,val_tokens,ppl_base,ppl_removed,ppl_increase,loss_increase"
     table.write_text(f"{columns}\nx,elsewhere/lr-d16/keel-lr0.02-s1/checkpoints/last.ckpt,keel,16,0,8,2,3,1,0.4\n")
     (argv,) = dry_run(capsys, "redundancy-lr-d16", "--out", str(tmp_path))
-    assert argv == ["redundancy", f"{tmp_path}/lr-d16/keel-lr0.01-s1/checkpoints/last.ckpt",
-                    f"{tmp_path}/lr-d16/preln-lr0.01-s1/checkpoints/last.ckpt",
-                    "--append", "--out", f"{tmp_path}/lr-d16/redundancy"]
-    table.write_text(table.read_text() + "".join(
-        f"x,runs/paper/lr-d16/{run}/checkpoints/last.ckpt,keel,16,0,8,2,3,1,0.4\n"
-        for run in ("keel-lr0.01-s1", "preln-lr0.01-s1")))
+    assert argv == [
+        "redundancy",
+        f"{tmp_path}/lr-d16/keel-lr0.01-s1/checkpoints/last.ckpt",
+        f"{tmp_path}/lr-d16/preln-lr0.01-s1/checkpoints/last.ckpt",
+        "--append",
+        "--out",
+        f"{tmp_path}/lr-d16/redundancy",
+    ]
+    table.write_text(
+        table.read_text()
+        + "".join(
+            f"x,runs/paper/lr-d16/{run}/checkpoints/last.ckpt,keel,16,0,8,2,3,1,0.4\n"
+            for run in ("keel-lr0.01-s1", "preln-lr0.01-s1")
+        )
+    )
     before = table.read_text()
     assert cli_main(["paper-run", "redundancy-lr-d16", "--out", str(tmp_path)]) == 0  # measures nothing: no torch
-    assert capsys.readouterr().out == (f"keel paper-run redundancy-lr-d16: nothing to measure: every finished run of "
-                                       f"{tmp_path}/lr-d16 has its rows in {tmp_path}/lr-d16/redundancy/redundancy.csv "
-                                       "(`make paper-lr-d16` trains the others)\n")
+    assert capsys.readouterr().out == (
+        f"keel paper-run redundancy-lr-d16: nothing to measure: every finished run of "
+        f"{tmp_path}/lr-d16 has its rows in {tmp_path}/lr-d16/redundancy/redundancy.csv "
+        "(`make paper-lr-d16` trains the others)\n"
+    )
     assert table.read_text() == before
     table.write_text("run,loss\nkeel-lr0.01-s1,0.4\n")  # another tool's table in its place
     assert cli_main(["paper-run", "redundancy-lr-d16", "--out", str(tmp_path)]) == 2
-    assert (f"{table} is not a redundancy.csv (columns run, loss; expected block, checkpoint, depth, loss_increase, "
-            "path, ppl_base, ppl_increase, ppl_removed, scheme, val_tokens); move it aside") in capsys.readouterr().err
+    assert (
+        f"{table} is not a redundancy.csv (columns run, loss; expected block, checkpoint, depth, loss_increase, "
+        "path, ppl_base, ppl_increase, ppl_removed, scheme, val_tokens); move it aside"
+    ) in capsys.readouterr().err
 
 
 def test_paper_run_runs_the_grids_command_into_its_directory(tmp_path, capsys):
     # --emit commands (an ARGS option) stops short of training: the grid's runs are listed where make would run them
-    assert cli_main(["paper-run", "hybridnorm", "--out", str(tmp_path), "--set", "TREND_SEEDS=1,2", "--",
-                     "--emit", "commands"]) == 0
+    assert (
+        cli_main(
+            ["paper-run", "hybridnorm", "--out", str(tmp_path), "--set", "TREND_SEEDS=1,2", "--", "--emit", "commands"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith(f"keel maxlr --out {tmp_path}/hybridnorm --schemes hybridnorm ")
     runs = [run["name"] for run in json.loads((tmp_path / "hybridnorm" / "sweep.json").read_text())["runs"]]
-    assert runs == ["hybridnorm-d16-s1", "hybridnorm-megatron-d16-s1", "hybridnorm-d16-s2",
-                    "hybridnorm-megatron-d16-s2"]
+    assert runs == [
+        "hybridnorm-d16-s1",
+        "hybridnorm-megatron-d16-s1",
+        "hybridnorm-d16-s2",
+        "hybridnorm-megatron-d16-s2",
+    ]
     assert (tmp_path / "hybridnorm" / "commands.sh").read_text().count("keel maxlr") == 4
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from keel.experiments.roles import HOLD_GRIDS
 from keel.experiments.hold import WARMUP_HOLD, fit, hold_fits
+from keel.experiments.roles import HOLD_GRIDS
 
 HOLDS = (20, 40, 240, 380, 600)  # the geometric ramp, the ramp twice as slow and three linear slopes
 
 
 def law(hold: float, scale: float, exponent: float) -> float:
-    return scale * hold ** exponent
+    return scale * hold**exponent
 
 
 def test_the_fit_recovers_a_power_law_and_its_value_at_the_warmup():
@@ -31,8 +31,17 @@ def test_the_fit_recovers_a_power_law_and_its_value_at_the_warmup():
 def row(point: tuple[int, int], scheme: str, hold: float, value: float, linear: bool) -> dict:
     """A collected probe row, as keel.experiments.maxlr_report writes it, of a run that learned and diverged."""
     ramp = "linear from 0, 0.0001 per step" if linear else "geometric from 0.001, 161 steps per decade"
-    return {"row": scheme, "depth": point[0], "width": point[1], "ramp": ramp, "hold_steps": hold,
-            "failure": "divergence", "resolved": True, "max_tolerable_lr": value, "max_lr_seen": value * 1.05}
+    return {
+        "row": scheme,
+        "depth": point[0],
+        "width": point[1],
+        "ramp": ramp,
+        "hold_steps": hold,
+        "failure": "divergence",
+        "resolved": True,
+        "max_tolerable_lr": value,
+        "max_lr_seen": value * 1.05,
+    }
 
 
 def test_the_linear_ramps_are_fitted_apart_from_the_geometric_ones():
@@ -52,8 +61,10 @@ def test_the_linear_ramps_are_fitted_apart_from_the_geometric_ones():
     assert exponent["every ramp"] < exponent["linear ramps"] - 0.05
     assert fits["linear ramps"]["seeds x ramps"] == "6 (3 holds)"
     assert not any(r["scheme"] == "keel" for r in hold_fits(rows))  # no runs, no line
-    close = {grid: [row(point, "keel", hold, law(hold, 0.5, -0.2) * w, linear=True) for w in (1.02, 0.98)]
-             for grid, hold in zip(linear, (480, 500, 550))}
+    close = {
+        grid: [row(point, "keel", hold, law(hold, 0.5, -0.2) * w, linear=True) for w in (1.02, 0.98)]
+        for grid, hold in zip(linear, (480, 500, 550))
+    }
     (refused,) = [r for r in hold_fits(close) if r["ramps"] == "linear ramps"]
     assert refused["limit depends on the hold"] == "no line: the holds span 1.15x, under 2x"
     assert refused["seeds x ramps"] == "6 (3 holds)" and refused["exponent [95%]"] == "-"
@@ -64,9 +75,17 @@ def test_each_ramp_of_the_map_compares_keel_with_preln_seed_by_seed():
 
     point = next(iter(HOLD_GRIDS))
     grid = HOLD_GRIDS[point][-1]
-    rows = {grid: [{**row(point, scheme, 400, value, linear=True), "seed": seed, "resolved": resolved}
-                   for scheme, seed, value, resolved in (("keel", "1", 0.09, True), ("preln", "1", 0.06, True),
-                                                         ("keel", "2", 0.08, True), ("preln", "2", 0.05, False))]}
+    rows = {
+        grid: [
+            {**row(point, scheme, 400, value, linear=True), "seed": seed, "resolved": resolved}
+            for scheme, seed, value, resolved in (
+                ("keel", "1", 0.09, True),
+                ("preln", "1", 0.06, True),
+                ("keel", "2", 0.08, True),
+                ("preln", "2", 0.05, False),
+            )
+        ]
+    }
     (pair,) = hold_pairs(rows)
     assert pair["grid"] == grid and pair["keel / preln (per seed)"] == "1.5; Pre-LN unresolved in 1"
     assert pair["verdict"] == "keel higher in 1 of 1 seeds (1 more not resolved)"

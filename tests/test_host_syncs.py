@@ -1,7 +1,7 @@
 """The host waits for the device only at logging steps (trainer.log_every_n_steps): a short CPU run counts, per
 optimizer step, every call that would make a GPU run's host wait (a tensor read to the host, a synchronize, a
-collective, a tensor made from host data), with a non-finite step among the others, whose update must still be dropped at that very step; the
-steps judged late are judged before a checkpoint is saved."""
+collective, a tensor made from host data), with a non-finite step among the others, whose update must still be
+dropped at that very step; the steps judged late are judged before a checkpoint is saved."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from keeltest import QUIET_TRAINER, TINY_MODEL
 from keel.config import load_config
 from keel.training import train
+from keeltest import QUIET_TRAINER, TINY_MODEL
 from keeltest.runs import CrashAtStep, NaNLossAt, events
 
 LOG_EVERY = 4
@@ -99,14 +99,26 @@ def counter(monkeypatch) -> SyncCounter:
 
 def test_the_host_waits_only_at_logging_steps(tiny_data, tmp_path, counter):
     run = tmp_path / "run"
-    cfg = load_config(overrides=[
-        *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false",
-        f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.max_steps=12", "trainer.grad_accum=2",
-        "trainer.val_every_n_steps=6", "trainer.val_batches=1", "trainer.checkpoint_every_n_steps=12",
-        "trainer.progress_bar=true", f"callbacks.grad_norms.every_n_steps={LOG_EVERY}",
-        "callbacks.grad_norms.heatmap_every_n_steps=0", f"callbacks.layer_importance.every_n_steps={LOG_EVERY}",
-        "callbacks.throughput.window=4",
-    ])
+    cfg = load_config(
+        overrides=[
+            *TINY_MODEL,
+            *QUIET_TRAINER,
+            *tiny_data,
+            f"run.dir={run}",
+            "eval.enabled=false",
+            f"trainer.log_every_n_steps={LOG_EVERY}",
+            "trainer.max_steps=12",
+            "trainer.grad_accum=2",
+            "trainer.val_every_n_steps=6",
+            "trainer.val_batches=1",
+            "trainer.checkpoint_every_n_steps=12",
+            "trainer.progress_bar=true",
+            f"callbacks.grad_norms.every_n_steps={LOG_EVERY}",
+            "callbacks.grad_norms.heatmap_every_n_steps=0",
+            f"callbacks.layer_importance.every_n_steps={LOG_EVERY}",
+            "callbacks.throughput.window=4",
+        ]
+    )
     trainer = train(cfg, extra_callbacks=[NaNLossAt(5), counter])
     waits = counter.steps()
     # the logging steps only: none at the other 9, the NaN step's included; but Lightning's first self.log, which
@@ -138,12 +150,21 @@ def test_a_failure_between_logging_steps_is_found_at_the_next_one(tiny_data, tmp
     """on_nonfinite=stop with a NaN at step 5, logging every 4: the failure is step 5's (onset and detection), the
     run stops after step 7, where it is judged, and step 5's update was dropped."""
     run = tmp_path / "run"
-    cfg = load_config(overrides=[
-        *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false",
-        f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.max_steps=20", "trainer.val_batches=1",
-        "callbacks.stability.on_nonfinite=stop", "callbacks.grad_norms.enabled=false",
-        "callbacks.layer_importance.enabled=false",
-    ])
+    cfg = load_config(
+        overrides=[
+            *TINY_MODEL,
+            *QUIET_TRAINER,
+            *tiny_data,
+            f"run.dir={run}",
+            "eval.enabled=false",
+            f"trainer.log_every_n_steps={LOG_EVERY}",
+            "trainer.max_steps=20",
+            "trainer.val_batches=1",
+            "callbacks.stability.on_nonfinite=stop",
+            "callbacks.grad_norms.enabled=false",
+            "callbacks.layer_importance.enabled=false",
+        ]
+    )
     trainer = train(cfg, extra_callbacks=[NaNLossAt(5)])
     assert trainer.global_step == 8
     report = json.loads((run / "stability.json").read_text())
@@ -155,11 +176,24 @@ def test_a_failure_between_logging_steps_is_found_at_the_next_one(tiny_data, tmp
 def test_a_checkpoint_between_logging_steps_holds_every_step_judged(tiny_data, tmp_path):
     """A crash before step 6 (logging every 4) saves a checkpoint with steps 4 and 5 still unjudged: the saved
     monitor has judged them, so the resumed run ends with the state of one that never stopped."""
+
     def config(run, *extra):
-        return load_config(overrides=[
-            *TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"run.dir={run}", "eval.enabled=false", "trainer.max_steps=10",
-            f"trainer.log_every_n_steps={LOG_EVERY}", "trainer.val_every_n_steps=10", "trainer.val_batches=1",
-            "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false", *extra])
+        return load_config(
+            overrides=[
+                *TINY_MODEL,
+                *QUIET_TRAINER,
+                *tiny_data,
+                f"run.dir={run}",
+                "eval.enabled=false",
+                "trainer.max_steps=10",
+                f"trainer.log_every_n_steps={LOG_EVERY}",
+                "trainer.val_every_n_steps=10",
+                "trainer.val_batches=1",
+                "callbacks.grad_norms.enabled=false",
+                "callbacks.layer_importance.enabled=false",
+                *extra,
+            ]
+        )
 
     def monitor(trainer):
         return next(cb for cb in trainer.callbacks if type(cb).__name__ == "StabilityMonitor")
@@ -184,8 +218,9 @@ def test_processes_agree_on_a_signal_at_logging_steps_only(capsys):
     def run(signal_at: int | None) -> tuple[list[int], GracefulInterrupt]:
         agreements = []
         trainer = SimpleNamespace(world_size=2, log_every_n_steps=LOG_EVERY, global_step=0, should_stop=False)
-        trainer.strategy = SimpleNamespace(root_device=torch.device("cpu"),
-                                           reduce=lambda t, reduce_op: agreements.append(trainer.global_step) or t)
+        trainer.strategy = SimpleNamespace(
+            root_device=torch.device("cpu"), reduce=lambda t, reduce_op: agreements.append(trainer.global_step) or t
+        )
         interrupt = GracefulInterrupt()
         interrupt._step = 0
         for step in range(1, 3 * LOG_EVERY + 1):  # global_step after each optimizer step
@@ -209,11 +244,10 @@ def _sharded_norms_worker(rank: int, port: int, out: str) -> None:
     """FSDP2 gradients (one parameter without a gradient): the norms counted for host data and collectives."""
     import copy
 
-    from keeltest.distributed import WORLD, _batches, _join, _tiny_cfg
-
     from keel.model import KeelLM, next_token_loss
     from keel.parallel import parallelize
     from keel.tensor_norms import grad_norms
+    from keeltest.distributed import WORLD, _batches, _join, _tiny_cfg
 
     mesh, batches, _ = _join(rank, port, WORLD)
     cfg = _tiny_cfg("trainer.precision=32-true")
@@ -230,8 +264,10 @@ def _sharded_norms_worker(rank: int, port: int, out: str) -> None:
     ops = HostData(counter, record=("all_reduce", "all_gather", "reduce_scatter", "broadcast"))
     with ops:
         norms = grad_norms(params)
-    torch.save({"norms": norms, "expected": torch.stack(expected), "host data": counter.calls,
-                "collectives": ops.recorded}, Path(out) / f"rank{rank}.pt")
+    torch.save(
+        {"norms": norms, "expected": torch.stack(expected), "host data": counter.calls, "collectives": ops.recorded},
+        Path(out) / f"rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 

@@ -32,8 +32,10 @@ def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("keel"):
-            found += [(f"{node.module}.{a.name}", None) if f"{node.module}.{a.name}" in known else (node.module, a.name)
-                      for a in node.names]
+            found += [
+                (f"{node.module}.{a.name}", None) if f"{node.module}.{a.name}" in known else (node.module, a.name)
+                for a in node.names
+            ]
         elif isinstance(node, ast.Import):
             found += [(a.name, None) for a in node.names if a.name.startswith("keel")]
     return found
@@ -41,8 +43,10 @@ def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, str]]:
 
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: {module for module, _ in imports(path, known) if module in known and module != name}
-            for name, path in known.items()}
+    return {
+        name: {module for module, _ in imports(path, known) if module in known and module != name}
+        for name, path in known.items()
+    }
 
 
 def test_no_import_cycle():
@@ -55,16 +59,24 @@ def test_no_import_cycle():
 
 def test_every_module_imports_in_dependency_order():
     order = [name for name in TopologicalSorter(graph()).static_order() if name.split(".")[:2] != ["keel", "conf"]]
-    script = "import importlib\nfor name in %r:\n    importlib.import_module(name)\n" % order
+    script = f"import importlib\nfor name in {order!r}:\n    importlib.import_module(name)\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_no_private_name_is_imported_across_modules():
     known = modules()
-    private = [f"{path.relative_to(ROOT)}: {module}.{name}" for path in known.values()
-               for module, name in imports(path, known) if name and name.startswith("_")]
-    private += [f"{path.relative_to(ROOT)}: {module}" for path in known.values()
-                for module, _ in imports(path, known) if module.rsplit(".", 1)[-1].startswith("_")
-                and module not in {m for m in known if Path(known[m]).parent == path.parent}]
+    private = [
+        f"{path.relative_to(ROOT)}: {module}.{name}"
+        for path in known.values()
+        for module, name in imports(path, known)
+        if name and name.startswith("_")
+    ]
+    private += [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in known.values()
+        for module, _ in imports(path, known)
+        if module.rsplit(".", 1)[-1].startswith("_")
+        and module not in {m for m in known if Path(known[m]).parent == path.parent}
+    ]
     assert not private, private

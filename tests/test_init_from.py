@@ -14,7 +14,6 @@ from keel.errors import ConfigError
 from keel.lit import KeelLitModule
 from keel.model import KeelLM, next_token_loss
 from keel.training import start_from, train
-
 from keeltest import write_sharded
 from keeltest.runs import FOUR_STEP_RUN, CrashAtStep, FirstBatch, scalars, tiny_config
 
@@ -59,8 +58,11 @@ def test_init_from_reads_sharded_and_refuses_another_model(tiny_data, tiny_run, 
     torch.testing.assert_close(module.model.state_dict(), expected.state_dict(), rtol=0, atol=0)
 
     cfg = tiny_config(tiny_data, tmp_path / "run", f"init_from={source}", "model.depth=3", "model.width=64")
-    with pytest.raises(ConfigError, match=r"init_from: the checkpoint holds a different model; model.depth: "
-                                          r"checkpoint 2 != config 3; model.width: checkpoint 32 != config 64"):
+    with pytest.raises(
+        ConfigError,
+        match=r"init_from: the checkpoint holds a different model; model.depth: "
+        r"checkpoint 2 != config 3; model.width: checkpoint 32 != config 64",
+    ):
         start_from(cfg, KeelLitModule(cfg), ckpt_path=None)
 
     with pytest.raises(ConfigError, match="checkpoint: no file or directory at"):
@@ -80,8 +82,11 @@ def test_new_data_must_use_the_sources_tokenizer(tiny_data, tiny_run, tmp_path):
         if name == "same":
             assert "model weights of" in start_from(cfg, module, ckpt_path=None)
         else:
-            with pytest.raises(ConfigError, match=rf"was trained with another tokenizer than {tmp_path / name}'s; build "
-                                                  rf"the new data with that tokenizer \(data.tokenizer={source_data}/"):
+            with pytest.raises(
+                ConfigError,
+                match=rf"was trained with another tokenizer than {tmp_path / name}'s; build "
+                rf"the new data with that tokenizer \(data.tokenizer={source_data}/",
+            ):
                 start_from(cfg, module, ckpt_path=None)
 
 

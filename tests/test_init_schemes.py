@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from keel.model import KeelLM
 from keel.config import ModelConfig
+from keel.model import KeelLM
 from keeltest.model import tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,8 +20,12 @@ def test_megatron_init_scales_the_branch_outputs_and_truncates():
     cfg = ModelConfig(width=256, n_heads=4, seq_len=16, vocab_size=64, depth=8, init="megatron", scheme="hybridnorm")
     model = KeelLM(cfg)
     block = model.blocks[3]
-    for weight, std in ((block.attn.branch.qkv.weight, 0.02), (block.ffn.branch.up.weight, 0.02),
-                        (block.attn.branch.out.weight, 0.02 / 4), (block.ffn.branch.down.weight, 0.02 / 4)):
+    for weight, std in (
+        (block.attn.branch.qkv.weight, 0.02),
+        (block.ffn.branch.up.weight, 0.02),
+        (block.attn.branch.out.weight, 0.02 / 4),
+        (block.ffn.branch.down.weight, 0.02 / 4),
+    ):
         assert weight.abs().max() <= 3 * std + 1e-7
         assert weight.std().item() == pytest.approx(std * 0.986, rel=0.03)  # a normal cut at 3 std keeps 98.6% of it
 
@@ -39,8 +42,15 @@ def test_each_scheme_starts_from_its_own_literatures_init():
         "keel": ("normal", 0.02, 0.02, 0.02, 0.02, 0.02, 0.02),
         "postln": ("normal", 0.02, 0.02, 0.02, 0.02, 0.02, 0.02),
         "preln": ("gpt2", 0.02, 0.02, 0.02, scaled, 0.02, scaled),
-        "deepnorm": ("xavier", 0.02, xavier_square, beta * xavier_square, beta * xavier_square, beta * xavier_ffn,
-                     beta * xavier_ffn),
+        "deepnorm": (
+            "xavier",
+            0.02,
+            xavier_square,
+            beta * xavier_square,
+            beta * xavier_square,
+            beta * xavier_ffn,
+            beta * xavier_ffn,
+        ),
         "hybridnorm": ("megatron", *(std * 0.986 for std in (0.02, 0.02, 0.02, scaled, 0.02, scaled))),
         "mixln": ("mixln", 0.4**0.5, 0.02, 0.02, 0.02, 0.02, 0.02),
     }
@@ -51,8 +61,11 @@ def test_each_scheme_starts_from_its_own_literatures_init():
         model = KeelLM(cfg)
         attn, ffn = model.blocks[3].attn.branch, model.blocks[3].ffn.branch
         q, _, v = attn.qkv.weight.split(width)
-        for name, weight, std in zip(("embedding", "q", "v", "out", "up", "down"),
-                                     (model.embed.weight, q, v, attn.out.weight, ffn.up.weight, ffn.down.weight), stds):
+        for name, weight, std in zip(
+            ("embedding", "q", "v", "out", "up", "down"),
+            (model.embed.weight, q, v, attn.out.weight, ffn.up.weight, ffn.down.weight),
+            stds,
+        ):
             assert weight.std().item() == pytest.approx(std, rel=0.05), (scheme, name)
 
 
@@ -60,6 +73,7 @@ def test_each_scheme_starts_from_its_own_literatures_init():
 def test_a_named_init_overrides_the_recipe_and_auto_keeps_the_shared_draw(scheme):
     """model.init=normal is the shared-init comparison for every scheme; where a scheme's recipe is plain N(0, 0.02^2)
     (Keel, Post-LN) `auto` draws the very same weights, so runs recorded with model.init=normal stay comparable."""
+
     def weights(**overrides):
         torch.manual_seed(3)
         return KeelLM(tiny(scheme=scheme, depth=3, **overrides)).state_dict()

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.callbacks import Callback
 
+from keel import training
 from keel.checkpoint.layout import LAST
 from keel.checkpoint.read import read_checkpoint
 from keel.cli import main as cli_main
 from keel.schedule import lr_factor
-from keel import training
 from keel.training import Interrupted, train
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
 from keeltest.runs import EIGHT_STEP_RUN, scalars, tiny_config
 
@@ -32,8 +31,12 @@ def test_resume_with_changed_optimizer_settings_is_reported_and_the_old_config_k
     train(tiny_config(tiny_data, run, *changed))
     err = capsys.readouterr().err
     assert "resuming at step 2 with 4 changed setting(s)" in err
-    for change in ("optim.lr: 0.003 -> 0.001", "optim.schedule: 'cosine' -> 'linear_warmup'", "trainer.max_steps: 2 -> 4",
-                   "optim.weight_decay: 0.01 -> 0.05"):
+    for change in (
+        "optim.lr: 0.003 -> 0.001",
+        "optim.schedule: 'cosine' -> 'linear_warmup'",
+        "trainer.max_steps: 2 -> 4",
+        "optim.weight_decay: 0.01 -> 0.05",
+    ):
         assert change in err
     assert (run / "config.2.yaml").read_text() == old_config
     cfg = tiny_config(tiny_data, run, *changed)
@@ -60,8 +63,7 @@ class InterruptAt(Callback):
                 os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_data, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_data, tmp_path, monkeypatch, capsys):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     train(tiny_config(tiny_data, straight, *EIGHT_STEP_RUN))
     handler = signal.getsignal(signal.SIGINT)
@@ -117,9 +119,18 @@ sys.exit(cli.main(sys.argv[2:]))
 
 
 def signalled_run(tiny_data, run: Path, signal_name: str) -> subprocess.CompletedProcess:
-    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, f"run.dir={run}", *EIGHT_STEP_RUN]
-    return subprocess.run([sys.executable, "-c", LAUNCH_SIGNALLED, signal_name, *argv], capture_output=True,
-                          text=True, timeout=600)
+    argv = [
+        "pretrain",
+        *TINY_MODEL,
+        *QUIET_TRAINER,
+        "eval.enabled=false",
+        *tiny_data,
+        f"run.dir={run}",
+        *EIGHT_STEP_RUN,
+    ]
+    return subprocess.run(
+        [sys.executable, "-c", LAUNCH_SIGNALLED, signal_name, *argv], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_kill_9_resumes_from_the_last_checkpoint_exactly(tiny_data, tmp_path):

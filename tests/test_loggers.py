@@ -17,11 +17,16 @@ from keel.callbacks.per_layer import Heatmap
 from keel.errors import ConfigError
 from keel.loggers import LOGGERS, LoggerKind
 from keel.training import build_loggers, train
-
 from keeltest.runs import CrashAtStep, scalars, tiny_config
 
-STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4", "trainer.val_batches=1",
-         "callbacks.grad_norms.every_n_steps=1", "callbacks.grad_norms.heatmap_every_n_steps=2"]
+STEPS = [
+    "trainer.max_steps=4",
+    "trainer.checkpoint_every_n_steps=2",
+    "trainer.val_every_n_steps=4",
+    "trainer.val_batches=1",
+    "callbacks.grad_norms.every_n_steps=1",
+    "callbacks.grad_norms.heatmap_every_n_steps=2",
+]
 
 
 def csv_rows(run: Path) -> list[dict]:
@@ -48,8 +53,11 @@ def test_wandb_without_an_api_key_says_how_to_log_in_or_go_offline(tiny_data, tm
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no stored key
     monkeypatch.setattr("sys.stdin", open(os.devnull))  # and no terminal to ask on
     try:
-        with pytest.raises(ConfigError, match=r"^trainer.loggers: wandb cannot start a run: No API key configured.*"
-                                              r"`wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^trainer.loggers: wandb cannot start a run: No API key configured.*"
+            r"`wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline",
+        ):
             train(tiny_config(tiny_data, tmp_path / "run", *STEPS, "trainer.loggers=[wandb]"))
     finally:
         wandb.teardown()  # wandb keeps its settings in a process-wide singleton: later runs must read theirs afresh
@@ -72,7 +80,9 @@ def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_pa
     train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[wandb,mlflow,csv]", "resume=auto"))
 
     client = MlflowClient(tracking_uri=f"sqlite:///{run / 'mlflow.db'}")
-    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("keel").experiment_id])  # continued, not a new one
+    (mlflow_run,) = client.search_runs(
+        [client.get_experiment_by_name("keel").experiment_id]
+    )  # continued, not a new one
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [0, 1, 2, 3]
     assert mlflow_run.data.params["trainer/micro_batch_size"] == "4"
     heatmaps = [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "grad/heatmap/branch_weights")]
@@ -94,8 +104,9 @@ def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_pa
         logger.finalize("success")
     loggers[2].experiment.finish()
     mlflow_logger = loggers[3]
-    text = mlflow_logger.experiment.download_artifacts(mlflow_logger.run_id, "stability/events/step_000007.txt",
-                                                       str(tmp_path))
+    text = mlflow_logger.experiment.download_artifacts(
+        mlflow_logger.run_id, "stability/events/step_000007.txt", str(tmp_path)
+    )
     assert Path(text).read_text() == "step 7: a loss spike"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -107,7 +118,9 @@ def test_wandb_offline_and_mlflow_get_scalars_figures_and_text(tiny_data, tmp_pa
 
 
 def test_unknown_or_missing_logger_is_a_clear_error(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="trainer.loggers: unknown logger.s. comet; allowed: tensorboard, csv, wandb, mlflow"):
+    with pytest.raises(
+        ConfigError, match="trainer.loggers: unknown logger.s. comet; allowed: tensorboard, csv, wandb, mlflow"
+    ):
         tiny_config([], tmp_path, "trainer.loggers=[tensorboard,comet]")
     with pytest.raises(ConfigError, match="name each logger once"):
         tiny_config([], tmp_path, "trainer.loggers=[]")
@@ -146,8 +159,17 @@ def test_a_logger_is_a_name_and_a_record(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setitem(LOGGERS, "toy", Toy())
     run = tmp_path / "run"
     # an LR of 10 makes the loss rise within the 4 steps whatever the data drawn: the stability events are sure
-    train(tiny_config(tiny_data, run, *STEPS, "trainer.loggers=[toy,tensorboard]", "optim.lr=10",
-                      "callbacks.stability.spike_margin=1e-9", "callbacks.stability.stop_on_failure=false"))
+    train(
+        tiny_config(
+            tiny_data,
+            run,
+            *STEPS,
+            "trainer.loggers=[toy,tensorboard]",
+            "optim.lr=10",
+            "callbacks.stability.spike_margin=1e-9",
+            "callbacks.stability.stop_on_failure=false",
+        )
+    )
     with open(run / "toy" / "version_0" / "metrics.csv") as f:
         assert [row["step"] for row in csv.DictReader(f) if row["train/loss"]] == ["0", "1", "2", "3"]
     assert ToyLogger.texts and all(tag == "stability/events" for tag, _, _ in ToyLogger.texts)
@@ -172,8 +194,14 @@ def test_tensorboards_custom_scalars_show_the_losses_first_then_the_tasks(tiny_r
         return [tag for tag in tags if any(re.match(pattern, tag) for pattern in patterns)]
 
     assert sorted(drawn(0, 0, acc.Tags()["scalars"])) == ["train/loss", "val/loss"]
-    tasks = ["eval/keel_next_line/acc_mutual_info", "eval/keel_next_line/acc", "eval/keel_last_token/perplexity",
-             "eval/keel_gsm8k/exact_match/strict-match", "eval/disagree/keel_next_line", "eval/spearman/keel_next_line",
-             "time/downstream_eval_s"]  # eval tags as docs/evaluation.md names them
+    tasks = [
+        "eval/keel_next_line/acc_mutual_info",
+        "eval/keel_next_line/acc",
+        "eval/keel_last_token/perplexity",
+        "eval/keel_gsm8k/exact_match/strict-match",
+        "eval/disagree/keel_next_line",
+        "eval/spearman/keel_next_line",
+        "time/downstream_eval_s",
+    ]  # eval tags as docs/evaluation.md names them
     assert drawn(1, 0, tasks) == [tasks[0], tasks[1], tasks[3]]
     assert drawn(1, 1, tasks) == [tasks[2]] and drawn(1, 2, tasks) == [tasks[5]]

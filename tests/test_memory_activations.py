@@ -57,12 +57,25 @@ def model_saved_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int) -> int:
 @pytest.mark.parametrize("ffn", ["gelu", "swiglu"])
 def test_activations_per_token_match_what_autograd_saves(scheme, ffn, compute_bytes):
     def config(depth):
-        return ModelConfig(scheme=scheme, depth=depth, width=64, n_heads=4, n_kv_heads=2, ffn=ffn, seq_len=32,
-                           vocab_size=64, loss_chunk=0)
+        return ModelConfig(
+            scheme=scheme,
+            depth=depth,
+            width=64,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn=ffn,
+            seq_len=32,
+            vocab_size=64,
+            loss_chunk=0,
+        )
 
     # the difference of depths 4 and 2 and of 32 and 16 tokens: what grows with both, i.e. per token and block
-    measured = (model_saved_bytes(config(4), 32, compute_bytes) - model_saved_bytes(config(2), 32, compute_bytes)
-                - model_saved_bytes(config(4), 16, compute_bytes) + model_saved_bytes(config(2), 16, compute_bytes))
+    measured = (
+        model_saved_bytes(config(4), 32, compute_bytes)
+        - model_saved_bytes(config(2), 32, compute_bytes)
+        - model_saved_bytes(config(4), 16, compute_bytes)
+        + model_saved_bytes(config(2), 16, compute_bytes)
+    )
     per_token = activation_bytes(config(4), 1, compute_bytes) - activation_bytes(config(2), 1, compute_bytes)
     assert measured == 16 * per_token
 
@@ -83,8 +96,9 @@ def compiled_block_saved_bytes(cfg: ModelConfig, block: int, tokens: int, comput
         for each in blocks:
             y = each(y, (model.rope_cos, model.rope_sin))
 
-    saved = (saved_bytes(lambda: forward(model.blocks[block:block + 2]), compute_bytes)
-             - saved_bytes(lambda: forward(model.blocks[block + 1:block + 2]), compute_bytes))
+    saved = saved_bytes(lambda: forward(model.blocks[block : block + 2]), compute_bytes) - saved_bytes(
+        lambda: forward(model.blocks[block + 1 : block + 2]), compute_bytes
+    )
     assert counters["frames"]["ok"] > 0 and not counters["graph_break"]  # compiled whole, not run eagerly
     return saved
 
@@ -92,26 +106,42 @@ def compiled_block_saved_bytes(cfg: ModelConfig, block: int, tokens: int, comput
 # Block specs (keel.config.model.sublayer_specs) one of each: a scheme's usual block, and the first blocks that
 # differ (Keel's v2 first block, HybridNorm*'s), with its ablation without the inner norm
 # (scheme, other model keys, the block's index of 4)
-COMPILED_BLOCKS = {"keel": ("keel", {}, 2), "keel_v2_first_block": ("keel", {"keel_first_block": "v2"}, 0),
-                   "keel_without_inner_norm": ("keel", {"keel_inner_norm": False}, 2),
-                   "preln": ("preln", {}, 2), "postln": ("postln", {}, 2), "deepnorm": ("deepnorm", {}, 2),
-                   "hybridnorm": ("hybridnorm", {}, 2), "hybridnorm_star_first_block": ("hybridnorm_star", {}, 0)}
+COMPILED_BLOCKS = {
+    "keel": ("keel", {}, 2),
+    "keel_v2_first_block": ("keel", {"keel_first_block": "v2"}, 0),
+    "keel_without_inner_norm": ("keel", {"keel_inner_norm": False}, 2),
+    "preln": ("preln", {}, 2),
+    "postln": ("postln", {}, 2),
+    "deepnorm": ("deepnorm", {}, 2),
+    "hybridnorm": ("hybridnorm", {}, 2),
+    "hybridnorm_star_first_block": ("hybridnorm_star", {}, 0),
+}
 # each compiles on CPU: make test the paper's block and the one compile saves more of than eager, under bf16;
 # make test-extended the rest
 IN_MAKE_TEST = {("keel", "swiglu", 2), ("postln", "gelu", 2)}
-COMPILED_CASES = [pytest.param(block, ffn, compute_bytes, marks=pytest.mark.slow if (block, ffn, compute_bytes)
-                               in IN_MAKE_TEST else pytest.mark.extended)
-                  for block in COMPILED_BLOCKS for ffn in ("gelu", "swiglu") for compute_bytes in (2, 4)]
+COMPILED_CASES = [
+    pytest.param(
+        block,
+        ffn,
+        compute_bytes,
+        marks=pytest.mark.slow if (block, ffn, compute_bytes) in IN_MAKE_TEST else pytest.mark.extended,
+    )
+    for block in COMPILED_BLOCKS
+    for ffn in ("gelu", "swiglu")
+    for compute_bytes in (2, 4)
+]
 
 
 @pytest.mark.parametrize(("block", "ffn", "compute_bytes"), COMPILED_CASES)
 def test_compiled_activations_per_token_match_what_autograd_saves(block, ffn, compute_bytes):
     scheme, extra, index = COMPILED_BLOCKS[block]
-    cfg = ModelConfig(scheme=scheme, depth=4, width=64, n_heads=4, n_kv_heads=2, ffn=ffn, seq_len=32, vocab_size=64,
-                      **extra)
+    cfg = ModelConfig(
+        scheme=scheme, depth=4, width=64, n_heads=4, n_kv_heads=2, ffn=ffn, seq_len=32, vocab_size=64, **extra
+    )
     # the difference of 32 and 16 tokens: what grows with them (not the weights nor their bf16 copies)
-    measured = (compiled_block_saved_bytes(cfg, index, 32, compute_bytes)
-                - compiled_block_saved_bytes(cfg, index, 16, compute_bytes))
+    measured = compiled_block_saved_bytes(cfg, index, 32, compute_bytes) - compiled_block_saved_bytes(
+        cfg, index, 16, compute_bytes
+    )
     assert measured == 16 * block_bytes_per_token(cfg, sublayer_specs(cfg)[index], compute_bytes, compiled=True)
 
 
@@ -119,9 +149,17 @@ def test_compiled_activations_per_token_match_what_autograd_saves(block, ffn, co
 @pytest.mark.parametrize("checkpointing", ["none", 0.5])
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_cpu_and_gpu_estimates_count_the_same_activations(precision, checkpointing, compile):
-    cfg = load_config(overrides=["model.depth=8", "model.width=64", "model.n_heads=4", "trainer.micro_batch_size=4",
-                                 f"trainer.precision={precision}", f"trainer.activation_checkpointing={checkpointing}",
-                                 f"trainer.compile={str(compile).lower()}"])
+    cfg = load_config(
+        overrides=[
+            "model.depth=8",
+            "model.width=64",
+            "model.n_heads=4",
+            "trainer.micro_batch_size=4",
+            f"trainer.precision={precision}",
+            f"trainer.activation_checkpointing={checkpointing}",
+            f"trainer.compile={str(compile).lower()}",
+        ]
+    )
     checkpointed = cfg.trainer.checkpointed_blocks(cfg.model.depth)
     # on CPU: what doubling the micro-batch adds, with the model's state and the process's own unchanged
     doubled = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=8))

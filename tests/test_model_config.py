@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from keel.config.model import SCHEMES
 from keel.errors import ConfigError
 from keel.model import KeelLM
-from keel.config.model import SCHEMES
 from keeltest.model import tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

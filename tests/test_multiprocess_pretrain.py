@@ -11,12 +11,11 @@ import pytest
 import torch
 import yaml
 
+from keel.checkpoint.consolidate import main as consolidate
 from keel.checkpoint.layout import LAST, SHARDED_META
 from keel.checkpoint.read import load_model, read_checkpoint
-from keel.checkpoint.consolidate import main as consolidate
-
-from keeltest.runs import scalars
 from keeltest.distributed import LAUNCHER, RUN, _command, _env, pretrain, seen
+from keeltest.runs import scalars
 
 
 @pytest.mark.slow
@@ -34,8 +33,12 @@ def test_fsdp_trains_like_ddp(straight_run, tmp_path):
     # the step-numbered history (keep_last_k=2) beside last.ckpt; no staging or previous copy left
     assert sorted(p.name for p in checkpoints.iterdir()) == [LAST, "step000004.ckpt", "step000008.ckpt"]
     for name in (LAST, "step000004.ckpt"):
-        assert sorted(p.name for p in (checkpoints / name).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                          SHARDED_META]
+        assert sorted(p.name for p in (checkpoints / name).iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            SHARDED_META,
+        ]
     out = tmp_path / "fsdp.ckpt"
     assert consolidate([str(checkpoints / LAST), str(out)]) == 0
     sharded_model, _, _ = load_model(out)
@@ -61,14 +64,16 @@ def test_resume_after_crash_matches_uninterrupted(tiny_data, straight_run, tmp_p
 
 @pytest.mark.extended
 @pytest.mark.slow
-def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_exactly(tiny_data, straight_run,
-                                                                                    tmp_path):
+def test_ctrl_c_on_rank_zero_stops_every_rank_after_the_same_step_and_resumes_exactly(
+    tiny_data, straight_run, tmp_path
+):
     run = tmp_path / "run"
     launcher = run.parent / "launch.py"
     launcher.write_text(LAUNCHER)
     cmd = [sys.executable, str(launcher), "pretrain", "trainer=ddp", *RUN, *tiny_data, f"run.dir={run}"]
-    done = subprocess.run(cmd, env={**os.environ, "KEEL_TEST_INTERRUPT_AT": "5"}, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        cmd, env={**os.environ, "KEEL_TEST_INTERRUPT_AT": "5"}, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 130 and "interrupted: saved step 6 to " in done.stderr, done.stderr[-3000:]
     assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 6
     pretrain(tiny_data, run, "ddp")  # resume=auto
@@ -82,16 +87,28 @@ def test_init_from_under_fsdp_reaches_every_shard(tiny_data, tiny_run, tmp_path)
     holds the source's weights."""
     source = tiny_run / "checkpoints" / LAST
     run = tmp_path / "run"
-    pretrain(tiny_data, run, "fsdp", overrides=[f"init_from={source}", "trainer.max_steps=1", "optim.lr=1e-12",
-                                                "optim.warmup_steps=1", "trainer.val_every_n_steps=1"])
+    pretrain(
+        tiny_data,
+        run,
+        "fsdp",
+        overrides=[
+            f"init_from={source}",
+            "trainer.max_steps=1",
+            "optim.lr=1e-12",
+            "optim.warmup_steps=1",
+            "trainer.val_every_n_steps=1",
+        ],
+    )
     expected, _, _ = load_model(source)
     continued, _, _ = load_model(run / "checkpoints" / LAST)
     torch.testing.assert_close(continued.state_dict(), expected.state_dict(), rtol=0, atol=1e-9)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp",
-                                      pytest.param("hsdp", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param("ddp", marks=pytest.mark.extended), "fsdp", pytest.param("hsdp", marks=pytest.mark.extended)],
+)
 def test_two_nodes_train_like_one(tiny_data, straight_run, tmp_path, strategy):
     """One process per "node", each node started by its own torchrun (static rendezvous on 127.0.0.1), as on a
     cluster: the same losses and sequences as one node running 2 processes. hsdp: trainer=fsdp trainer.hsdp=true,
@@ -103,18 +120,28 @@ def test_two_nodes_train_like_one(tiny_data, straight_run, tmp_path, strategy):
     trainer = "fsdp" if strategy == "hsdp" else strategy
     overrides = ["trainer.devices=1", "trainer.num_nodes=2", *(["trainer.hsdp=true"] if strategy == "hsdp" else [])]
     for node_rank in range(2):
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                    f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+        ]
         cmd = _command(tiny_data, run, trainer, overrides, launcher=torchrun)
-        nodes.append(subprocess.Popen(cmd, env=_env(run, "run"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True))
+        nodes.append(
+            subprocess.Popen(cmd, env=_env(run, "run"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
     errors = [node.communicate(timeout=900)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(error[-3000:] for error in errors)
     straight = straight_run(trainer)
     assert sorted(seen(run)) == sorted(seen(straight))  # every rank, every step, the same sequences
     for tag in ("train/loss", "grad/global", "val/loss"):  # HSDP: all-reduced gradients, not reduce-scattered
-        assert scalars(run, tag) == (scalars(straight, tag) if strategy != "hsdp"
-                                     else pytest.approx(scalars(straight, tag), rel=1e-5)), tag
+        assert scalars(run, tag) == (
+            scalars(straight, tag) if strategy != "hsdp" else pytest.approx(scalars(straight, tag), rel=1e-5)
+        ), tag
     if strategy == "hsdp":
         assert (run / "checkpoints" / LAST / ".metadata").is_file()
 
@@ -156,9 +183,17 @@ def test_fsdp_deferring_the_reduction_trains_like_reducing_every_micro_batch(tin
     runs = {}
     for reduce_every in ("auto", "true"):
         runs[reduce_every] = tmp_path / reduce_every
-        pretrain(tiny_data, runs[reduce_every], "fsdp", attempt=reduce_every,
-                 overrides=["trainer.micro_batch_size=2", "trainer.grad_accum=2",
-                            f"trainer.reduce_every_micro_batch={reduce_every}"])
+        pretrain(
+            tiny_data,
+            runs[reduce_every],
+            "fsdp",
+            attempt=reduce_every,
+            overrides=[
+                "trainer.micro_batch_size=2",
+                "trainer.grad_accum=2",
+                f"trainer.reduce_every_micro_batch={reduce_every}",
+            ],
+        )
     assert yaml.safe_load((runs["auto"] / "config.yaml").read_text())["trainer"]["reduce_every_micro_batch"] is False
     assert sorted(seen(runs["auto"], "auto")) == sorted(seen(runs["true"], "true"))
     deferred, every = scalars(runs["auto"], "grad/global"), scalars(runs["true"], "grad/global")

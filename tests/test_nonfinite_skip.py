@@ -18,10 +18,16 @@ from keel.training import train
 from keeltest.runs import tiny_config
 
 INF_STEP = 3
-SIX_STEPS = ["trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.val_batches=1", "optim.grad_clip=0",
-             "optim.schedule=linear_warmup",  # an LR that does not depend on max_steps
-             "callbacks.grad_norms.enabled=false", "callbacks.layer_importance.enabled=false",
-             "callbacks.throughput.enabled=false"]
+SIX_STEPS = [
+    "trainer.max_steps=6",
+    "trainer.val_every_n_steps=6",
+    "trainer.val_batches=1",
+    "optim.grad_clip=0",
+    "optim.schedule=linear_warmup",  # an LR that does not depend on max_steps
+    "callbacks.grad_norms.enabled=false",
+    "callbacks.layer_importance.enabled=false",
+    "callbacks.throughput.enabled=false",
+]
 
 
 def config(tiny_data, run_dir: Path, *extra: str):
@@ -61,15 +67,18 @@ class StepEffects(Callback):
         step = trainer.global_step - 1
         self.weights_changed[step] = any(not torch.equal(a, b) for a, b in zip(weights, weights_before))
         self.state_changed[step] = len(state) != len(state_before) or any(
-            not torch.equal(a, b) for a, b in zip(state, state_before))
+            not torch.equal(a, b) for a, b in zip(state, state_before)
+        )
 
 
 @pytest.mark.parametrize("monitor", [False, True], ids=["stability off", "stability on"])
 def test_a_nonfinite_update_is_dropped_with_or_without_the_stability_monitor(tiny_data, tmp_path, monitor):
     run = tmp_path / "run"
     effects = StepEffects()
-    trainer = train(config(tiny_data, run, f"callbacks.stability.enabled={str(monitor).lower()}"),
-                    extra_callbacks=[InfGradientAt(INF_STEP), effects])
+    trainer = train(
+        config(tiny_data, run, f"callbacks.stability.enabled={str(monitor).lower()}"),
+        extra_callbacks=[InfGradientAt(INF_STEP), effects],
+    )
     assert trainer.global_step == 6  # training went on
     assert not effects.weights_changed[INF_STEP] and not effects.state_changed[INF_STEP]  # the step was dropped
     others = [step for step in range(1, 6) if step != INF_STEP]  # (step 0 creates the optimizer state)
@@ -87,11 +96,21 @@ def test_a_nonfinite_update_is_dropped_with_or_without_the_stability_monitor(tin
 
 
 def test_a_resume_across_a_dropped_update_ends_where_the_run_straight_through_does(tiny_data, tmp_path):
-    straight = train(config(tiny_data, tmp_path / "straight", "callbacks.stability.enabled=false"),
-                     extra_callbacks=[InfGradientAt(INF_STEP)])
+    straight = train(
+        config(tiny_data, tmp_path / "straight", "callbacks.stability.enabled=false"),
+        extra_callbacks=[InfGradientAt(INF_STEP)],
+    )
     stopped = tmp_path / "stopped"
-    train(config(tiny_data, stopped, "callbacks.stability.enabled=false", "trainer.max_steps=4",
-                 "trainer.checkpoint_every_n_steps=4"), extra_callbacks=[InfGradientAt(INF_STEP)])
+    train(
+        config(
+            tiny_data,
+            stopped,
+            "callbacks.stability.enabled=false",
+            "trainer.max_steps=4",
+            "trainer.checkpoint_every_n_steps=4",
+        ),
+        extra_callbacks=[InfGradientAt(INF_STEP)],
+    )
     resumed = train(config(tiny_data, stopped, "callbacks.stability.enabled=false"))
     assert resumed.global_step == straight.global_step == 6
     for a, b in zip(straight.lightning_module.parameters(), resumed.lightning_module.parameters()):

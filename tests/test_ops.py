@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keel.checkpoint.resume import check_same_model
 from keel.config import ModelConfig, load_config, to_dict
 from keel.errors import ConfigError
 from keel.model import KeelLM, next_token_loss
 from keel.ops.chunked_ce import compiled_chunk_loss, linear_cross_entropy
-from keel.checkpoint.resume import check_same_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,8 +23,9 @@ NOT_SOURCE = {".git", ".venv", "build", "dist", "keel.egg-info", "runs", "out", 
 
 def copy_source(source: Path) -> None:
     """The working tree's project files, its symlinks kept as symlinks (src/keel/callbacks, src/keel/conf)."""
-    shutil.copytree(REPO, source, symlinks=True,
-                    ignore=lambda folder, names: NOT_SOURCE & set(names) if folder == str(REPO) else ())
+    shutil.copytree(
+        REPO, source, symlinks=True, ignore=lambda folder, names: NOT_SOURCE & set(names) if folder == str(REPO) else ()
+    )
     assert (source / "src" / "keel" / "callbacks").is_symlink()
 
 
@@ -49,24 +50,38 @@ def test_wheel_builds_without_warnings_and_runs_from_a_fresh_venv(tmp_path):
     source, dist = tmp_path / "source", tmp_path / "dist"
     copy_source(source)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}  # else distutils
-    log = run(sys.executable, "-m", "build", "--outdir", dist, source, env=env)          # warns it cannot compile
+    log = run(sys.executable, "-m", "build", "--outdir", dist, source, env=env)  # warns it cannot compile
     assert [line for line in log.splitlines() if "warning" in line.lower()] == []
     [wheel], [sdist] = dist.glob("*.whl"), dist.glob("*.tar.gz")
     names = zipfile.ZipFile(wheel).namelist()
     modules = {f"keel/callbacks/{p.relative_to(REPO / 'callbacks')}" for p in REPO.glob("callbacks/**/*.py")}
     assert {"keel/callbacks/stability.py", "keel/callbacks/options/stability.py"} <= modules <= set(names)
     yamls = {name for name in names if name.endswith(".yaml")}
-    assert {"keel/conf/config.yaml", "keel/conf/model/tiny.yaml", "keel/conf/eval/standard.yaml",
-            "keel/evaluation/tasks/standard/keel_arc_easy.yaml",
-            "keel/evaluation/tasks/generated/keel_next_line.yaml"} <= yamls
+    assert {
+        "keel/conf/config.yaml",
+        "keel/conf/model/tiny.yaml",
+        "keel/conf/eval/standard.yaml",
+        "keel/evaluation/tasks/standard/keel_arc_easy.yaml",
+        "keel/evaluation/tasks/generated/keel_next_line.yaml",
+    } <= yamls
     assert len(yamls) == len(list(REPO.glob("conf/**/*.yaml")) + list(REPO.glob("src/keel/evaluation/tasks/**/*.yaml")))
     with tarfile.open(sdist) as archive:
         assert len([name for name in archive.getnames() if name.endswith(".yaml")]) == len(yamls)
 
     venv = tmp_path / "venv"  # with keel from the wheel only
     site_packages = fresh_venv(venv)
-    run(sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "--no-index",
-        "--quiet", wheel)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        venv / "bin" / "python",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--quiet",
+        wheel,
+    )
     here = {"cwd": tmp_path, "env": {**env, "OMP_NUM_THREADS": "1"}}
     location = run(venv / "bin" / "python", "-c", "import keel; print(keel.__file__)", **here)
     assert Path(location.strip()).is_relative_to(site_packages)
@@ -85,11 +100,29 @@ def test_an_editable_install_is_a_plain_src_layout(tmp_path):
     copy_source(source)
     fresh_venv(venv)
     env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
-    log = run(sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "--verbose",
-              "--editable", source, env=env)
+    log = run(
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        venv / "bin" / "python",
+        "install",
+        "--no-deps",
+        "--verbose",
+        "--editable",
+        source,
+        env=env,
+    )
     assert "Editable installation" not in log
     assert [line for line in log.splitlines() if "warning" in line.lower()] == []
-    found = run(venv / "bin" / "python", "-c", "import keel.callbacks.options.stability as s, keel.config as c; "
-                "print(s.__file__); print(c.conf_dir())", cwd=tmp_path, env=env)
-    assert found.split() == [str(source / "src" / "keel" / "callbacks" / "options" / "stability.py"),
-                             str(source / "src" / "keel" / "conf")]
+    found = run(
+        venv / "bin" / "python",
+        "-c",
+        "import keel.callbacks.options.stability as s, keel.config as c; print(s.__file__); print(c.conf_dir())",
+        cwd=tmp_path,
+        env=env,
+    )
+    assert found.split() == [
+        str(source / "src" / "keel" / "callbacks" / "options" / "stability.py"),
+        str(source / "src" / "keel" / "conf"),
+    ]

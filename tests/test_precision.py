@@ -12,7 +12,6 @@ from keel.model import KeelLM, RMSNorm
 from keel.ops.rms_norm import RMSNormFunction
 from keeltest.model import capture, tiny
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -1,6 +1,7 @@
 """Preemption and time limits (docs/distributed.md): SIGTERM and SIGUSR1 stop a run with a checkpoint on every rank
-(saved in the background too, waited for before the requeue) and it resumes exactly, a SLURM job is requeued, a requeued job takes over its own stale run-dir lock, and one
-checkpoint event writes the state once (last.ckpt links the step-numbered checkpoint)."""
+(saved in the background too, waited for before the requeue) and it resumes exactly, a SLURM job is requeued, a requeued
+job takes over its own stale run-dir lock, and one checkpoint event writes the state once (last.ckpt links the
+step-numbered checkpoint)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.rundir import RunDirLock
 from keel.training import train
-
 from keeltest import QUIET_TRAINER, REPO, TINY_MODEL
 from keeltest.distributed import RUN
 from keeltest.runs import CrashAtStep, scalars, tiny_config
 
-STEPS = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
-         "trainer.val_batches=2"]
+STEPS = [
+    "trainer.max_steps=8",
+    "trainer.checkpoint_every_n_steps=4",
+    "trainer.val_every_n_steps=4",
+    "trainer.val_batches=2",
+]
 
 # `keel pretrain ARGS` whose steps take at least 0.3 s and leave a mark as they start, so that a test can signal it
 # mid-run; KEEL_TEST_SIGNAL=NAME:RANK:STEP makes that rank signal itself as that step starts instead.
@@ -66,8 +70,13 @@ def launch(tmp_path: Path, argv: list[str], **env: str) -> subprocess.Popen:
     script.write_text(LAUNCH)
     marks.mkdir(exist_ok=True)
     environment = {**os.environ, "KEEL_TEST_MARKS": str(marks), **env}
-    return subprocess.Popen([sys.executable, str(script), "pretrain", *argv], env=environment, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(script), "pretrain", *argv],
+        env=environment,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def fake_scontrol(tmp_path: Path) -> tuple[str, Path]:
@@ -121,16 +130,20 @@ def test_requeue_says_what_to_do_without_scontrol_or_when_it_fails(tmp_path, mon
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
     requeue_slurm_job()
-    assert capsys.readouterr().err == ("keel pretrain: SLURM job 77: no scontrol on PATH to requeue it; run "
-                                       "`scontrol requeue 77` where there is one (or submit the same sbatch script "
-                                       "again)\n")
+    assert capsys.readouterr().err == (
+        "keel pretrain: SLURM job 77: no scontrol on PATH to requeue it; run "
+        "`scontrol requeue 77` where there is one (or submit the same sbatch script "
+        "again)\n"
+    )
     (tmp_path / "scontrol").write_text("#!/bin/sh\necho 'Requested operation not supported on this job' >&2\nexit 1\n")
     (tmp_path / "scontrol").chmod(0o755)
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
     requeue_slurm_job()
-    assert capsys.readouterr().err.startswith("keel pretrain: scontrol requeue 70_7 failed (Requested operation not "
-                                              "supported on this job): submit the job with sbatch --requeue")
+    assert capsys.readouterr().err.startswith(
+        "keel pretrain: scontrol requeue 70_7 failed (Requested operation not "
+        "supported on this job): submit the job with sbatch --requeue"
+    )
     monkeypatch.delenv("SLURM_JOB_ID")
     requeue_slurm_job()  # not a SLURM job: nothing to requeue
     assert capsys.readouterr().err == ""
@@ -142,8 +155,9 @@ def test_requeue_says_what_to_do_without_scontrol_or_when_it_fails(tmp_path, mon
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])  # trainer.async_checkpoint
-def test_sigusr1_on_one_fsdp_rank_saves_a_sharded_checkpoint_requeues_once_and_resumes_exactly(tiny_data, tmp_path,
-                                                                                               background):
+def test_sigusr1_on_one_fsdp_rank_saves_a_sharded_checkpoint_requeues_once_and_resumes_exactly(
+    tiny_data, tmp_path, background
+):
     argv = ["trainer=fsdp", *RUN, *tiny_data, f"trainer.async_checkpoint={str(background).lower()}"]
     path, calls = fake_scontrol(tmp_path)
     slurm = {"SLURM_JOB_ID": "4242", "PATH": path}
@@ -192,13 +206,18 @@ def count_writes(monkeypatch) -> tuple[list[str], list[int]]:
 def test_a_checkpoint_event_writes_the_state_once(tiny_data, tmp_path, monkeypatch, capsys, keep_last_k, hard_links):
     writes, checks = count_writes(monkeypatch)
     if not hard_links:  # a filesystem without them: last.ckpt is written in full, and that is said once
+
         def no_hard_links(*args):
             raise OSError(errno.EPERM, os.strerror(errno.EPERM))
 
         monkeypatch.setattr(os, "link", no_hard_links)
     run = tmp_path / "run"
-    every = ["trainer.max_steps=6", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=6",
-             "trainer.val_batches=1"]
+    every = [
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every_n_steps=2",
+        "trainer.val_every_n_steps=6",
+        "trainer.val_batches=1",
+    ]
     train(tiny_config(tiny_data, run, *every, f"trainer.keep_last_k={keep_last_k}"))
     assert checks == [2, 4, 6]  # one finiteness check per event
     checkpoints = run / "checkpoints"
@@ -282,9 +301,11 @@ def test_a_requeued_job_takes_over_its_previous_runs_lock(tmp_path, monkeypatch,
         assert json.loads((run / LOCK).read_text())["slurm_job"] == "4242"
         assert json.loads((run / LOCK).read_text())["host"] == socket.gethostname()
     err = capsys.readouterr().err
-    assert (f"keel pretrain: run.dir={run}: a previous process (pid 123 on gpu07) "
-            f"{'' if flock_error.errno == errno.ENOLCK else 'still holds its lock, but '}it is SLURM job 4242's "
-            "previous run (requeued here); taken over") in err
+    assert (
+        f"keel pretrain: run.dir={run}: a previous process (pid 123 on gpu07) "
+        f"{'' if flock_error.errno == errno.ENOLCK else 'still holds its lock, but '}it is SLURM job 4242's "
+        "previous run (requeued here); taken over"
+    ) in err
     assert ("does not support flock" in err) == (flock_error.errno == errno.ENOLCK)
     assert (run / LOCK).read_text() == ""  # released
 
@@ -312,8 +333,8 @@ def test_the_sbatch_example_warns_requeues_and_resumes_the_paper_recipe():
     script = SBATCH.read_text()
     options = [line.split(maxsplit=1)[1] for line in script.splitlines() if line.startswith("#SBATCH")]
     assert "--signal=B:USR1@300" in options and "--requeue" in options
-    command = script[script.index("\nsrun ") + 1:].split("&\n")[0].replace("\\\n", " ").split()
-    overrides = command[command.index("pretrain") + 1:]
+    command = script[script.index("\nsrun ") + 1 :].split("&\n")[0].replace("\\\n", " ").split()
+    overrides = command[command.index("pretrain") + 1 :]
     assert "resume=auto" in overrides
     cfg = load_config(overrides=[*overrides, "trainer.accelerator=gpu"])
     assert (cfg.trainer.strategy, cfg.trainer.devices, cfg.trainer.num_nodes) == ("fsdp", 8, 2)

@@ -23,10 +23,11 @@ def test_cli_config_errors_name_the_key(capsys):
     assert cli_main(["pretrain", "--print-config", "model.dept=4"]) == 2
     assert "model.dept: unknown config key; did you mean model.depth" in capsys.readouterr().err
     # a value of the wrong type: the type the key takes in Keel's words (not OmegaConf's), null where allowed
-    for override, said in (("model.depth=two", "model.depth: 'two' is not a whole number (e.g. model.depth=16)"),
-                           ("trainer.gpu_memory_gib=abc", "trainer.gpu_memory_gib: 'abc' is not a number or null"),
-                           ("run.overwrite=maybe", "run.overwrite: 'maybe' is not true or false (e.g. "
-                                                   "run.overwrite=false)")):
+    for override, said in (
+        ("model.depth=two", "model.depth: 'two' is not a whole number (e.g. model.depth=16)"),
+        ("trainer.gpu_memory_gib=abc", "trainer.gpu_memory_gib: 'abc' is not a number or null"),
+        ("run.overwrite=maybe", "run.overwrite: 'maybe' is not true or false (e.g. run.overwrite=false)"),
+    ):
         assert cli_main(["pretrain", "--print-config", override]) == 2
         assert capsys.readouterr().err == f"keel pretrain: config error: {said}\n"
     assert cli_main(["pretrain", "--print-config", "trainer=nope"]) == 2
@@ -43,13 +44,19 @@ print(code, sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'lig
 """
 
 
-@pytest.mark.parametrize(("args", "error"), [
-    (["model.depth=-1"], "model.depth: must be >= 1, got -1"),
-    (["model.sheme=keel"], "model.sheme: unknown config key; did you mean model.scheme"),
-    (["optim.lr=abc"], "optim.lr: 'abc' is not a number (e.g. optim.lr=0.003)"),
-    (["trainer=fsdp", "optim.lr=-1"], "optim.lr: must be > 0, got -1.0"),  # compile: auto is resolved after the check
-    (["--print-config", "model.depth=3"], None),
-])
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["model.depth=-1"], "model.depth: must be >= 1, got -1"),
+        (["model.sheme=keel"], "model.sheme: unknown config key; did you mean model.scheme"),
+        (["optim.lr=abc"], "optim.lr: 'abc' is not a number (e.g. optim.lr=0.003)"),
+        (
+            ["trainer=fsdp", "optim.lr=-1"],
+            "optim.lr: must be > 0, got -1.0",
+        ),  # compile: auto is resolved after the check
+        (["--print-config", "model.depth=3"], None),
+    ],
+)
 def test_the_config_is_checked_before_torch_and_lightning_load(args, error):
     """A config error costs no torch and Lightning start-up (~8 s and ~950 MB of RSS on the loaded 2-core dev
     machine, against ~0.3 s and ~23 MB without): keel pretrain composes and checks the config, and prints it, with
@@ -67,6 +74,7 @@ def test_fp16_with_clipping_is_refused_at_load_time(capsys):
     err = capsys.readouterr().err
     assert "trainer.precision: 16-mixed" in err and "bf16-mixed" in err and "optim.grad_clip=0" in err
     assert cli_main(["pretrain", "--print-config", "trainer.precision=16-mixed", "optim.grad_clip=0"]) == 0
+
 
 def test_a_run_ends_with_a_validation_of_its_final_model(tiny_data, tmp_path):
     """max_steps not a multiple of val_every_n_steps: validated at step 5 and at the last, step 7; the last
@@ -92,8 +100,14 @@ def test_a_checkpoint_of_a_validated_step_holds_that_steps_held_out_loss(tiny_da
 
 def test_training_logs_scalars_and_learns(tiny_data, tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_config(tiny_data, run, "trainer.max_steps=60", "trainer.val_every_n_steps=30", "trainer.val_batches=4",
-                      "optim.warmup_steps=5")
+    cfg = tiny_config(
+        tiny_data,
+        run,
+        "trainer.max_steps=60",
+        "trainer.val_every_n_steps=30",
+        "trainer.val_batches=4",
+        "optim.warmup_steps=5",
+    )
     train(cfg)
     losses = scalars(run, "train/loss")
     assert sorted(losses) == list(range(60))
@@ -110,8 +124,12 @@ def test_training_logs_scalars_and_learns(tiny_data, tmp_path):
 
 
 def test_resume_after_crash_continues_exactly(tiny_data, tmp_path):
-    steps = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
-             "trainer.val_batches=2"]
+    steps = [
+        "trainer.max_steps=8",
+        "trainer.checkpoint_every_n_steps=4",
+        "trainer.val_every_n_steps=4",
+        "trainer.val_batches=2",
+    ]
     straight = tmp_path / "straight"
     train(tiny_config(tiny_data, straight, *steps))
 
@@ -140,8 +158,11 @@ def test_resume_refuses_other_model_batch_layout_and_corrupt_checkpoint(tiny_dat
     train(tiny_config(tiny_data, run, "trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.val_batches=1"))
     with pytest.raises(ConfigError, match=r"model.depth: checkpoint 2 != config 3"):
         train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto", "model.depth=3"))
-    with pytest.raises(ConfigError, match=r"1 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 4 sequences per "
-                       r"step; this config has 1 process\(es\) x 4 sequences x 2 micro-batch\(es\) = 8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"1 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 4 sequences per "
+        r"step; this config has 1 process\(es\) x 4 sequences x 2 micro-batch\(es\) = 8",
+    ):
         train(tiny_config(tiny_data, run, "trainer.max_steps=4", "resume=auto", "trainer.grad_accum=2"))
     (run / "checkpoints" / LAST).write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="is not a torch.save zip file"):
@@ -175,8 +196,17 @@ def test_the_default_cpu_trainer_compiles_and_trains_as_eager_does(tiny_data, tm
     losses = {}
     for compiled in (False, True):
         run = tmp_path / f"compile-{compiled}"
-        train(tiny_config(tiny_data, run, f"trainer.compile={str(compiled).lower()}", "trainer.max_steps=4",
-                          "trainer.val_every_n_steps=4", "trainer.val_batches=2", "optim.warmup_steps=2"))
+        train(
+            tiny_config(
+                tiny_data,
+                run,
+                f"trainer.compile={str(compiled).lower()}",
+                "trainer.max_steps=4",
+                "trainer.val_every_n_steps=4",
+                "trainer.val_batches=2",
+                "optim.warmup_steps=2",
+            )
+        )
         losses[compiled] = [scalars(run, "train/loss")[step] for step in range(4)] + [scalars(run, "val/loss")[3]]
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
     model, _, _ = load_model(tmp_path / "compile-True" / "checkpoints" / LAST)

@@ -21,13 +21,18 @@ def test_the_cpu_recipe_is_the_default_and_the_dataclasses_defaults():
 
 
 def test_the_paper_recipe_trains_the_paper_s_token_budget_on_8_gpus():
-    cfg = load_config(overrides=["recipe=paper", "model=paper_d64", "trainer=fsdp", "trainer.devices=8",
-                                 "trainer.accelerator=gpu"])
+    cfg = load_config(
+        overrides=["recipe=paper", "model=paper_d64", "trainer=fsdp", "trainer.devices=8", "trainer.accelerator=gpu"]
+    )
     t = cfg.trainer
     assert t.global_batch == 256 and t.global_batch * cfg.model.seq_len == 524_288
     assert abs(t.max_steps * t.global_batch * cfg.model.seq_len - PAPER_TOKENS) < t.global_batch * cfg.model.seq_len
-    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio) == (1.5e-3, 5000,
-                                                                                                   "cosine", 0.1)
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio) == (
+        1.5e-3,
+        5000,
+        "cosine",
+        0.1,
+    )
     assert cfg.optim.lr < 4.67e-3  # below the paper's max tolerable LR for Pre-LN at 512 layers (docs/paper.md)
     assert (t.val_every_n_steps, t.checkpoint_every_n_steps, cfg.eval.every_n_steps) == (1000, 1000, 1000)
     assert t.activation_checkpointing == "auto" and t.strategy == "fsdp"  # the trainer group's keys are kept
@@ -37,26 +42,47 @@ def test_the_paper_recipe_trains_the_paper_s_token_budget_on_8_gpus():
 
 @pytest.mark.parametrize("devices, nodes, accumulation", [(8, 1, 4), (8, 2, 2), (8, 4, 1), (1, 1, 32), (4, 1, 8)])
 def test_the_paper_recipe_keeps_its_global_batch_on_any_number_of_gpus(devices, nodes, accumulation):
-    cfg = load_config(overrides=["recipe=paper", "model=paper_d64", "trainer=fsdp", f"trainer.devices={devices}",
-                                 f"trainer.num_nodes={nodes}", "trainer.accelerator=gpu"])
+    cfg = load_config(
+        overrides=[
+            "recipe=paper",
+            "model=paper_d64",
+            "trainer=fsdp",
+            f"trainer.devices={devices}",
+            f"trainer.num_nodes={nodes}",
+            "trainer.accelerator=gpu",
+        ]
+    )
     assert (cfg.trainer.grad_accum, cfg.trainer.global_batch) == (accumulation, 256)
     assert cfg.device_tokens_per_step * devices * nodes == 524_288  # the tokens per step the budget is counted in
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.devices=3"], "trainer.global_batch_size=256: not a multiple of 3 device(s) x 1 node(s) x "
-                            "trainer.micro_batch_size 8 = 24 sequences per micro-batch; no micro-batch size divides it "
-                            "on 3 processes: change the device count, or set trainer.global_batch_size=null and "
-                            "trainer.grad_accum by hand"),
-    (["trainer.devices=8", "trainer.micro_batch_size=3"],
-     "trainer.global_batch_size=256: not a multiple of 8 device(s) x 1 node(s) x trainer.micro_batch_size 3 = 24 "
-     "sequences per micro-batch; trainer.micro_batch_size=2 divides it"),
-    (["trainer.devices=8", "trainer.grad_accum=2"],
-     "trainer.grad_accum: 2 disagrees with trainer.global_batch_size=256 / (8 device(s) x 1 node(s) x "
-     "trainer.micro_batch_size 8 = 64 sequences per micro-batch) = 4; leave trainer.grad_accum unset (it is derived), "
-     "or set trainer.global_batch_size=null"),
-    (["trainer.global_batch_size=0"], "trainer.global_batch_size: must be >= 1 sequences per optimizer step, or null"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.devices=3"],
+            "trainer.global_batch_size=256: not a multiple of 3 device(s) x 1 node(s) x "
+            "trainer.micro_batch_size 8 = 24 sequences per micro-batch; no micro-batch size divides it "
+            "on 3 processes: change the device count, or set trainer.global_batch_size=null and "
+            "trainer.grad_accum by hand",
+        ),
+        (
+            ["trainer.devices=8", "trainer.micro_batch_size=3"],
+            "trainer.global_batch_size=256: not a multiple of 8 device(s) x 1 node(s) x trainer.micro_batch_size 3 = "
+            "24 sequences per micro-batch; trainer.micro_batch_size=2 divides it",
+        ),
+        (
+            ["trainer.devices=8", "trainer.grad_accum=2"],
+            "trainer.grad_accum: 2 disagrees with trainer.global_batch_size=256 / (8 device(s) x 1 node(s) x "
+            "trainer.micro_batch_size 8 = 64 sequences per micro-batch) = 4; leave trainer.grad_accum unset "
+            "(it is derived), or set trainer.global_batch_size=null",
+        ),
+        (
+            ["trainer.global_batch_size=0"],
+            "trainer.global_batch_size: must be >= 1 sequences per optimizer step, or null",
+        ),
+    ],
+)
 def test_a_global_batch_the_layout_cannot_reach_is_refused_with_the_arithmetic(overrides, message):
     with pytest.raises(ConfigError) as refused:
         load_config(overrides=["recipe=paper", "trainer=fsdp", "trainer.accelerator=gpu", *overrides])

@@ -8,11 +8,10 @@ import glob
 
 import pytest
 import torch
-
-from keel.model import KeelLM
-from keel.config import ModelConfig
-
 from reference_lm import ReferenceLM, train, windows
+
+from keel.config import ModelConfig
+from keel.model import KeelLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = dict(vocab_size=512, depth=4, width=64, n_heads=4, seq_len=64)
@@ -22,8 +21,9 @@ def pair(scheme: str, seed: int = 0) -> tuple[KeelLM, ReferenceLM]:
     torch.manual_seed(seed)
     ours = KeelLM(ModelConfig(scheme=scheme, **SHAPE))
     torch.manual_seed(seed)
-    reference = ReferenceLM(scheme, SHAPE["vocab_size"], SHAPE["depth"], SHAPE["width"], SHAPE["n_heads"],
-                            SHAPE["seq_len"])
+    reference = ReferenceLM(
+        scheme, SHAPE["vocab_size"], SHAPE["depth"], SHAPE["width"], SHAPE["n_heads"], SHAPE["seq_len"]
+    )
     return ours, reference
 
 
@@ -75,8 +75,9 @@ def test_from_their_own_inits_both_learn_alike(tiny_data):
     generator = torch.Generator().manual_seed(0)
     batches, held_out = windows(tokens[:cut], 150, 8, 64, generator), windows(tokens[cut:], 16, 8, 64, generator)
     for scheme in ("preln", "keel"):
-        losses = torch.tensor([[train(model, batches, held_out, 3e-3, 20) for model in pair(scheme, seed)]
-                               for seed in (1, 2, 3, 4)])  # (seed, [KeelLM, reference])
+        losses = torch.tensor(
+            [[train(model, batches, held_out, 3e-3, 20) for model in pair(scheme, seed)] for seed in (1, 2, 3, 4)]
+        )  # (seed, [KeelLM, reference])
         print(f"{scheme}: held-out loss by seed, [KeelLM, reference]: {losses.tolist()}")
         assert (losses < 5.5).all()  # both learn: far below the uniform log(512) = 6.24
         assert abs(losses[:, 0].mean() - losses[:, 1].mean()) < 0.05, (scheme, losses.tolist())

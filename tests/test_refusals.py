@@ -25,7 +25,6 @@ from keel.data.spooling import SPOOL
 from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.training import train
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
 
 
@@ -49,8 +48,17 @@ def refused(capsys, argv: list[str]) -> str:
 def config(tiny_data, run: Path, *overrides: str):
     from keel.config import load_config
 
-    return load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *tiny_data, "eval.enabled=false",
-                                  "trainer.max_steps=2", f"run.dir={run}", *overrides])
+    return load_config(
+        overrides=[
+            *TINY_MODEL,
+            *QUIET_TRAINER,
+            *tiny_data,
+            "eval.enabled=false",
+            "trainer.max_steps=2",
+            f"run.dir={run}",
+            *overrides,
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------- checkpoints (item 3)
@@ -88,14 +96,30 @@ def test_a_file_that_is_no_torch_zip_is_refused_in_keels_words_by_every_reader(t
     torch.save({"keel": {}, "state_dict": {}}, legacy, _use_new_zipfile_serialization=False)
     before = tree(tmp_path)
     for path in (bare, legacy):
-        said = (f"checkpoint: {path} is not a torch.save zip file (a bare pickle, an old torch format, or corrupt); "
-                "use a checkpoint a keel run wrote")
+        said = (
+            f"checkpoint: {path} is not a torch.save zip file (a bare pickle, an old torch format, or corrupt); "
+            "use a checkpoint a keel run wrote"
+        )
         for command, argv in READERS.items():
             assert refused(capsys, argv(path, out)) == f"keel {command}: config error: {said}"
         if path == bare:  # keel eval, where it was seen (lm-eval's start-up takes ~15 s: once)
-            assert refused(capsys, ["eval", "--model_args", f"checkpoint={path}", "--tasks", "keel_next_line",
-                                    "--device", "cpu", "--output_path", str(out / "eval")]) == \
-                f"keel eval: config error: {said}"
+            assert (
+                refused(
+                    capsys,
+                    [
+                        "eval",
+                        "--model_args",
+                        f"checkpoint={path}",
+                        "--tasks",
+                        "keel_next_line",
+                        "--device",
+                        "cpu",
+                        "--output_path",
+                        str(out / "eval"),
+                    ],
+                )
+                == f"keel eval: config error: {said}"
+            )
         for overrides in ([f"init_from={path}"], [f"resume={path}"]):
             with pytest.raises(ConfigError) as err:
                 train(config(tiny_data, tmp_path / "run", *overrides))
@@ -105,8 +129,10 @@ def test_a_file_that_is_no_torch_zip_is_refused_in_keels_words_by_every_reader(t
     capsys.readouterr()
     with pytest.raises(ConfigError) as err:
         train(config(tiny_data, tmp_path / "run", f"resume={protocol_4_zip(files / 'protocol4.ckpt')}"))
-    assert str(err.value) == (f"checkpoint: {files / 'protocol4.ckpt'} cannot be read (corrupt or truncated?): "
-                              "torch.load(weights_only=True) refused it (Unsupported operand 149)")
+    assert str(err.value) == (
+        f"checkpoint: {files / 'protocol4.ckpt'} cannot be read (corrupt or truncated?): "
+        "torch.load(weights_only=True) refused it (Unsupported operand 149)"
+    )
     assert capsys.readouterr().err == ""  # nor torch's warning asking to report the pickle protocol
 
 
@@ -115,8 +141,10 @@ def test_an_empty_checkpoint_is_refused_with_advice_that_fits_the_command(tmp_pa
     empty = tmp_path / "empty.ckpt"
     empty.touch()
     for argv in (["generate", str(empty)], ["export", str(empty), "--out", str(tmp_path / "hf")]):
-        assert refused(capsys, argv) == (f"keel {argv[0]}: config error: checkpoint: {empty} is empty (0 bytes: an "
-                                         "interrupted copy or save?); use another checkpoint")
+        assert refused(capsys, argv) == (
+            f"keel {argv[0]}: config error: checkpoint: {empty} is empty (0 bytes: an "
+            "interrupted copy or save?); use another checkpoint"
+        )
     assert [path.name for path in tmp_path.iterdir()] == ["empty.ckpt"]
 
 
@@ -130,8 +158,10 @@ def test_an_exports_invalid_config_is_refused_naming_its_config_json(tiny_run, t
     settings["keel"]["model"]["width"] = -32
     (export / "config.json").write_text(json.dumps(settings))
     before = tree(tmp_path)
-    said = (f"checkpoint: {export / 'config.json'} holds an invalid keel config (model.width: must be >= 1, got -32); "
-            "it was edited: export the checkpoint it came from again")
+    said = (
+        f"checkpoint: {export / 'config.json'} holds an invalid keel config (model.width: must be >= 1, got -32); "
+        "it was edited: export the checkpoint it came from again"
+    )
     assert refused(capsys, ["generate", str(export)]) == f"keel generate: config error: {said}"
     with pytest.raises(ConfigError) as err:
         train(config(tiny_data, tmp_path / "run", f"init_from={export}"))  # TINY_MODEL: model.width=32
@@ -146,15 +176,21 @@ def test_bad_comma_separated_option_values_are_one_line_naming_the_option_and_th
     """`keel bench --members -1,abc` answered with argparse's usage and "invalid <lambda> value"."""
     for argv, said in [
         (["bench", "--members=-1,abc"], "argument --members: 'abc' in '-1,abc' is not an integer"),
-        (["bench", "--members", "-1,abc"], "argument --members: expected one argument (a value that starts with '-' "
-                                           "goes after '=': --members=VALUE)"),
+        (
+            ["bench", "--members", "-1,abc"],
+            "argument --members: expected one argument (a value that starts with '-' goes after '=': --members=VALUE)",
+        ),
         (["bench", "--members=-1"], "--members needs at least one value, each >= 1; got -1"),
         (["bench", "--threads=0,2"], "--threads needs at least one value, each >= 1; got 0,2"),
-        (["bench", "--loss-chunk=16,-1"],
-         "--loss-chunk needs at least one value, each >= 0 (0 = plain head); got 16,-1"),
+        (
+            ["bench", "--loss-chunk=16,-1"],
+            "--loss-chunk needs at least one value, each >= 0 (0 = plain head); got 16,-1",
+        ),
         (["bench", "--compile=of"], "argument --compile: expected on or off, got 'of'"),
-        (["sweep", "--depths=4,x", "--out", str(tmp_path / "sweep"), "--emit", "commands"],
-         "argument --depths: 'x' in '4,x' is not an integer"),
+        (
+            ["sweep", "--depths=4,x", "--out", str(tmp_path / "sweep"), "--emit", "commands"],
+            "argument --depths: 'x' in '4,x' is not an integer",
+        ),
     ]:
         help_ = f"`keel {argv[0]} --help` lists the options"
         assert refused(capsys, argv) == f"keel {argv[0]}: config error: {said}; {help_}"
@@ -165,10 +201,14 @@ def test_a_missing_config_file_is_named_not_read_as_yaml(tmp_path, capsys):
     """`--config FILE` of no file was worded "cannot parse YAML: [Errno 2] ..."."""
     missing = tmp_path / "missing.yaml"
     for command in ("pretrain", "data"):
-        assert refused(capsys, [command, "--config", str(missing)]) == \
-            f"keel {command}: config error: config: {missing} does not exist: give a YAML file"
-    assert refused(capsys, ["pretrain", "--config", str(tmp_path)]) == \
-        f"keel pretrain: config error: config: {tmp_path} is a directory, not a YAML file"
+        assert (
+            refused(capsys, [command, "--config", str(missing)])
+            == f"keel {command}: config error: config: {missing} does not exist: give a YAML file"
+        )
+    assert (
+        refused(capsys, ["pretrain", "--config", str(tmp_path)])
+        == f"keel pretrain: config error: config: {tmp_path} is a directory, not a YAML file"
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -181,8 +221,10 @@ def test_a_refused_start_removes_the_run_dir_it_made_and_keeps_one_that_was_ther
     another_model = f"init_from={tiny_run / 'checkpoints' / LAST}", "model.width=64"
     too_many_ranks = "trainer.devices=2", "trainer.val_batches=1000"
     made = tmp_path / "new" / "runs" / "run"  # and its parents
-    for overrides, said in ((another_model, "init_from: the checkpoint holds a different model"),
-                            (too_many_ranks, "trainer.val_batches=1000: ")):
+    for overrides, said in (
+        (another_model, "init_from: the checkpoint holds a different model"),
+        (too_many_ranks, "trainer.val_batches=1000: "),
+    ):
         with pytest.raises(ConfigError, match=said):
             train(config(tiny_data, made, *overrides))
         assert not any(tmp_path.iterdir())
@@ -222,8 +264,13 @@ def test_keel_data_removes_the_spools_of_killed_builds_only(tiny_data, tmp_path,
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     overrides = [item for item in tiny_data if not item.startswith("data.dir=")] + [f"data.dir={tmp_path / 'data'}"]
-    build = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_BUILDING, *overrides], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    build = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WHILE_BUILDING, *overrides],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
     try:
         assert "spooled" in (line.strip() for line in build.stdout)  # (its earlier lines say what it reads)
     finally:
@@ -237,8 +284,9 @@ def test_keel_data_removes_the_spools_of_killed_builds_only(tiny_data, tmp_path,
         spool.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(tmp))
     assert data_main([*overrides, "--force"]) == 0
-    assert f"keel data: removed the spool(s) of keel data processes no longer running: {left}\n" in \
-        capsys.readouterr().out
+    assert (
+        f"keel data: removed the spool(s) of keel data processes no longer running: {left}\n" in capsys.readouterr().out
+    )
     assert sorted(tmp.iterdir()) == sorted([running, unknown])  # and the rerun's own spool removed when done
 
 
@@ -250,5 +298,6 @@ def test_a_paper_report_of_a_directory_without_runs_is_refused_writing_nothing(t
     before = tree(tmp_path)
     assert refused(capsys, ["paper-report", str(paper)]) == (
         f"keel paper-report: config error: paper-report: no grid has run under {paper} (no run directory "
-        f"{paper}/GRID/RUN); run them first (make paper PAPER_OUT={paper}); nothing was written")
+        f"{paper}/GRID/RUN); run them first (make paper PAPER_OUT={paper}); nothing was written"
+    )
     assert tree(tmp_path) == before

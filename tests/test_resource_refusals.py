@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
+from keel import training
 from keel.cli import main as cli_main
 from keel.config import load_config
-from keel import training
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
 
 
@@ -30,19 +27,33 @@ def test_gradflow_counts_each_blocks_fixed_cost_at_tiny_width(monkeypatch, capsy
     such blocks need ~12 GiB, which an estimate of parameters and activations alone put at ~1.4 GiB; plus the
     process itself, 1 GiB."""
     monkeypatch.setattr("keel.memory.available_bytes", lambda: 8 * 2**30)
-    assert cli_main(["gradflow", "--depth", "100000", "--width", "8", "--heads", "2", "--seq-len", "8",
-                     "--batch", "1"]) == 2
+    assert (
+        cli_main(["gradflow", "--depth", "100000", "--width", "8", "--heads", "2", "--seq-len", "8", "--batch", "1"])
+        == 2
+    )
     assert "needs about 13.0 GiB" in capsys.readouterr().err
 
 
-def test_a_cpu_run_too_big_for_the_machine_is_refused_before_anything_is_allocated(tiny_data, tmp_path, monkeypatch,
-                                                                                      capsys):
+def test_a_cpu_run_too_big_for_the_machine_is_refused_before_anything_is_allocated(
+    tiny_data, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr("keel.memory.available_bytes", lambda: 2**30)  # less than a training process's own 1 GiB
-    argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, "trainer.max_steps=2",
-            "trainer.compile=false", f"run.dir={tmp_path / 'run'}"]
+    argv = [
+        "pretrain",
+        *TINY_MODEL,
+        *QUIET_TRAINER,
+        "eval.enabled=false",
+        *tiny_data,
+        "trainer.max_steps=2",
+        "trainer.compile=false",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
-    assert "model.depth=2, model.width=32, trainer.micro_batch_size=4 x model.seq_len=32 in 1 process(es) needs about" in err
+    assert (
+        "model.depth=2, model.width=32, trainer.micro_batch_size=4 x model.seq_len=32 in 1 process(es) needs about"
+        in err
+    )
     assert "more than the 1.0 GiB available here" in err and "trainer.check_memory=false" in err
     assert not (tmp_path / "run").exists()  # refused before the run dir was made
     assert cli_main([*argv, "trainer.check_memory=false"]) == 0
@@ -65,8 +76,19 @@ def test_compile_on_cpu_without_a_cpp_compiler_is_refused_before_training(tiny_d
     with inductor_config.patch({"cpp.cxx": ("keel-test-no-such-cxx",)}):  # torch's own way (a monkeypatch hides it)
         # The tiny model: with the default one's long sequences some draws of tiny_data hold fewer validation
         # sequences than the default trainer.val_batches asks for, and that refusal (check_splits_fit) came first.
-        assert cli_main(["pretrain", *TINY_MODEL, *tiny_data, "trainer.val_batches=2", "trainer.compile=true",
-                         f"run.dir={tmp_path / 'run'}"]) == 2
+        assert (
+            cli_main(
+                [
+                    "pretrain",
+                    *TINY_MODEL,
+                    *tiny_data,
+                    "trainer.val_batches=2",
+                    "trainer.compile=true",
+                    f"run.dir={tmp_path / 'run'}",
+                ]
+            )
+            == 2
+        )
     err = capsys.readouterr().err
     assert "trainer.compile=true" in err and "keel-test-no-such-cxx" in err and "trainer.compile=false" in err
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -31,11 +31,21 @@ from keeltest.runs import NO_EXTRAS, events, scalars, tiny_config
 POISONED = (20, 21, 22)  # global batches of the data stream (the clean run trains on batch i at step i)
 REWOUND_TO = 15  # the newest checkpoint (every 5 steps) at least rewind_steps_before_onset=5 before the onset
 LR_BUMP = 300.0
-RUN = ["trainer.max_steps=40", "trainer.checkpoint_every_n_steps=5", "trainer.keep_last_k=3",
-       "trainer.val_every_n_steps=40", "trainer.val_batches=4", "optim.lr=3e-3", "optim.warmup_steps=5",
-       "callbacks.stability.spike_patience=3", "callbacks.stability.rewind_steps_before_onset=5",
-       "callbacks.stability.rewind_skip_steps=2", "callbacks.grad_norms.enabled=false",
-       "callbacks.layer_importance.enabled=false", "callbacks.throughput.enabled=false"]
+RUN = [
+    "trainer.max_steps=40",
+    "trainer.checkpoint_every_n_steps=5",
+    "trainer.keep_last_k=3",
+    "trainer.val_every_n_steps=40",
+    "trainer.val_batches=4",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=5",
+    "callbacks.stability.spike_patience=3",
+    "callbacks.stability.rewind_steps_before_onset=5",
+    "callbacks.stability.rewind_skip_steps=2",
+    "callbacks.grad_norms.enabled=false",
+    "callbacks.layer_importance.enabled=false",
+    "callbacks.throughput.enabled=false",
+]
 MARGIN = 0.1  # nats: the rewound run's final held-out loss is this close to the clean run's
 
 
@@ -106,8 +116,9 @@ def rewinds(run: Path) -> list[dict]:
 
 def same_records(first: list[dict], second: list[dict]) -> bool:
     """The same rewinds, in runs in other directories (the checkpoint's path aside)."""
-    return [{**r, "checkpoint": Path(r["checkpoint"]).name} for r in first] == \
-        [{**r, "checkpoint": Path(r["checkpoint"]).name} for r in second]
+    return [{**r, "checkpoint": Path(r["checkpoint"]).name} for r in first] == [
+        {**r, "checkpoint": Path(r["checkpoint"]).name} for r in second
+    ]
 
 
 def val_loss(run_dir: Path) -> float:
@@ -133,8 +144,7 @@ def rewound(tiny_data, tmp_path_factory):
     return run, recorder
 
 
-def test_a_poisoned_spike_is_rewound_skipped_and_ends_near_the_clean_run(tiny_data, clean, rewound, tmp_path,
-                                                                         capsys):
+def test_a_poisoned_spike_is_rewound_skipped_and_ends_near_the_clean_run(tiny_data, clean, rewound, tmp_path, capsys):
     run, recorder = rewound
     report = json.loads((run / "stability.json").read_text())
     assert not report["failed"] and len(report["rewinds"]) == 1
@@ -152,8 +162,9 @@ def test_a_poisoned_spike_is_rewound_skipped_and_ends_near_the_clean_run(tiny_da
     # the surviving timeline: the clean run's batches up to the checkpoint, then theirs from the end of the skip on
     clean_seen, seen = clean[1].seen, recorder.seen
     assert [seen[s] for s in range(REWOUND_TO)] == [clean_seen[s] for s in range(REWOUND_TO)]
-    assert [seen[s] for s in range(REWOUND_TO, 40 - skipped)] == [clean_seen[s + skipped]
-                                                                   for s in range(REWOUND_TO, 40 - skipped)]
+    assert [seen[s] for s in range(REWOUND_TO, 40 - skipped)] == [
+        clean_seen[s + skipped] for s in range(REWOUND_TO, 40 - skipped)
+    ]
     assert recorder.index == {s: s if s < REWOUND_TO else s + skipped for s in range(40)}
     # every later checkpoint holds the record (a resume from it knows the skip list)
     states = read_checkpoint(run / "checkpoints" / LAST, weights=False)["callbacks"]
@@ -170,8 +181,12 @@ def test_a_poisoned_spike_is_rewound_skipped_and_ends_near_the_clean_run(tiny_da
     assert training.failure_exit_code(cfg, train(cfg, [Poison(POISONED)])) == 1
     assert json.loads((plain / "stability.json").read_text())["kind"] == "spike"
     through = tmp_path / "through"
-    train(tiny_config(tiny_data, through, *RUN, "callbacks.stability.rewind=false",
-                      "callbacks.stability.stop_on_failure=false"), [Poison(POISONED)])
+    train(
+        tiny_config(
+            tiny_data, through, *RUN, "callbacks.stability.rewind=false", "callbacks.stability.stop_on_failure=false"
+        ),
+        [Poison(POISONED)],
+    )
     assert "training goes on (callbacks.stability.stop_on_failure=false)" in capsys.readouterr().err
     assert val_loss(through) > val_loss(clean[0]) + 5 * MARGIN
 
@@ -227,10 +242,13 @@ def test_a_preemption_as_the_run_rewinds_stops_after_the_rewound_runs_first_step
     assert_same_weights(run, rewound[0])
 
 
-@pytest.mark.parametrize("setting, why", [
-    ("trainer.checkpoint_every_n_steps=30", "no kept checkpoint is from step"),
-    ("callbacks.stability.max_rewinds=0", "0 rewind(s) already (callbacks.stability.max_rewinds=0)"),
-])
+@pytest.mark.parametrize(
+    "setting, why",
+    [
+        ("trainer.checkpoint_every_n_steps=30", "no kept checkpoint is from step"),
+        ("callbacks.stability.max_rewinds=0", "0 rewind(s) already (callbacks.stability.max_rewinds=0)"),
+    ],
+)
 def test_a_spike_with_nothing_to_rewind_to_fails_as_before(tiny_data, tmp_path, setting, why):
     run = tmp_path / "run"
     cfg = tiny_config(tiny_data, run, *RUN, setting)
@@ -243,20 +261,28 @@ def test_a_spike_with_nothing_to_rewind_to_fails_as_before(tiny_data, tmp_path, 
 def test_the_lr_is_scaled_for_a_while_after_a_rewind(tiny_data, rewound, tmp_path):
     run = tmp_path / "run"
     recorder = Poison(POISONED)
-    train(tiny_config(tiny_data, run, *RUN, "callbacks.stability.rewind_lr_scale=0.5",
-                      "callbacks.stability.rewind_lr_steps=3"), [recorder])
+    train(
+        tiny_config(
+            tiny_data, run, *RUN, "callbacks.stability.rewind_lr_scale=0.5", "callbacks.stability.rewind_lr_steps=3"
+        ),
+        [recorder],
+    )
     unscaled = rewound[1].lrs
     after = range(REWOUND_TO, REWOUND_TO + 5)
-    assert [recorder.lrs[s] for s in after] == pytest.approx([unscaled[s] * (0.5 if s < REWOUND_TO + 3 else 1)
-                                                              for s in after])
+    assert [recorder.lrs[s] for s in after] == pytest.approx(
+        [unscaled[s] * (0.5 if s < REWOUND_TO + 3 else 1) for s in after]
+    )
     assert recorder.lrs[39] == unscaled[39]  # the schedule follows the optimizer steps taken
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("callbacks.stability.rewind_lr_scale=0", "callbacks.stability.rewind_lr_scale: must be in (0, 1]"),
-    ("callbacks.stability.max_rewinds=-1", "callbacks.stability.max_rewinds: must be >= 0"),
-    ("callbacks.stability.rewind_skip_steps=-5", "callbacks.stability.rewind_skip_steps: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("callbacks.stability.rewind_lr_scale=0", "callbacks.stability.rewind_lr_scale: must be in (0, 1]"),
+        ("callbacks.stability.max_rewinds=-1", "callbacks.stability.max_rewinds: must be >= 0"),
+        ("callbacks.stability.rewind_skip_steps=-5", "callbacks.stability.rewind_skip_steps: must be >= 0"),
+    ],
+)
 def test_bad_rewind_settings_are_refused_naming_the_key(setting, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("]", r"\]")):
         load_config(overrides=[*TINY_MODEL, setting])
@@ -264,7 +290,7 @@ def test_bad_rewind_settings_are_refused_naming_the_key(setting, message):
 
 # ------------------------------------------------------------------------ real processes (make test-extended)
 
-LAUNCHER = '''
+LAUNCHER = """
 import json, os, signal, sys
 from lightning.pytorch.callbacks import Callback
 from keel import cli, training
@@ -285,7 +311,7 @@ if "KEEL_TEST_KILL" in os.environ:
 configured = training.build_callbacks
 training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
 sys.exit(cli.main(sys.argv[1:]))
-'''
+"""
 
 
 def launch(tiny_data, run: Path, poisoned, *overrides: str, kill: str | None = None) -> subprocess.CompletedProcess:
@@ -294,20 +320,39 @@ def launch(tiny_data, run: Path, poisoned, *overrides: str, kill: str | None = N
     script = run.parent / "launch.py"
     script.write_text(LAUNCHER)
     tests = str(Path(__file__).parent)
-    env = {**os.environ, "KEEL_TEST_POISON": json.dumps(list(poisoned)),
-           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "KEEL_TEST_POISON": json.dumps(list(poisoned)),
+        "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+    }
     if kill:
         env["KEEL_TEST_KILL"] = kill
-    command = [sys.executable, str(script), "pretrain", *TINY_MODEL, *QUIET_TRAINER, *NO_EXTRAS, *tiny_data, *RUN,
-               f"run.dir={run}", *overrides]
+    command = [
+        sys.executable,
+        str(script),
+        "pretrain",
+        *TINY_MODEL,
+        *QUIET_TRAINER,
+        *NO_EXTRAS,
+        *tiny_data,
+        *RUN,
+        f"run.dir={run}",
+        *overrides,
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
 
 
-
 @pytest.mark.extended
-@pytest.mark.parametrize("kill", ["1:23", "1:24", "2:15", "2:20"],
-                         ids=["before the detection", "after it, before the rewind", "as the rewound run starts",
-                              "after its first checkpoint"])
+@pytest.mark.parametrize(
+    "kill",
+    ["1:23", "1:24", "2:15", "2:20"],
+    ids=[
+        "before the detection",
+        "after it, before the rewind",
+        "as the rewound run starts",
+        "after its first checkpoint",
+    ],
+)
 def test_kill_9_around_a_rewind_resumes_bit_for_bit(tiny_data, rewound, tmp_path, kill):
     run = tmp_path / "run"
     killed = launch(tiny_data, run, POISONED, kill=kill)
@@ -325,8 +370,11 @@ def test_two_processes_survive_the_spike_near_the_clean_run(tiny_data, tmp_path,
     ends within MARGIN of the clean 2-process run; without recovery it fails."""
     launched = [f"trainer={strategy}", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.micro_batch_size=2"]
     runs = {name: tmp_path / name / "run" for name in ("clean", "rewound", "plain")}
-    for name, poison, extra in (("clean", (), ()), ("rewound", POISONED, ()),
-                                ("plain", POISONED, ("callbacks.stability.rewind=false",))):
+    for name, poison, extra in (
+        ("clean", (), ()),
+        ("rewound", POISONED, ()),
+        ("plain", POISONED, ("callbacks.stability.rewind=false",)),
+    ):
         done = launch(tiny_data, runs[name], poison, *launched, *extra)
         assert done.returncode == (1 if name == "plain" else 0), done.stderr[-3000:]
     (record,) = rewinds(runs["rewound"])

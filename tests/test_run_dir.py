@@ -22,9 +22,7 @@ from keel.dirlock import LOCK
 from keel.errors import ConfigError
 from keel.rundir import RunDirLock
 from keel.training import launched_as_rank_zero, train
-
 from keeltest.runs import EIGHT_STEP_RUN, scalars, tiny_config
-
 
 HOLD_LOCK = """
 import sys
@@ -37,8 +35,9 @@ sys.stdin.read()
 
 
 def hold_lock(run_dir: Path) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline().strip() == "locked"
     return holder
 
@@ -57,8 +56,10 @@ def test_a_second_process_on_a_run_dir_is_refused_naming_the_holder(tiny_data, t
         holder.wait()
     assert json.loads((run / LOCK).read_text())["pid"] == holder.pid
     train(tiny_config(tiny_data, run, "trainer.max_steps=2"))  # a stale lock is taken over, and said
-    assert f"(pid {holder.pid} on {socket.gethostname()}) ended without releasing its lock; taken over" in \
-        capsys.readouterr().err
+    assert (
+        f"(pid {holder.pid} on {socket.gethostname()}) ended without releasing its lock; taken over"
+        in capsys.readouterr().err
+    )
     assert (run / LOCK).read_text() == ""  # released at exit
     with RunDirLock(run):  # and free again
         pass
@@ -108,8 +109,16 @@ def test_copied_run_dir_continues_from_its_newest_checkpoint_and_keeps_history(t
     assert read_checkpoint(original / "checkpoints" / LAST, weights=False)["global_step"] == 4  # left alone
     # any step-numbered checkpoint resumes, and the final state of a run is saved whatever the cadence
     back = tmp_path / "back"
-    trainer = train(tiny_config(tiny_data, back, "trainer.max_steps=7", f"resume={copy}/checkpoints/step000006.ckpt",
-                                "trainer.keep_last_k=1", *every))
+    trainer = train(
+        tiny_config(
+            tiny_data,
+            back,
+            "trainer.max_steps=7",
+            f"resume={copy}/checkpoints/step000006.ckpt",
+            "trainer.keep_last_k=1",
+            *every,
+        )
+    )
     assert trainer.global_step == 7
     assert sorted(p.name for p in (back / "checkpoints").iterdir()) == [LAST, "step000007.ckpt"]
 
@@ -136,8 +145,11 @@ def test_a_run_dir_holds_one_run(tiny_data, tmp_path, capsys):
     assert said.startswith(f"keel pretrain: run.dir={run} is complete (step 8 of trainer.max_steps=8, val/loss ")
     assert said.endswith("raise trainer.max_steps to train on, or start another run in a new run.dir")
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == written
-    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, checkpoints/, tb/\): a fresh start "
-                                          r".*resume=auto .*run.dir=PATH.*run.overwrite=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds an earlier run \(config.yaml, checkpoints/, tb/\): a fresh start "
+        r".*resume=auto .*run.dir=PATH.*run.overwrite=true",
+    ):
         train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN, "resume=null"))
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == written
     with pytest.raises(ConfigError, match="run.overwrite=true .* not resume="):
@@ -151,6 +163,7 @@ def test_a_run_dir_holds_one_run(tiny_data, tmp_path, capsys):
 def test_a_start_refused_after_writing_leaves_nothing(tiny_data, tmp_path, monkeypatch):
     """A logger that cannot start (W&B without a key) is refused after config.yaml and tb/ are written: they go,
     with the directory the start made; an existing directory keeps what it held."""
+
     def refuse(cfg, loggers):
         raise ConfigError("trainer.loggers: wandb cannot start a run")
 

@@ -9,11 +9,11 @@ import shlex
 import pytest
 import torch
 
-from keeltest import REPO, QUIET_TRAINER, TINY_MODEL
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.data.loading import batches_per_rank, check_splits_fit, open_dataset, token_loader
 from keel.errors import ConfigError
+from keeltest import QUIET_TRAINER, REPO, TINY_MODEL
 
 # Tokens per litdata chunk of each split. stdlib: the default build (docs/data.md, "The default corpus": 3,373,501 /
 # 109,379 tokens, one chunk per split at data.chunk_bytes=16MB). fineweb_edu: a lower bound for its default build
@@ -28,11 +28,17 @@ def documented_commands() -> list[list[str]]:
     """The overrides of each `keel pretrain` command (make's ARGS included) in the README's "Scaling out" section,
     in docs/distributed.md and in docs/slurm/pretrain.sbatch."""
     readme = (REPO / "README.md").read_text().split("## Scaling out", 1)[1].split("\n## ", 1)[0]
-    text = (readme + (REPO / "docs" / "distributed.md").read_text()
-            + (REPO / "docs" / "slurm" / "pretrain.sbatch").read_text()).replace("\\\n", " ")
+    text = (
+        readme
+        + (REPO / "docs" / "distributed.md").read_text()
+        + (REPO / "docs" / "slurm" / "pretrain.sbatch").read_text()
+    ).replace("\\\n", " ")
     lines = re.findall(r"keel(?:\.cli)? pretrain ([^`#\n]*)", text) + re.findall(r'make pretrain ARGS="([^"]*)"', text)
-    return [[word for word in shlex.split(line) if "=" in word and not word.startswith("run.dir=")] for line in lines
-            if "..." not in line and "|" not in line]  # not the prose's `trainer=ddp|fsdp`, `... num_nodes=N`
+    return [
+        [word for word in shlex.split(line) if "=" in word and not word.startswith("run.dir=")]
+        for line in lines
+        if "..." not in line and "|" not in line
+    ]  # not the prose's `trainer=ddp|fsdp`, `... num_nodes=N`
 
 
 def test_the_old_scaling_command_is_refused_with_the_numbers_per_rank():
@@ -43,10 +49,14 @@ def test_the_old_scaling_command_is_refused_with_the_numbers_per_rank():
         with pytest.raises(ConfigError) as refused:
             check_splits_fit(cfg, SPLITS[cfg.data.dir])
         message = str(refused.value)
-        assert message.startswith("trainer.val_batches=16: data/stdlib/val holds 53 sequence(s) of model.seq_len + 1 "
-                                  f"= 2,049 tokens, {per_rank} per rank over {devices} process(es)")
-        assert (f"{batches} batch(es) of trainer.micro_batch_size=8 per rank, fewer than the 16 trainer.val_batches "
-                "asks for") in message
+        assert message.startswith(
+            "trainer.val_batches=16: data/stdlib/val holds 53 sequence(s) of model.seq_len + 1 "
+            f"= 2,049 tokens, {per_rank} per rank over {devices} process(es)"
+        )
+        assert (
+            f"{batches} batch(es) of trainer.micro_batch_size=8 per rank, fewer than the 16 trainer.val_batches "
+            "asks for"
+        ) in message
         assert ("lower trainer.val_batches" in message) == (batches > 0)  # naming 0 would be no way out
         assert "data.val_fraction" in message and "data=fineweb_edu" in message and "\n" not in message
 
@@ -64,10 +74,13 @@ def test_the_documented_scaling_commands_fit_their_data():
 def test_a_training_split_smaller_than_one_step_is_refused():
     cfg = load_config(overrides=["trainer=ddp", "trainer.devices=8", "trainer.grad_accum=4", "trainer.val_batches=1"])
     splits = {"train": [257 * 8 * 8 * 3 + 256], "val": SPLITS["data/stdlib"]["val"]}  # 3 batches per rank, not 4
-    with pytest.raises(ConfigError, match=r"^trainer.grad_accum=4: data/stdlib/train holds 192 sequence\(s\) .* 24 "
-                                          r"per rank over 8 process\(es\) .*: 3 batch\(es\) .* fewer than the 4 "
-                                          r"trainer.grad_accum asks for; lower trainer.grad_accum to 3 or less, .*"
-                                          r"more training text"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.grad_accum=4: data/stdlib/train holds 192 sequence\(s\) .* 24 "
+        r"per rank over 8 process\(es\) .*: 3 batch\(es\) .* fewer than the 4 "
+        r"trainer.grad_accum asks for; lower trainer.grad_accum to 3 or less, .*"
+        r"more training text",
+    ):
         check_splits_fit(cfg, splits)
     splits["train"] = [257 * 8 * 8 * 4]
     check_splits_fit(cfg, splits)
@@ -79,8 +92,15 @@ def test_the_count_is_the_loaders_own(tiny_data):
     from litdata.utilities.env import _DistributedEnv
 
     for world, workers in ((1, 0), (2, 0), (4, 2), (64, 0)):
-        cfg = load_config(overrides=[*TINY_MODEL, *QUIET_TRAINER, *tiny_data, f"trainer.devices={world}",
-                                     f"data.loader_workers={workers}"])
+        cfg = load_config(
+            overrides=[
+                *TINY_MODEL,
+                *QUIET_TRAINER,
+                *tiny_data,
+                f"trainer.devices={world}",
+                f"data.loader_workers={workers}",
+            ]
+        )
         info = open_dataset(cfg)
         dataset = token_loader(cfg, "val", shuffle=False).dataset
         dataset.distributed_env = _DistributedEnv(world, world - 1, 1)

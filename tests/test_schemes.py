@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keel.errors import ConfigError
-from keel.model import SCHEME_INITS, KeelLM
 from keel.config import ModelConfig
 from keel.config.model import SCHEMES, Scheme, SublayerSpec, formulas, needs_final_norm, sublayer_specs
+from keel.errors import ConfigError
+from keel.model import SCHEME_INITS, KeelLM
 from keeltest.model import capture, tiny
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +51,9 @@ def test_keel_sum_over_alpha_has_unit_rms(init, first_block):
     model(torch.randint(64, (2, 16)))
     assert len(sums) == cfg.n_sublayers - 3
     for s in sums:
-        torch.testing.assert_close(token_rms(s) / cfg.n_sublayers, torch.ones(s.shape[:-1]), atol=1 / cfg.n_sublayers, rtol=0)
+        torch.testing.assert_close(
+            token_rms(s) / cfg.n_sublayers, torch.ones(s.shape[:-1]), atol=1 / cfg.n_sublayers, rtol=0
+        )
 
 
 @pytest.mark.parametrize("overrides", [{}, {"ffn": "swiglu", "n_heads": 4, "n_kv_heads": 2}])
@@ -97,7 +98,10 @@ def test_mixln_postln_block_count(depth):
     post = [attn.norm_out and not attn.norm_in for attn, _ in specs]
     n_post = math.floor(0.25 * depth)
     assert post == [True] * n_post + [False] * (depth - n_post)  # Post-LN first, Pre-LN after
-    assert sum(attn.norm_out for attn, _ in sublayer_specs(tiny(scheme="mixln", depth=100, mixln_post_fraction=0.29))) == 29
+    assert (
+        sum(attn.norm_out for attn, _ in sublayer_specs(tiny(scheme="mixln", depth=100, mixln_post_fraction=0.29)))
+        == 29
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,7 +140,9 @@ def test_keel_first_block_rules():
 def test_keel_without_inner_norm_is_postln_with_alpha(first_block):
     """The ablation (paper's "Attempt 1"): after block 0, Norm(L * x + F(x)); block 0 keeps its rule."""
     L = 8
-    plain, ablated = (sublayer_specs(tiny(keel_first_block=first_block, keel_inner_norm=inner)) for inner in (True, False))
+    plain, ablated = (
+        sublayer_specs(tiny(keel_first_block=first_block, keel_inner_norm=inner)) for inner in (True, False)
+    )
     assert ablated[0] == plain[0]
     assert all((s.norm_in, s.norm_out, s.alpha) == (False, True, L) for pair in ablated[1:] for s in pair)
     assert not needs_final_norm(tiny(keel_first_block=first_block, keel_inner_norm=False))
@@ -148,7 +154,9 @@ def test_keel_without_inner_norm_is_postln_with_alpha(first_block):
 def test_every_scheme_has_its_own_blocks_and_an_unknown_one_is_refused():
     """One table entry per scheme (no fall-through to Keel): the seven layouts differ, and a scheme outside
     the table is an error naming the allowed ones, wherever the specs are asked for."""
-    layouts = {scheme: (sublayer_specs(tiny(scheme=scheme)), needs_final_norm(tiny(scheme=scheme))) for scheme in SCHEMES}
+    layouts = {
+        scheme: (sublayer_specs(tiny(scheme=scheme)), needs_final_norm(tiny(scheme=scheme))) for scheme in SCHEMES
+    }
     assert len({repr(layout) for layout in layouts.values()}) == len(SCHEMES)
     cfg = tiny()
     cfg.scheme = "rezero"  # past validation, as a config edited after loading would be

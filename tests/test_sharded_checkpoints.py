@@ -10,10 +10,10 @@ import torch
 
 from keel.checkpoint.layout import LAST, SHARDED_META, previous_path, staging_path
 from keel.checkpoint.read import load_model, read_checkpoint
+from keel.checkpoint.resume import check_training_state, resolve_resume
 from keel.checkpoint.write import commit_dir
 from keel.cli import main as cli_main
 from keel.errors import ConfigError
-from keel.checkpoint.resume import check_training_state, resolve_resume
 from keeltest.distributed import _sharded_checkpoint, _tiny_cfg
 
 
@@ -90,10 +90,17 @@ def test_resume_allows_another_split_of_the_global_batch_only(tmp_path):
     sharded = tmp_path / "last.ckpt"
     _sharded_checkpoint(sharded, "trainer=fsdp", "trainer.devices=2", "trainer.micro_batch_size=4")
     meta = read_checkpoint(sharded, weights=False)
-    for split in (["trainer.devices=4", "trainer.micro_batch_size=2"],
-                  ["trainer.devices=1", "trainer.micro_batch_size=4", "trainer.grad_accum=2"],
-                  ["trainer.devices=2", "trainer.num_nodes=2", "trainer.micro_batch_size=2"]):
+    for split in (
+        ["trainer.devices=4", "trainer.micro_batch_size=2"],
+        ["trainer.devices=1", "trainer.micro_batch_size=4", "trainer.grad_accum=2"],
+        ["trainer.devices=2", "trainer.num_nodes=2", "trainer.micro_batch_size=2"],
+    ):
         check_training_state(_tiny_cfg("trainer=fsdp", *split).trainer, sharded, meta)  # 8 sequences per step
-    with pytest.raises(ConfigError, match=r"trained with 2 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 8 "
-                       r"sequences per step; this config has 4 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 16"):
-        check_training_state(_tiny_cfg("trainer=fsdp", "trainer.devices=4", "trainer.micro_batch_size=4").trainer, sharded, meta)
+    with pytest.raises(
+        ConfigError,
+        match=r"trained with 2 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 8 "
+        r"sequences per step; this config has 4 process\(es\) x 4 sequences x 1 micro-batch\(es\) = 16",
+    ):
+        check_training_state(
+            _tiny_cfg("trainer=fsdp", "trainer.devices=4", "trainer.micro_batch_size=4").trainer, sharded, meta
+        )

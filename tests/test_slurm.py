@@ -12,7 +12,7 @@ from keel.config import load_config
 def _sbatch_example() -> tuple[dict[str, str], list[str]]:
     """docs/distributed.md's sbatch script: its #SBATCH options and the overrides of its srun line."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
-    script = doc[doc.index("    #!/bin/bash"):].split("\n\n")[0]
+    script = doc[doc.index("    #!/bin/bash") :].split("\n\n")[0]
     options = dict(line.split()[1].lstrip("-").partition("=")[::2] for line in script.splitlines() if "#SBATCH" in line)
     srun = next(line.split() for line in script.splitlines() if line.strip().startswith("srun"))
     return options, srun[srun.index("pretrain") + 1 :]

@@ -34,33 +34,75 @@ LR_GRID = {"keel": [5.0, 4.9, 4.8, 4.7], "preln": [5.2, 5.0, 5.1, 5.4]}
 LRS = [0.005, 0.01, 0.02, 0.04]
 DEPTH_GRID = {16: "tuned-depth-d16", 64: "lr-d64"}  # Table 3's grids at width 32 (64 blocks: the LR sweep's)
 # the depth grids: Keel's gap to Pre-LN at its best LR grows from ~0.1 (16 blocks) to ~0.3 (64)
-TUNED = {16: {"keel": [5.1, 5.0, 5.05], "preln": [5.2, 5.1, 5.15]},
-         64: {"keel": [5.0, 4.9, 4.95], "preln": [5.3, 5.25, 5.2]}}
+TUNED = {
+    16: {"keel": [5.1, 5.0, 5.05], "preln": [5.2, 5.1, 5.15]},
+    64: {"keel": [5.0, 4.9, 4.95], "preln": [5.3, 5.25, 5.2]},
+}
 TUNED_LRS = [0.005, 0.01, 0.02]
 METRICS = ["keel_next_line acc_mutual_info", "keel_next_line acc", "keel_next_line acc_norm", "keel_last_token acc"]
 
 
 def trajectory(rng: random.Random, final: float) -> list[dict]:
     """Three evaluations with a strictly falling held-out loss and random scores."""
-    return [{"step": step, "val_loss": final + 0.5 * (2 - i) + rng.uniform(0, 0.1), "wall_s": 1.0,
-             "scores": {"keel_next_line": {"acc_mutual_info": rng.uniform(0.25, 0.7), "acc": rng.uniform(0.2, 0.6),
-                                           "acc_norm": rng.uniform(0.2, 0.6)},
-                        "keel_last_token": {"perplexity": rng.uniform(10, 100), "acc": rng.uniform(0, 0.3)}}}
-            for i, step in enumerate((199, 399, 599))]
+    return [
+        {
+            "step": step,
+            "val_loss": final + 0.5 * (2 - i) + rng.uniform(0, 0.1),
+            "wall_s": 1.0,
+            "scores": {
+                "keel_next_line": {
+                    "acc_mutual_info": rng.uniform(0.25, 0.7),
+                    "acc": rng.uniform(0.2, 0.6),
+                    "acc_norm": rng.uniform(0.2, 0.6),
+                },
+                "keel_last_token": {"perplexity": rng.uniform(10, 100), "acc": rng.uniform(0, 0.3)},
+            },
+        }
+        for i, step in enumerate((199, 399, 599))
+    ]
 
 
-def make_grid(out: Path, name: str, lrs: list[float], depth: int, width: int, finals: dict, rng: random.Random,
-              failed: set[str] = frozenset(), unfinished: set[str] = frozenset()) -> dict[str, list[dict]]:
+def make_grid(
+    out: Path,
+    name: str,
+    lrs: list[float],
+    depth: int,
+    width: int,
+    finals: dict,
+    rng: random.Random,
+    failed: set[str] = frozenset(),
+    unfinished: set[str] = frozenset(),
+) -> dict[str, list[dict]]:
     """A `keel sweep` grid (keel, preln x lrs x seeds 1-3) with every run's records; its evaluations by run name."""
     overrides = [f"model.depth={depth}", f"model.width={width}", *EVAL]
-    assert cli_main(["sweep", "--emit", "commands", "--schemes", "keel,preln", "--lrs", ",".join(map(str, lrs)),
-                     "--seeds", "1,2,3", "--out", str(out / name), *overrides]) == 0
+    assert (
+        cli_main(
+            [
+                "sweep",
+                "--emit",
+                "commands",
+                "--schemes",
+                "keel,preln",
+                "--lrs",
+                ",".join(map(str, lrs)),
+                "--seeds",
+                "1,2,3",
+                "--out",
+                str(out / name),
+                *overrides,
+            ]
+        )
+        == 0
+    )
     histories, base = {}, load_config(None, overrides)
     for run in json.loads((out / name / "sweep.json").read_text())["runs"]:  # the runs' configs, as keel sweep's
         axes = run["axes"]
-        cfg = replace(base, model=replace(base.model, scheme=axes["scheme"]),
-                      optim=replace(base.optim, lr=float(axes["lr"])),
-                      run=replace(base.run, seed=int(axes["seed"]), dir=str(out / name / run["name"])))
+        cfg = replace(
+            base,
+            model=replace(base.model, scheme=axes["scheme"]),
+            optim=replace(base.optim, lr=float(axes["lr"])),
+            run=replace(base.run, seed=int(axes["seed"]), dir=str(out / name / run["name"])),
+        )
         Path(cfg.run.dir).mkdir()
         write_config(cfg, None)
         evaluations = trajectory(rng, finals[cfg.model.scheme][lrs.index(cfg.optim.lr)] + rng.uniform(-0.02, 0.02))
@@ -97,8 +139,11 @@ def paper(tmp_path_factory):
     by grid and run."""
     out = tmp_path_factory.mktemp("paper")
     rng = random.Random(0)
-    histories = {"lr-d16": make_grid(out, "lr-d16", LRS, 16, 64, LR_GRID, rng, failed={"keel-lr0.01-s2"},
-                                     unfinished={"preln-lr0.02-s3"})}
+    histories = {
+        "lr-d16": make_grid(
+            out, "lr-d16", LRS, 16, 64, LR_GRID, rng, failed={"keel-lr0.01-s2"}, unfinished={"preln-lr0.02-s3"}
+        )
+    }
     for name in histories["lr-d16"]:  # seed 1 timed (keel sweep's sweep_time.json), 900 CPU-s each
         if name.endswith("-s1"):
             (out / "lr-d16" / name / SWEEP_TIME).write_text(json.dumps({"cpu_s": 900.0, "wall_s": 950.0}))
@@ -110,10 +155,21 @@ def paper(tmp_path_factory):
     for name in [*histories["lr-d16"], "elsewhere"]:
         path = out / "lr-d16" / name / "checkpoints" / "last.ckpt"
         increases[name] = [rng.uniform(-0.01, 0.5) for _ in range(16)]
-        rows += [{"checkpoint": f"{name}/last (keel, depth 16)", "path": str(path), "scheme": name.split("-")[0],
-                  "depth": 16, "block": block, "val_tokens": 16384, "ppl_base": 100.0, "ppl_removed": 100.0 + increase,
-                  "ppl_increase": increase, "loss_increase": increase}
-                 for block, increase in enumerate(increases[name])]
+        rows += [
+            {
+                "checkpoint": f"{name}/last (keel, depth 16)",
+                "path": str(path),
+                "scheme": name.split("-")[0],
+                "depth": 16,
+                "block": block,
+                "val_tokens": 16384,
+                "ppl_base": 100.0,
+                "ppl_removed": 100.0 + increase,
+                "ppl_increase": increase,
+                "loss_increase": increase,
+            }
+            for block, increase in enumerate(increases[name])
+        ]
     write_table(rows, out / "lr-d16" / "redundancy" / "redundancy.csv")
     grids, missing = load_trained(out)
     return SimpleNamespace(out=out, histories=histories, increases=increases, grids=grids, missing=missing)
@@ -121,13 +177,19 @@ def paper(tmp_path_factory):
 
 def test_the_cells_statistics_and_verdicts():
     values = [4.0, 5.5, 4.25]
-    assert spread(values) == (f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.3g} "
-                              f"[{min(values):.3g}, {max(values):.3g}] n=3")
+    assert spread(values) == (
+        f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.3g} [{min(values):.3g}, {max(values):.3g}] n=3"
+    )
     assert spread([4.0]) == "4 ± - [4, 4] n=1" and spread([]) == "-"
     assert apart([1, 2], [2.5, 3]) == "yes" and apart([3, 4], [1, 2]) == "yes" and apart([1, 3], [2, 4]) == "no"
     assert apart([1], [2, 3]) == "-"  # one seed has no range to be apart
-    assert [direction(v) for v in ([1, 2, 2], [3, 1], [1, 1], [1, 3, 2], [1])] == ["rises", "falls", "flat",
-                                                                                  "not monotone", "-"]
+    assert [direction(v) for v in ([1, 2, 2], [3, 1], [1, 1], [1, 3, 2], [1])] == [
+        "rises",
+        "falls",
+        "flat",
+        "not monotone",
+        "-",
+    ]
 
 
 def test_the_lr_table_has_every_scheme_and_lr_over_the_finished_seeds(paper):
@@ -140,8 +202,11 @@ def test_the_lr_table_has_every_scheme_and_lr_over_the_finished_seeds(paper):
     assert [(r["scheme"], r["peak LR"]) for r in table] == [(s, fmt(lr)) for s in ("keel", "preln") for lr in LRS]
     for row in table:
         lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
-        names = [f"{row['scheme']}-lr{lr}-s{seed}" for seed in (1, 2, 3) if f"{row['scheme']}-lr{lr}-s{seed}" !=
-                 "preln-lr0.02-s3"]
+        names = [
+            f"{row['scheme']}-lr{lr}-s{seed}"
+            for seed in (1, 2, 3)
+            if f"{row['scheme']}-lr{lr}-s{seed}" != "preln-lr0.02-s3"
+        ]
         for metric in (LOSS, *METRICS):
             assert row[metric] == spread([final(histories[name], metric) for name in names]), (row, metric)
         assert row["stability failures"] == ("1/3" if (row["scheme"], lr) == ("keel", 0.01) else f"0/{len(names)}")
@@ -149,8 +214,12 @@ def test_the_lr_table_has_every_scheme_and_lr_over_the_finished_seeds(paper):
     assert "keel_last_token perplexity" not in table[0]  # the metrics with a stated chance level only
     keel, preln = verdicts
     assert keel[LOSS].startswith("falls: ") and preln[LOSS].startswith("not monotone: ")
-    means = [statistics.mean(final(histories[f"preln-lr{lr}-s{s}"], LOSS) for s in (1, 2, 3)
-                             if f"preln-lr{lr}-s{s}" != "preln-lr0.02-s3") for lr in LRS]
+    means = [
+        statistics.mean(
+            final(histories[f"preln-lr{lr}-s{s}"], LOSS) for s in (1, 2, 3) if f"preln-lr{lr}-s{s}" != "preln-lr0.02-s3"
+        )
+        for lr in LRS
+    ]
     assert preln[LOSS] == "not monotone: " + ", ".join(fmt(m) for m in means)
 
 
@@ -160,20 +229,30 @@ def test_tasks_are_compared_at_common_loss_levels_along_each_runs_trajectory(pap
     assert [(r["metric"], r["peak LR"]) for r in table] == [(m, fmt(lr)) for m in METRICS for lr in LRS]
     for row in table:
         lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
-        runs = {s: [histories[n] for n in histories if n.startswith(f"{s}-lr{lr}-") and n != "preln-lr0.02-s3"]
-                for s in ("keel", "preln")}
+        runs = {
+            s: [histories[n] for n in histories if n.startswith(f"{s}-lr{lr}-") and n != "preln-lr0.02-s3"]
+            for s in ("keel", "preln")
+        }
         every = runs["keel"] + runs["preln"]
         # the losses fall: a run's first evaluation is its highest; the levels every run passes through
         levels = np.linspace(min(e[0]["val_loss"] for e in every), max(e[-1]["val_loss"] for e in every), 3)
         assert row[f"{LOSS} levels"] == ", ".join(fmt(x) for x in levels)
         for i, level in enumerate(levels, 1):
-            at = {s: [float(np.interp(level, [e["val_loss"] for e in h][::-1],
-                                      [score(e, row["metric"]) for e in h][::-1])) for h in runs[s]] for s in runs}
+            at = {
+                s: [
+                    float(
+                        np.interp(level, [e["val_loss"] for e in h][::-1], [score(e, row["metric"]) for e in h][::-1])
+                    )
+                    for h in runs[s]
+                ]
+                for s in runs
+            }
             separate = min(at["keel"]) > max(at["preln"]) or max(at["keel"]) < min(at["preln"])
             assert row[f"level {i}: keel - preln (sd keel / preln; seeds apart)"] == (
                 f"{fmt(statistics.mean(at['keel']) - statistics.mean(at['preln']))} "
                 f"({fmt(statistics.stdev(at['keel']))} / {fmt(statistics.stdev(at['preln']))}; "
-                f"{'yes' if separate else 'no'})"), (row, i)
+                f"{'yes' if separate else 'no'})"
+            ), (row, i)
         assert row["chance"] == ("~0" if row["metric"] == "keel_last_token acc" else "0.25")
 
 
@@ -185,8 +264,11 @@ def test_layer_use_reports_the_first_and_last_block_apart_from_the_middle(paper)
     assert len(table) == 8
     for row in table:
         lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
-        seeds = [paper.increases[f"{row['scheme']}-lr{lr}-s{s}"] for s in (1, 2, 3)
-                 if f"{row['scheme']}-lr{lr}-s{s}" != "preln-lr0.02-s3"]
+        seeds = [
+            paper.increases[f"{row['scheme']}-lr{lr}-s{s}"]
+            for s in (1, 2, 3)
+            if f"{row['scheme']}-lr{lr}-s{s}" != "preln-lr0.02-s3"
+        ]
         assert row["first block (0)"] == spread([v[0] for v in seeds])
         assert row["middle blocks (1-14), mean"] == spread([sum(v[1:15]) / 14 for v in seeds])
         assert row["last block (15)"] == spread([v[15] for v in seeds])
@@ -199,23 +281,30 @@ def test_each_scheme_at_its_own_best_lr_per_depth_and_the_gap_against_depth(pape
     for depth in TUNED:
         histories = paper.histories[DEPTH_GRID[depth]]
         for scheme in ("keel", "preln"):
-            means = [statistics.mean(final(histories[f"{scheme}-lr{lr}-s{s}"], LOSS) for s in (1, 2, 3))
-                     for lr in TUNED_LRS]
+            means = [
+                statistics.mean(final(histories[f"{scheme}-lr{lr}-s{s}"], LOSS) for s in (1, 2, 3)) for lr in TUNED_LRS
+            ]
             best[depth, scheme] = TUNED_LRS[means.index(min(means))]
             (row,) = [r for r in sweeps if (r["blocks"], r["scheme"]) == (depth, scheme)]
             assert row["best LR"] == fmt(best[depth, scheme])
-            assert row["mean final held-out loss per LR"] == ", ".join(f"{fmt(lr)}: {fmt(m)}"
-                                                                       for lr, m in zip(TUNED_LRS, means))
+            assert row["mean final held-out loss per LR"] == ", ".join(
+                f"{fmt(lr)}: {fmt(m)}" for lr, m in zip(TUNED_LRS, means)
+            )
             assert row["best at the sweep's edge"] == ("no" if best[depth, scheme] == 0.01 else "yes")
         for metric in (LOSS, *METRICS):
-            values = {s: [final(histories[f"{s}-lr{best[depth, s]}-s{seed}"], metric) for seed in (1, 2, 3)]
-                      for s in ("keel", "preln")}
+            values = {
+                s: [final(histories[f"{s}-lr{best[depth, s]}-s{seed}"], metric) for seed in (1, 2, 3)]
+                for s in ("keel", "preln")
+            }
             (row,) = [r for r in gaps if (r["blocks"], r["metric"]) == (depth, metric)]
             assert (row["keel LR"], row["preln LR"]) == (fmt(best[depth, "keel"]), fmt(best[depth, "preln"]))
             assert row["keel"] == spread(values["keel"]) and row["preln"] == spread(values["preln"])
             assert row["keel - preln"] == fmt(statistics.mean(values["keel"]) - statistics.mean(values["preln"]))
-            assert row["seeds apart"] == ("yes" if min(values["keel"]) > max(values["preln"])
-                                          or max(values["keel"]) < min(values["preln"]) else "no")
+            assert row["seeds apart"] == (
+                "yes"
+                if min(values["keel"]) > max(values["preln"]) or max(values["keel"]) < min(values["preln"])
+                else "no"
+            )
     assert (best[64, "keel"], best[64, "preln"]) == (0.01, 0.02)  # as designed: Pre-LN's best at the edge at 64
     (loss,) = [r for r in trend if r["metric"] == LOSS]
     assert loss["its size with depth"] == "grows"  # ~0.1 at 16 blocks, ~0.3 at 64, both negative
@@ -237,17 +326,21 @@ def test_a_depth_joins_the_gap_trend_once_every_cell_has_three_seeds(paper):
 def test_paper_report_has_the_trained_sections_for_the_grids_present(paper):
     assert cli_main(["paper-report", str(paper.out)]) == 0
     report = (paper.out / "report.md").read_text()
-    assert ("## Table 2, the LR sweep at 16 blocks x 64 (lr-d16; 23 of 24 runs finished, 2.0 CPU-hours over the 8 "
-            "timed)") in report
-    for heading in ("## Section 9, loss against tasks at 16 blocks x 64 (lr-d16)",
-                    "## Section 8, layer use at 16 blocks x 64 (lr-d16) (2 checkpoints of unfinished or unknown runs "
-                    "left out)", "## Table 3, depth at width 32, each scheme at its own best LR"):
+    assert (
+        "## Table 2, the LR sweep at 16 blocks x 64 (lr-d16; 23 of 24 runs finished, 2.0 CPU-hours over the 8 timed)"
+    ) in report
+    for heading in (
+        "## Section 9, loss against tasks at 16 blocks x 64 (lr-d16)",
+        "## Section 8, layer use at 16 blocks x 64 (lr-d16) (2 checkpoints of unfinished or unknown runs left out)",
+        "## Table 3, depth at width 32, each scheme at its own best LR",
+    ):
         assert heading in report
     # lr-d64 (Table 3's 64-block point) has its Table 2 too, and no redundancy.csv yet: the report says how to make it
     assert "## Table 2, the LR sweep at 64 blocks x 32 (lr-d64; 18 of 18 runs finished, none timed)" in report
-    assert ("tuned-depth-d16: 18 of 18 runs finished, none timed; lr-d64: 18 of 18 runs finished, none timed."
-            in report)
-    assert "Section 8 at 64 blocks x 32: no lr-d64/redundancy/redundancy.csv yet (make paper-redundancy-lr-d64)." in report
+    assert "tuned-depth-d16: 18 of 18 runs finished, none timed; lr-d64: 18 of 18 runs finished, none timed." in report
+    assert (
+        "Section 8 at 64 blocks x 32: no lr-d64/redundancy/redundancy.csv yet (make paper-redundancy-lr-d64)." in report
+    )
     assert "tuned-depth-d256." in report.split("\n")[2]  # the "Not (yet) run" line ends with them
     for plot in ("loss_vs_tasks_lr-d16.png", "layer_use_lr-d16.png"):
         assert f"]({plot})" in report and (paper.out / plot).stat().st_size > 0
@@ -261,16 +354,18 @@ def test_a_truncated_eval_history_is_named(paper, capsys):
         assert cli_main(["paper-report", str(paper.out)]) == 2
     finally:
         history.write_text(text)
-    assert capsys.readouterr().err.startswith(f"keel paper-report: config error: {history} cannot be read "
-                                              "(truncated?): ")
+    assert capsys.readouterr().err.startswith(
+        f"keel paper-report: config error: {history} cannot be read (truncated?): "
+    )
 
 
 def test_table_3_with_one_scheme_finished_has_no_empty_gap_table(paper, tmp_path):
     """Early in a tuned grid only one scheme may have finished runs: its sweep is shown, and no empty gap table."""
-    shutil.copytree(paper.out / "tuned-depth-d16", tmp_path / "tuned-depth-d16",
-                    ignore=shutil.ignore_patterns("preln-*"))
+    shutil.copytree(
+        paper.out / "tuned-depth-d16", tmp_path / "tuned-depth-d16", ignore=shutil.ignore_patterns("preln-*")
+    )
     assert cli_main(["paper-report", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
-    table_3 = report[report.index("## Table 3, depth at width 32"):]
+    table_3 = report[report.index("## Table 3, depth at width 32") :]
     assert "| 16 | tuned-depth-d16 | keel |" in table_3 and "| preln |" not in table_3
     assert "|  |" not in table_3

@@ -11,7 +11,6 @@ and its module in callbacks/ (docs/tensorboard.md).
 
 from __future__ import annotations
 
-from abc import ABC
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class CallbackConfig(ABC):
+class CallbackConfig:
     name: ClassVar[str]  # its key under callbacks.*
     # run order among the configured callbacks: higher runs first (OLMo-core's convention); Lightning calls each
     # hook on the callbacks in this order, after the fixed ones (checkpoint, interrupt, LR monitor, progress bar)

@@ -42,6 +42,9 @@ class EvalConfig(CallbackConfig):
         return f"eval.{field}"
 
     def check(self, trainer: TrainerConfig) -> None:
-        require(self.every_n_steps % trainer.val_every_n_steps == 0, self.key("every_n_steps"),
-                f"must be a multiple of trainer.val_every_n_steps={trainer.val_every_n_steps}, got "
-                f"{self.every_n_steps}: tasks run right after a validation, next to its loss")
+        require(
+            self.every_n_steps % trainer.val_every_n_steps == 0,
+            self.key("every_n_steps"),
+            f"must be a multiple of trainer.val_every_n_steps={trainer.val_every_n_steps}, got "
+            f"{self.every_n_steps}: tasks run right after a validation, next to its loss",
+        )

@@ -28,14 +28,22 @@ class GradNormsConfig(CallbackConfig):
     def __post_init__(self) -> None:
         for key in ("every_n_steps", "heatmap_every_n_steps", "activation_every_n_steps", "max_blocks"):
             require(getattr(self, key) >= 0, self.key(key), "must be >= 0")
-        require(not self.enabled or self.every_n_steps >= 1, self.key("every_n_steps"),
-                f"must be >= 1 (or set {self.key('enabled')}=false)")
-        require(self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
-                self.key("heatmap_every_n_steps"),
-                f"must be a multiple of {self.key('every_n_steps')}={self.every_n_steps} (0 = never)")
+        require(
+            not self.enabled or self.every_n_steps >= 1,
+            self.key("every_n_steps"),
+            f"must be >= 1 (or set {self.key('enabled')}=false)",
+        )
+        require(
+            self.every_n_steps < 1 or self.heatmap_every_n_steps % self.every_n_steps == 0,
+            self.key("heatmap_every_n_steps"),
+            f"must be a multiple of {self.key('every_n_steps')}={self.every_n_steps} (0 = never)",
+        )
 
     def check(self, trainer: TrainerConfig) -> None:
-        require(not self.activation_every_n_steps or (trainer.resolved_strategy != "fsdp" and not trainer.compile),
-                self.key("activation_every_n_steps"), "the activation-gradient profile (keel.gradflow) needs "
-                "unsharded, uncompiled blocks: set trainer.compile=false (trainer=cpu compiles by default) and a "
-                "strategy other than fsdp, or set it to 0")
+        require(
+            not self.activation_every_n_steps or (trainer.resolved_strategy != "fsdp" and not trainer.compile),
+            self.key("activation_every_n_steps"),
+            "the activation-gradient profile (keel.gradflow) needs "
+            "unsharded, uncompiled blocks: set trainer.compile=false (trainer=cpu compiles by default) and a "
+            "strategy other than fsdp, or set it to 0",
+        )

@@ -57,9 +57,12 @@ class StabilityConfig(CallbackConfig):
         require(self.spike_margin > 0, self.key("spike_margin"), "must be > 0")
         require(self.spike_ceiling_margin >= 0, self.key("spike_ceiling_margin"), "must be >= 0")
         require(self.learn_by_step >= 0, self.key("learn_by_step"), "must be >= 0 (0 = off)")
-        require(not self.learn_by_step or self.spike_ceiling is not None, self.key("learn_by_step"),
-                f"needs {self.key('spike_ceiling')} (the loss of a model that has learned nothing, e.g. the unigram "
-                "loss): set it, or set learn_by_step=0")
+        require(
+            not self.learn_by_step or self.spike_ceiling is not None,
+            self.key("learn_by_step"),
+            f"needs {self.key('spike_ceiling')} (the loss of a model that has learned nothing, e.g. the unigram "
+            "loss): set it, or set learn_by_step=0",
+        )
         require(self.stagnation_window >= 0, self.key("stagnation_window"), "must be >= 0 (0 = off)")
         require(self.stagnation_min_delta >= 0, self.key("stagnation_min_delta"), "must be >= 0")
         for key in ("rewind_steps_before_onset", "rewind_skip_steps", "rewind_lr_steps", "max_rewinds"):

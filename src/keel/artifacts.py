@@ -1,11 +1,11 @@
 """What a run directory holds, by name, and the readers that experiments, `keel compare` and gpu-check share.
 
-    config.yaml         the resolved config of the run (keel.rundir)
-    tb/                 TensorBoard events (trainer.loggers: tensorboard; docs/tensorboard.md)
-    stability.json      the stability monitor's verdict, and the held-out curve under signal=val
-    eval_history.json   every in-loop downstream evaluation's scores
-    logger_runs.json    the W&B / MLflow run ids a resume continues
-    checkpoints/        last.ckpt and the step-numbered ones
+config.yaml         the resolved config of the run (keel.rundir)
+tb/                 TensorBoard events (trainer.loggers: tensorboard; docs/tensorboard.md)
+stability.json      the stability monitor's verdict, and the held-out curve under signal=val
+eval_history.json   every in-loop downstream evaluation's scores
+logger_runs.json    the W&B / MLflow run ids a resume continues
+checkpoints/        last.ckpt and the step-numbered ones
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ def read_scalars(run_dir: str | Path, tags: list[str] | None = None) -> dict[str
     acc = EventAccumulator(str(Path(run_dir) / TENSORBOARD), size_guidance={"scalars": 0})
     acc.Reload()
     found = acc.Tags()["scalars"]
-    return {tag: sorted({e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}.items())
-            for tag in (found if tags is None else [t for t in tags if t in found])}
+    return {
+        tag: sorted({e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}.items())
+        for tag in (found if tags is None else [t for t in tags if t in found])
+    }
 
 
 def _read_json(path: Path, lost: str) -> dict | None:

@@ -13,8 +13,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # trainer.attention's names; auto's order on Hopper (sm90) and later: cuDNN's fused kernel first (torchtitan
 # measured it faster end to end than flash on H100), then torch's own order
-BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 HOPPER = (9, 0)
 
 
@@ -32,11 +36,19 @@ def backend_order(preferred: str, capability: tuple[int, int] | None) -> list[st
 def backend_in_use(order: list[str], query: torch.Tensor, kv_heads: int) -> str:
     """The first backend of `order` that accepts the model's causal attention on `query`-shaped inputs (B, H, T, hd)
     with `kv_heads` key/value heads, as SDPA itself would choose; asked of torch's own checks."""
-    from torch.backends.cuda import (SDPAParams, can_use_cudnn_attention, can_use_efficient_attention,
-                                     can_use_flash_attention)
+    from torch.backends.cuda import (
+        SDPAParams,
+        can_use_cudnn_attention,
+        can_use_efficient_attention,
+        can_use_flash_attention,
+    )
 
-    checks = {"cudnn": can_use_cudnn_attention, "flash": can_use_flash_attention,
-              "efficient": can_use_efficient_attention, "math": lambda params: True}
+    checks = {
+        "cudnn": can_use_cudnn_attention,
+        "flash": can_use_flash_attention,
+        "efficient": can_use_efficient_attention,
+        "math": lambda params: True,
+    }
     batch, heads, tokens, head_dim = query.shape
     key = query.new_empty(batch, kv_heads, tokens, head_dim)
     params = SDPAParams(query, key, key, None, 0.0, True, kv_heads != heads)
@@ -51,8 +63,12 @@ def attention_context(order: list[str] | None):
 
 
 # what the attention's inputs are under each trainer.precision
-PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-                    "32-true": torch.float32}
+PRECISION_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "32-true": torch.float32,
+}
 
 
 def describe_attention(preferred: str, model_cfg, micro_batch: int, precision: str) -> tuple[list[str] | None, str]:
@@ -62,7 +78,13 @@ def describe_attention(preferred: str, model_cfg, micro_batch: int, precision: s
     order = backend_order(preferred, capability)
     if order is None:
         return None, f"SDPA in torch's own order (trainer.attention={preferred}, sm{capability[0]}{capability[1]})"
-    query = torch.empty(micro_batch, model_cfg.n_heads, model_cfg.seq_len, model_cfg.head_dim,
-                        dtype=PRECISION_DTYPES[precision], device=device)
+    query = torch.empty(
+        micro_batch,
+        model_cfg.n_heads,
+        model_cfg.seq_len,
+        model_cfg.head_dim,
+        dtype=PRECISION_DTYPES[precision],
+        device=device,
+    )
     used = backend_in_use(order, query, model_cfg.kv_heads)
     return order, f"SDPA {used} (order {', '.join(order)}; trainer.attention={preferred})"

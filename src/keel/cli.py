@@ -11,7 +11,10 @@ COMMANDS = {
     "pretrain": ("keel.pretrain", "train a model from the composed config"),
     "estimate": ("keel.estimate", "a run's memory per GPU (or CPU) from its config, without starting it"),
     "data": ("keel.data.preparation", "build tokenized litdata shards (and a tokenizer) from a corpus"),
-    "gradflow": ("keel.gradflow", "per-sublayer gradient flow at initialization or in a checkpoint, as JSON (and a plot)"),
+    "gradflow": (
+        "keel.gradflow",
+        "per-sublayer gradient flow at initialization or in a checkpoint, as JSON (and a plot)",
+    ),
     "generate": ("keel.generate", "sample text from a checkpoint (KV cache, printed as it is decoded)"),
     "eval": ("keel.evaluation.cli", "lm-eval's command line with the `keel` model registered"),
     "eval-data": ("keel.evaluation.offline", "local copies of lm-eval's task datasets: `keel eval-data fetch DIR`"),

@@ -9,7 +9,6 @@ from typing import Any
 
 from keel.errors import ConfigError
 
-
 KINDS = {int: "an integer", float: "a number"}  # what comma_list names a cast, in its error
 
 

@@ -11,22 +11,37 @@ import warnings
 
 # (start of the warning's message, its category or a base class of it, why it is noise here)
 WARNINGS = [
-    ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning,
-     "torch deprecating LeafSpec, said from inside Lightning's own _pytree helper: a Lightning release fixes it"),
-    ("Your `IterableDataset` has `__len__` defined", UserWarning,
-     "litdata's StreamingDataset deals its chunks out among the loader workers itself, so its length holds"),
-    ("It is recommended to use `self.log('val/", UserWarning,  # Lightning's PossibleUserWarning
-     "val/loss and val/ppl come from torchmetrics sums whose compute() has already reduced them over the ranks"),
-    ("Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided", UserWarning,
-     "a resume with a callback turned off (e.g. eval.enabled=false): keel's resume line lists it among the changed "
-     "settings, and the callback's saved state is left unused"),
+    (
+        "`isinstance(treespec, LeafSpec)` is deprecated",
+        FutureWarning,
+        "torch deprecating LeafSpec, said from inside Lightning's own _pytree helper: a Lightning release fixes it",
+    ),
+    (
+        "Your `IterableDataset` has `__len__` defined",
+        UserWarning,
+        "litdata's StreamingDataset deals its chunks out among the loader workers itself, so its length holds",
+    ),
+    (
+        "It is recommended to use `self.log('val/",
+        UserWarning,  # Lightning's PossibleUserWarning
+        "val/loss and val/ppl come from torchmetrics sums whose compute() has already reduced them over the ranks",
+    ),
+    (
+        "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be provided",
+        UserWarning,
+        "a resume with a callback turned off (e.g. eval.enabled=false): keel's resume line lists it among the changed "
+        "settings, and the callback's saved state is left unused",
+    ),
 ]
 
 # logger -> (text in the record's message, why it is noise here)
 LOG_RECORDS = {
     "lightning.pytorch.utilities.rank_zero": [  # Lightning's rank_zero_info lines
-        ("GPU available: ", "the start-up summary's hardware line says what the run uses (Lightning still warns "
-                            "when a GPU is there and not used)"),
+        (
+            "GPU available: ",
+            "the start-up summary's hardware line says what the run uses (Lightning still warns "
+            "when a GPU is there and not used)",
+        ),
         ("TPU available: ", "as GPU available"),
         ("💡 Tip: ", "an advertisement for Lightning's cloud logger"),
         ("`Trainer(limit_val_batches=1)` was configured", "Lightning's words for the trainer.val_batches=1 asked for"),

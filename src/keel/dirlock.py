@@ -80,8 +80,10 @@ class DirLock:
             entries = set(os.listdir(self.directory))
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise ConfigError(f"{self.key}={self.directory}: cannot write there ({err.strerror or err}): "
-                              f"choose a directory you can write ({self.key}=PATH)") from None
+            raise ConfigError(
+                f"{self.key}={self.directory}: cannot write there ({err.strerror or err}): "
+                f"choose a directory you can write ({self.key}=PATH)"
+            ) from None
         no_flock = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -93,8 +95,10 @@ class DirLock:
                 os.close(fd)
                 raise
             no_flock = os.strerror(err.errno)
-            self._say(f"the filesystem does not support flock ({no_flock}): the lock file's pid, host and SLURM job "
-                      "decide instead")
+            self._say(
+                f"the filesystem does not support flock ({no_flock}): the lock file's pid, host and SLURM job "
+                "decide instead"
+            )
         previous = _holder(self.path)
         reason = "ended without releasing its lock"  # the kernel released it: nobody holds it
         mine = previous.get("pid") == os.getpid() and previous.get("host") == socket.gethostname()
@@ -110,9 +114,18 @@ class DirLock:
         if previous:  # released locks are emptied: this one's holder ended without releasing it
             self._say(f"a previous process (pid {previous.get('pid')} on {previous.get('host')}) {reason}; taken over")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                                  "slurm_job": os.environ.get("SLURM_JOB_ID")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                    "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                }
+            ).encode(),
+            0,
+        )
         os.fsync(fd)
         self._fd = fd
         self._entries_before = None if LOCK in entries else entries
@@ -122,8 +135,10 @@ class DirLock:
 
     def _in_use(self, holder: dict) -> str:
         who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('since', '?')})"
-        return (f"{self.key}={self.directory} is in use by another keel process: {who}. {self.clash}; wait for it to "
-                f"end, stop it, or use another {self.key}")
+        return (
+            f"{self.key}={self.directory} is in use by another keel process: {who}. {self.clash}; wait for it to "
+            f"end, stop it, or use another {self.key}"
+        )
 
     def release(self) -> None:
         if self._fd is None:

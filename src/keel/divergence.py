@@ -24,8 +24,14 @@ class DivergenceJudge:
     consecutive: an excursion's length is the number of points above the bar (a point per step: the training loss);
     else the steps since the last point within it (points every few steps: held-out evaluations)."""
 
-    def __init__(self, spike_margin: float, patience: int, ceiling: float | None = None, ceiling_margin: float = 0.0,
-                 consecutive: bool = False) -> None:
+    def __init__(
+        self,
+        spike_margin: float,
+        patience: int,
+        ceiling: float | None = None,
+        ceiling_margin: float = 0.0,
+        consecutive: bool = False,
+    ) -> None:
         self.spike_margin, self.patience, self.consecutive = spike_margin, patience, consecutive
         self.ceiling, self.ceiling_margin = ceiling, ceiling_margin
         self.best = math.inf  # the lowest finite loss so far

@@ -10,8 +10,10 @@ from pathlib import Path
 STORAGE_FAILURES = {
     errno.ENOSPC: ("no space left on the device", "free space"),
     errno.EDQUOT: ("the disk quota is exceeded", "free space"),
-    errno.EFBIG: ("the file is too large (past a file size limit or the file system's)",
-                  "raise the file size limit (ulimit -f)"),
+    errno.EFBIG: (
+        "the file is too large (past a file size limit or the file system's)",
+        "raise the file size limit (ulimit -f)",
+    ),
     errno.EROFS: ("the file system is read-only", "make it writable"),
     errno.EACCES: ("permission denied", "make it writable"),
     errno.EPERM: ("permission denied", "make it writable"),
@@ -36,8 +38,9 @@ def refuse_output(out: Path, command: str, option: str, empty_dir_ok: bool = Fal
         raise ConfigError(f"{command}: {out} already exists{what}; choose a new {option} (nothing is overwritten)")
     blocking = next((parent for parent in out.parents if parent.exists() and not parent.is_dir()), None)
     if blocking is not None:
-        raise ConfigError(f"{command}: cannot write {out}: {blocking} is a file, not a directory; choose another "
-                          f"{option}")
+        raise ConfigError(
+            f"{command}: cannot write {out}: {blocking} is a file, not a directory; choose another {option}"
+        )
 
 
 def describe_error(err: BaseException) -> str:

@@ -39,20 +39,29 @@ def gpu_plan(cfg: Config) -> tuple[list[str], bool]:
     have = gpu_budget_bytes(t)
     terms = gpu_training_terms(model, t)
     need = sum(terms.values())
-    source = ("trainer.gpu_memory_gib" if t.gpu_memory_gib is not None and (
-        have == int(t.gpu_memory_gib * 2**30)) else "the visible GPU's")
-    lines = [f"run         {run_shape(model, t)}",
-             "per GPU     " + ", ".join(f"{name} {gib(n)}" for name, n in terms.items()),
-             f"estimate    {gib(need)} per GPU, {gib(with_margin(need))} with the {ALLOCATOR_MARGIN:.0%} allocator "
-             "margin"]
+    source = (
+        "trainer.gpu_memory_gib"
+        if t.gpu_memory_gib is not None and (have == int(t.gpu_memory_gib * 2**30))
+        else "the visible GPU's"
+    )
+    lines = [
+        f"run         {run_shape(model, t)}",
+        "per GPU     " + ", ".join(f"{name} {gib(n)}" for name, n in terms.items()),
+        f"estimate    {gib(need)} per GPU, {gib(with_margin(need))} with the {ALLOCATOR_MARGIN:.0%} allocator margin",
+    ]
     if have is None:
-        lines.append("GPU         memory unknown: no GPU is visible here; give it as trainer.gpu_memory_gib=GIB (what "
-                     "torch reports: an \"80 GB\" H100 about 79)")
+        lines.append(
+            "GPU         memory unknown: no GPU is visible here; give it as trainer.gpu_memory_gib=GIB (what "
+            'torch reports: an "80 GB" H100 about 79)'
+        )
         return lines, True
     fits = with_margin(need) <= have
     lines.append(f"GPU         {gib(have)} ({source})")
-    lines.append(f"verdict     fits, {gib(have - with_margin(need))} to spare" if fits else
-                 f"verdict     does not fit; change, in this order: {', then '.join(remedies(model, t, have))}")
+    lines.append(
+        f"verdict     fits, {gib(have - with_margin(need))} to spare"
+        if fits
+        else f"verdict     does not fit; change, in this order: {', then '.join(remedies(model, t, have))}"
+    )
     return lines, fits
 
 
@@ -60,11 +69,13 @@ def cpu_plan(cfg: Config) -> tuple[list[str], bool]:
     """The CPU memory plan's lines, and whether the run fits the memory available here."""
     t = cfg.trainer
     need = cpu_training_bytes(cfg, t.checkpointed_blocks(cfg.model.depth))
-    lines = [f"run         model.depth={cfg.model.depth}, model.width={cfg.model.width}, trainer.micro_batch_size="
-             f"{t.micro_batch_size} x model.seq_len={cfg.model.seq_len}, {t.devices} process(es) on this CPU, "
-             f"activation checkpointing of {t.checkpointed_blocks(cfg.model.depth)} of {cfg.model.depth} blocks",
-             f"estimate    {gib(need)} (fitted to peak RSS, which includes the allocator's slack)",
-             f"memory      {gib(available_bytes())} available here"]
+    lines = [
+        f"run         model.depth={cfg.model.depth}, model.width={cfg.model.width}, trainer.micro_batch_size="
+        f"{t.micro_batch_size} x model.seq_len={cfg.model.seq_len}, {t.devices} process(es) on this CPU, "
+        f"activation checkpointing of {t.checkpointed_blocks(cfg.model.depth)} of {cfg.model.depth} blocks",
+        f"estimate    {gib(need)} (fitted to peak RSS, which includes the allocator's slack)",
+        f"memory      {gib(available_bytes())} available here",
+    ]
     try:
         check_training_fits(cfg)
     except ConfigError as refusal:
@@ -73,8 +84,9 @@ def cpu_plan(cfg: Config) -> tuple[list[str], bool]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel estimate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="keel estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML merged over conf/config.yaml (as keel pretrain's)")
     parser.add_argument("overrides", nargs="*", help="group=choice (model=paper_d64) or key.path=value")
     args = parser.parse_intermixed_args(argv)

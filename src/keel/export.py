@@ -22,11 +22,11 @@ import torch
 from keel.checkpoint.payload import read_payload
 from keel.checkpoint.read import checked_config, model_state_dict, read_checkpoint
 from keel.config import from_dict, to_dict
+from keel.config.model import needs_final_norm, sublayer_specs
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError, refuse_output
 from keel.export_format import to_hf_names
 from keel.model_card import model_card
-from keel.config.model import needs_final_norm, sublayer_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # For fine-tuning on chats (TRL): a chat is a document, so it starts after EOS, and every turn ends with EOS, which
@@ -62,16 +62,30 @@ def hf_config(cfg, eos: int, step: int | None, heldout: dict | None = None):
     KeelConfig, _ = _transformers()
     model = cfg.model
     return KeelConfig(
-        vocab_size=model.vocab_size, hidden_size=model.width, num_hidden_layers=model.depth,
-        num_attention_heads=model.n_heads, num_key_value_heads=model.kv_heads, intermediate_size=model.ffn_hidden,
-        hidden_act=model.ffn, max_position_embeddings=model.seq_len, rope_theta=model.rope_theta,
-        rms_norm_eps=model.norm_eps, initializer_range=model.init_std, out_norm_gain=model.out_norm_gain,
-        final_norm=needs_final_norm(model), scheme=model.scheme, logits_multiplier=model.mup_ratio,
+        vocab_size=model.vocab_size,
+        hidden_size=model.width,
+        num_hidden_layers=model.depth,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.kv_heads,
+        intermediate_size=model.ffn_hidden,
+        hidden_act=model.ffn,
+        max_position_embeddings=model.seq_len,
+        rope_theta=model.rope_theta,
+        rms_norm_eps=model.norm_eps,
+        initializer_range=model.init_std,
+        out_norm_gain=model.out_norm_gain,
+        final_norm=needs_final_norm(model),
+        scheme=model.scheme,
+        logits_multiplier=model.mup_ratio,
         attention_scale=model.attention_scale,
         sublayers=[[asdict(attn), asdict(ffn)] for attn, ffn in sublayer_specs(model)],
-        keel=without_machine_paths(to_dict(cfg)), trained_steps=step, heldout=heldout,
+        keel=without_machine_paths(to_dict(cfg)),
+        trained_steps=step,
+        heldout=heldout,
         tie_word_embeddings=model.tie_embeddings,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
@@ -98,13 +112,20 @@ def hf_tokenizer(tokenizer_json: str, seq_len: int):
     tokenizer = Tokenizer.from_str(tokenizer_json)
     eos_id = eos_id_of(tokenizer)
     eos = tokenizer.id_to_token(eos_id)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos,
-                                      model_max_length=seq_len, chat_template=CHAT_TEMPLATE)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=eos,
+        bos_token=eos,
+        pad_token=eos,
+        model_max_length=seq_len,
+        chat_template=CHAT_TEMPLATE,
+    )
     return wrapped, eos_id
 
 
-def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB",
-           license: str = "other") -> Path:
+def export(
+    checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size: str = "5GB", license: str = "other"
+) -> Path:
     """Write checkpoint_path's model, tokenizer, generation defaults and model card (under license, an SPDX id
     or the hub's "other") to out (module docstring)."""
     _, KeelForCausalLM = _transformers()
@@ -118,8 +139,10 @@ def export(checkpoint_path: str, out: Path, dtype: str = "fp32", max_shard_size:
     payload = read_payload(checkpoint)
     tokenizer_json = payload.tokenizer_json
     if not tokenizer_json:
-        raise ConfigError(f"export: {checkpoint_path} holds no tokenizer (tokenizer_json); a model without its "
-                          "tokenizer cannot be used outside Keel")
+        raise ConfigError(
+            f"export: {checkpoint_path} holds no tokenizer (tokenizer_json); a model without its "
+            "tokenizer cannot be used outside Keel"
+        )
     cfg = checked_config(checkpoint, checkpoint_path)
     tokenizer, eos = hf_tokenizer(tokenizer_json, cfg.model.seq_len)
     config = hf_config(cfg, eos, checkpoint.get("global_step"), payload.heldout)
@@ -191,25 +214,42 @@ def verify(checkpoint_path: str, out: Path, new_tokens: int = 32) -> dict[str, f
     start, new_tokens = torch.tensor([[eos]]), min(new_tokens, cfg.model.seq_len - 1)
     keel_tokens = generate(keel_model, start, new_tokens, stop_tokens=(eos,))[0, 1:].tolist()  # both stop at EOS
     hf_tokens = hf_model.generate(start, max_new_tokens=new_tokens, do_sample=False)[0, 1:].tolist()
-    agree = next((i for i, pair in enumerate(zip(keel_tokens, hf_tokens)) if pair[0] != pair[1]),
-                 min(len(keel_tokens), len(hf_tokens)))
-    return {"max_logit_difference": difference, "max_logit": expected.abs().max().item(),
-            "greedy_tokens_equal": agree, "greedy_tokens": len(keel_tokens)}
+    agree = next(
+        (i for i, pair in enumerate(zip(keel_tokens, hf_tokens)) if pair[0] != pair[1]),
+        min(len(keel_tokens), len(hf_tokens)),
+    )
+    return {
+        "max_logit_difference": difference,
+        "max_logit": expected.abs().max().item(),
+        "greedy_tokens_equal": agree,
+        "greedy_tokens": len(keel_tokens),
+    }
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="keel export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="checkpoint=PATH or PATH (a single file or an FSDP sharded directory)")
     parser.add_argument("--out", required=True, help="the directory to write (new, or empty)")
-    parser.add_argument("--dtype", default="fp32", choices=DTYPES,
-                        help="the matrices' dtype (the norms' gains stay fp32); default fp32, as trained")
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=DTYPES,
+        help="the matrices' dtype (the norms' gains stay fp32); default fp32, as trained",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="weights past this go into several shards + an index")
-    parser.add_argument("--license", default="other",
-                        help="the model card's license: an SPDX id such as apache-2.0 (default: other, none chosen)")
-    parser.add_argument("--verify", action="store_true",
-                        help="then load the directory with transformers and compare it with the checkpoint's model "
-                             "(logits, greedy decoding); the whole model is held twice in memory")
+    parser.add_argument(
+        "--license",
+        default="other",
+        help="the model card's license: an SPDX id such as apache-2.0 (default: other, none chosen)",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="then load the directory with transformers and compare it with the checkpoint's model "
+        "(logits, greedy decoding); the whole model is held twice in memory",
+    )
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint.removeprefix("checkpoint=")
     out = export(checkpoint, Path(args.out), args.dtype, args.max_shard_size, args.license)
@@ -218,7 +258,9 @@ def main(argv: list[str]) -> int:
     print(f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     if args.verify:
         check = verify(checkpoint, out)
-        print(f"  verified: largest logit difference {check['max_logit_difference']:.2g} (largest logit "
-              f"{check['max_logit']:.3g}); greedy decoding equal for {check['greedy_tokens_equal']} of "
-              f"{check['greedy_tokens']} tokens")
+        print(
+            f"  verified: largest logit difference {check['max_logit_difference']:.2g} (largest logit "
+            f"{check['max_logit']:.3g}); greedy decoding equal for {check['greedy_tokens_equal']} of "
+            f"{check['greedy_tokens']} tokens"
+        )
     return 0

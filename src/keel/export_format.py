@@ -15,8 +15,12 @@ from keel.config import from_dict
 from keel.errors import ConfigError
 
 # KeelLM parameter prefixes -> the exported model's (the rest of each name is the same in both)
-RENAMES = (("embed.", "model.embed_tokens."), ("blocks.", "model.layers."), ("final_norm.", "model.norm."),
-           ("head.", "lm_head."))
+RENAMES = (
+    ("embed.", "model.embed_tokens."),
+    ("blocks.", "model.layers."),
+    ("final_norm.", "model.norm."),
+    ("head.", "lm_head."),
+)
 MODEL_TYPE = "keel"
 
 
@@ -24,7 +28,7 @@ def _renamed(state: dict[str, torch.Tensor], renames) -> dict[str, torch.Tensor]
     out = {}
     for name, tensor in state.items():
         old, new = next((old, new) for old, new in renames if name.startswith(old))
-        out[new + name[len(old):]] = tensor
+        out[new + name[len(old) :]] = tensor
     return out
 
 
@@ -57,8 +61,10 @@ def _shard_names(path: Path) -> list[str]:
     weight_map = _read_json(index).get("weight_map")
     names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else None
     if not names or not all(isinstance(name, str) and name == Path(name).name != ".." for name in names):
-        raise ConfigError(f"checkpoint: {index} refused: its weight_map must name weight files in {path} itself, "
-                          f"got {str(names)[:200]}")
+        raise ConfigError(
+            f"checkpoint: {index} refused: its weight_map must name weight files in {path} itself, "
+            f"got {str(names)[:200]}"
+        )
     return names
 
 
@@ -66,7 +72,9 @@ def _load_weights(path: Path, shards: list[str]) -> dict[str, torch.Tensor]:
     try:
         from safetensors.torch import load_file
     except ImportError:
-        raise ConfigError(f"checkpoint: reading the exported {path} needs safetensors: pip install 'keel[hf]'") from None
+        raise ConfigError(
+            f"checkpoint: reading the exported {path} needs safetensors: pip install 'keel[hf]'"
+        ) from None
     state = {}
     for shard in shards:
         try:
@@ -76,8 +84,10 @@ def _load_weights(path: Path, shards: list[str]) -> dict[str, torch.Tensor]:
     prefixes = tuple(new for _, new in RENAMES)
     foreign = sorted(name for name in state if not name.startswith(prefixes))
     if foreign:
-        raise ConfigError(f"checkpoint: {path} holds weights a keel export never has ({', '.join(foreign[:3])}): "
-                          "the export was edited; use the checkpoint it came from")
+        raise ConfigError(
+            f"checkpoint: {path} holds weights a keel export never has ({', '.join(foreign[:3])}): "
+            "the export was edited; use the checkpoint it came from"
+        )
     return state
 
 
@@ -88,20 +98,28 @@ def read_export(path: Path, weights: bool = True) -> dict:
     config = _read_json(path / "config.json")
     run_config = config.get("keel")  # the run's whole config (keel.export.hf_config)
     if config.get("model_type") != MODEL_TYPE or not isinstance(run_config, dict):
-        raise ConfigError(f"checkpoint: {path} is a model directory that `keel export` did not write (model_type "
-                          f"{config.get('model_type')!r}); Keel reads back only its own exports")
+        raise ConfigError(
+            f"checkpoint: {path} is a model directory that `keel export` did not write (model_type "
+            f"{config.get('model_type')!r}); Keel reads back only its own exports"
+        )
     try:  # here, naming the file: checked later, its error would read as one in the user's own settings
         from_dict(run_config)
     except ConfigError as err:
-        raise ConfigError(f"checkpoint: {path / 'config.json'} holds an invalid keel config ({err}); it was edited: "
-                          "export the checkpoint it came from again") from None
+        raise ConfigError(
+            f"checkpoint: {path / 'config.json'} holds an invalid keel config ({err}); it was edited: "
+            "export the checkpoint it came from again"
+        ) from None
     shards = _shard_names(path)
     missing = [name for name in ["tokenizer.json", *(shards if weights else [])] if not (path / name).is_file()]
     if missing:
         raise ConfigError(f"checkpoint: {path} is an incomplete export (no {', '.join(missing)})")
     checkpoint = {"global_step": config.get("trained_steps"), "exported": True}
-    write_payload(checkpoint, KeelPayload(config=run_config, tokenizer_json=(path / "tokenizer.json").read_text(),
-                                          heldout=config.get("heldout")))
+    write_payload(
+        checkpoint,
+        KeelPayload(
+            config=run_config, tokenizer_json=(path / "tokenizer.json").read_text(), heldout=config.get("heldout")
+        ),
+    )
     if weights:
         state = _load_weights(path, shards)
         if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in state:  # saved once, as the embedding

@@ -22,14 +22,22 @@ from dataclasses import asdict, replace
 import torch
 
 from keel import memory
-from keel.errors import ConfigError
-from keel.model import KeelLM, RMSNorm
 from keel.config import ModelConfig
 from keel.config.model import INITS, KEEL_FIRST_BLOCK, SCHEMES, scheme_of
+from keel.errors import ConfigError
+from keel.model import KeelLM, RMSNorm
 
 PROFILES = ("rel_act_grad", "weight_grad", "gain_grad", "output_rms", "input_top_share")
-MODEL_OPTIONS = {"scheme": "keel", "depth": 16, "width": 64, "heads": 4, "vocab": 256, "init": "normal", "alpha": None,
-                 "keel_first_block": "v1"}  # defaults of a fresh model; a checkpoint brings its own
+MODEL_OPTIONS = {
+    "scheme": "keel",
+    "depth": 16,
+    "width": 64,
+    "heads": 4,
+    "vocab": 256,
+    "init": "normal",
+    "alpha": None,
+    "keel_first_block": "v1",
+}  # defaults of a fresh model; a checkpoint brings its own
 PROBE_BLOCKS = 256  # deeper models are timed on this many blocks first, and their progress said
 
 
@@ -66,8 +74,13 @@ class Progress:
             self.say(f"{stage} {done:,} of {self.blocks:,} blocks")
 
 
-def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detach_branches: bool = False,
-                  progress: Progress | None = None) -> dict:
+def measure_model(
+    model: KeelLM,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    detach_branches: bool = False,
+    progress: Progress | None = None,
+) -> dict:
     """Gradient flow of one mean cross-entropy loss through `model`: a KeelLM, activation checkpointing
     allowed, not compiled or sharded (hooks). Uses autograd.grad, so parameters' .grad stay untouched."""
     sublayers = model.sublayers()
@@ -81,6 +94,7 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
             input_grads[i] = grad
             if i % 2 == 0:  # a block's input: the backward has passed through it
                 progress.block("backward", model.cfg.depth - i // 2)
+
         return keep
 
     def record(i: int):
@@ -116,18 +130,20 @@ def measure_model(model: KeelLM, idx: torch.Tensor, targets: torch.Tensor, detac
         gains = [m.weight for m in sub.modules() if isinstance(m, RMSNorm)]
         matrices = [p for p in sub.branch.parameters() if p.ndim >= 2]
         act_grad, input_rms = _norm([input_grads[i]]), _rms(inputs[i])
-        rows.append({
-            "index": i,
-            "block": i // 2,
-            "kind": ("attn", "ffn")[i % 2],
-            "act_grad": act_grad,
-            "input_rms": input_rms,
-            "rel_act_grad": act_grad * input_rms,
-            "weight_grad": _norm(grad_of.get(p) for p in matrices),
-            "gain_grad": _norm(grad_of.get(p) for p in gains),
-            "output_rms": _rms(outputs[i]),
-            "input_top_share": _top_share(inputs[i]),
-        })
+        rows.append(
+            {
+                "index": i,
+                "block": i // 2,
+                "kind": ("attn", "ffn")[i % 2],
+                "act_grad": act_grad,
+                "input_rms": input_rms,
+                "rel_act_grad": act_grad * input_rms,
+                "weight_grad": _norm(grad_of.get(p) for p in matrices),
+                "gain_grad": _norm(grad_of.get(p) for p in gains),
+                "output_rms": _rms(outputs[i]),
+                "input_top_share": _top_share(inputs[i]),
+            }
+        )
     return {"loss": float(loss.detach()), "sublayers": rows, "summary": summarize(model.cfg, rows)}
 
 
@@ -149,8 +165,14 @@ def summarize(cfg: ModelConfig, rows: list[dict]) -> dict:
     return summary
 
 
-def measure(cfg: ModelConfig, detach_branches: bool = False, batch: int = 4, seed: int = 0,
-            model: KeelLM | None = None, progress: Progress | None = None) -> dict:
+def measure(
+    cfg: ModelConfig,
+    detach_branches: bool = False,
+    batch: int = 4,
+    seed: int = 0,
+    model: KeelLM | None = None,
+    progress: Progress | None = None,
+) -> dict:
     """Measure `model` (default: a fresh one from cfg, seeded) on random tokens and random targets."""
     torch.manual_seed(seed)
     if model is None:
@@ -170,9 +192,12 @@ def announced(cfg: ModelConfig, batch: int, trained: bool) -> Progress:
     seconds = (time.perf_counter() - start) * cfg.depth / PROBE_BLOCKS
     if trained:  # its blocks are built already
         seconds /= 2
-    print(f"keel gradflow: {cfg.scheme}, {cfg.depth:,} blocks: about {seconds / 60:.1f} min (extrapolated from "
-          f"{PROBE_BLOCKS} blocks), about {memory.measurement_bytes(cfg, batch) / 2**30:.1f} GiB", file=sys.stderr,
-          flush=True)
+    print(
+        f"keel gradflow: {cfg.scheme}, {cfg.depth:,} blocks: about {seconds / 60:.1f} min (extrapolated from "
+        f"{PROBE_BLOCKS} blocks), about {memory.measurement_bytes(cfg, batch) / 2**30:.1f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
     return Progress(cfg.depth, every=max(1, cfg.depth // 10))
 
 
@@ -185,10 +210,13 @@ def flatten_gains(model: KeelLM) -> None:
 
 
 def check_fits(cfg: ModelConfig, batch: int) -> None:
-    memory.check_fits(memory.measurement_bytes(cfg, batch),
-                      f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, --batch {batch}",
-                      memory.parameter_count(cfg), "weights and gradients",
-                      "lower --depth, --width, --seq-len or --batch, or pass --force to try anyway")
+    memory.check_fits(
+        memory.measurement_bytes(cfg, batch),
+        f"depth {cfg.depth}, width {cfg.width}, --seq-len {cfg.seq_len}, --batch {batch}",
+        memory.parameter_count(cfg),
+        "weights and gradients",
+        "lower --depth, --width, --seq-len or --batch, or pass --force to try anyway",
+    )
 
 
 def plot(results: dict, path: str, title: str) -> None:
@@ -221,16 +249,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--init", choices=("auto", *INITS), help="normal (default): N(0, 0.02^2); unit: N(0, 1/fan_in)")
     model.add_argument("--alpha", type=float, help="Keel's alpha (default L = 2 * depth)")
     model.add_argument("--keel-first-block", choices=KEEL_FIRST_BLOCK, help="default v1")
-    parser.add_argument("--checkpoint", metavar="CKPT",
-                        help="measure this trained model (a keel checkpoint file or directory)")
-    parser.add_argument("--flatten-gains", action="store_true",
-                        help="with --checkpoint: every norm gain set to its mean first")
+    parser.add_argument(
+        "--checkpoint", metavar="CKPT", help="measure this trained model (a keel checkpoint file or directory)"
+    )
+    parser.add_argument(
+        "--flatten-gains", action="store_true", help="with --checkpoint: every norm gain set to its mean first"
+    )
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 32; a checkpoint's model.seq_len)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--detach-branches", action="store_true", help="only the skip path carries gradient")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", metavar="FILE.png", help="draw the per-sublayer profiles of every scheme")
-    parser.add_argument("--force", action="store_true", help="run even where the memory estimate exceeds what is available")
+    parser.add_argument(
+        "--force", action="store_true", help="run even where the memory estimate exceeds what is available"
+    )
     args = parser.parse_args(argv)
     given = [f"--{name.replace('_', '-')}" for name in MODEL_OPTIONS if getattr(args, name) is not None]
     if args.checkpoint is not None and given:
@@ -263,10 +295,20 @@ def main(argv: list[str] | None = None) -> int:
         measured = [(name, cfg, model)]
         title = f"{args.checkpoint}, depth {cfg.depth}"
     else:
-        fresh = [ModelConfig(
-            scheme=scheme.strip(), depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len or 32,
-            vocab_size=args.vocab, init=args.init, keel_alpha=args.alpha, keel_first_block=args.keel_first_block,
-        ) for scheme in args.scheme.split(",")]
+        fresh = [
+            ModelConfig(
+                scheme=scheme.strip(),
+                depth=args.depth,
+                width=args.width,
+                n_heads=args.heads,
+                seq_len=args.seq_len or 32,
+                vocab_size=args.vocab,
+                init=args.init,
+                keel_alpha=args.alpha,
+                keel_first_block=args.keel_first_block,
+            )
+            for scheme in args.scheme.split(",")
+        ]
         measured = [(cfg.scheme, cfg, None) for cfg in fresh]  # each model built when it is measured
         title = f"depth {args.depth} (L = {2 * args.depth}), {args.init} init"
     results = {}
@@ -274,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.force:
             check_fits(cfg, args.batch)
         progress = announced(cfg, args.batch, trained=model is not None)
-        results[name] = {"config": asdict(cfg), **measure(cfg, args.detach_branches, args.batch, args.seed, model,
-                                                          progress)}
+        results[name] = {
+            "config": asdict(cfg),
+            **measure(cfg, args.detach_branches, args.batch, args.seed, model, progress),
+        }
     print(json.dumps({"options": vars(args), "schemes": results}, indent=1))
     if args.plot:
         mode = "skip path only" if args.detach_branches else "full gradient"

@@ -38,15 +38,27 @@ def make_optimizer(model: KeelLM, optim: OptimConfig) -> torch.optim.AdamW:
     ]
     if hidden:
         scale = model.cfg.mup_ratio
-        groups.append({"name": "hidden", "params": [p for p in matrices if id(p) in hidden], "weight_decay": decay,
-                       "lr": optim.lr * scale, "lr_scale": scale})
+        groups.append(
+            {
+                "name": "hidden",
+                "params": [p for p in matrices if id(p) in hidden],
+                "weight_decay": decay,
+                "lr": optim.lr * scale,
+                "lr_scale": scale,
+            }
+        )
     # fused: one kernel for every tensor (CPU and CUDA), cheaper per step than the foreach default (docs/bench.md)
     return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=True)
 
 
 class KeelLitModule(LightningModule):
-    def __init__(self, cfg: Config, tokenizer_json: str | None = None, empty_init: bool = False,
-                 data_manifest_sha256: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer_json: str | None = None,
+        empty_init: bool = False,
+        data_manifest_sha256: str | None = None,
+    ) -> None:
         """empty_init: build the model on the meta device (no memory, no values): for a process whose weights
         come from another's when the model is parallelized (configure_model). tokenizer_json and
         data_manifest_sha256 (the shards' identity) go into every checkpoint (keel.checkpoint.payload)."""
@@ -154,8 +166,15 @@ class KeelLitModule(LightningModule):
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        write_payload(checkpoint, KeelPayload(config=to_dict(self.cfg), tokenizer_json=self.tokenizer_json,
-                                              heldout=self.heldout, data_manifest_sha256=self.data_manifest_sha256))
+        write_payload(
+            checkpoint,
+            KeelPayload(
+                config=to_dict(self.cfg),
+                tokenizer_json=self.tokenizer_json,
+                heldout=self.heldout,
+                data_manifest_sha256=self.data_manifest_sha256,
+            ),
+        )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # keel.checkpoint.resume.check_resume has checked it (keel.training) before any work
@@ -176,4 +195,3 @@ def drop_nonfinite_update(optimizer: torch.optim.Optimizer, global_grad_norm: to
     read, as GradScaler does, through the optimizer's `found_inf`; weights, moments and step count stay as they
     were, and the LR schedule advances. Set at every step: the flag persists until the next."""
     optimizer.found_inf = (~torch.isfinite(global_grad_norm)).float()
-

@@ -109,8 +109,13 @@ class WandB(LoggerKind):
     name, logger_class = "wandb", WandbLogger
 
     def build(self, run_dir, run_name, run_id):
-        return self.logger_class(save_dir=run_dir, name=run_name, project=os.environ.get("WANDB_PROJECT", "keel"),
-                          id=run_id or uuid.uuid4().hex[:12], resume="allow")
+        return self.logger_class(
+            save_dir=run_dir,
+            name=run_name,
+            project=os.environ.get("WANDB_PROJECT", "keel"),
+            id=run_id or uuid.uuid4().hex[:12],
+            resume="allow",
+        )
 
     def run_id(self, logger):
         return logger.version
@@ -121,9 +126,11 @@ class WandB(LoggerKind):
         try:  # the first use starts the W&B run, which is where a missing API key shows
             super().log_config(logger, config)
         except wandb.errors.UsageError as err:
-            raise ConfigError(f"trainer.loggers: wandb cannot start a run: {err} Run `wandb login` or set "
-                              "WANDB_API_KEY, or set WANDB_MODE=offline to log into the run dir (`wandb sync` it "
-                              "later)") from None
+            raise ConfigError(
+                f"trainer.loggers: wandb cannot start a run: {err} Run `wandb login` or set "
+                "WANDB_API_KEY, or set WANDB_MODE=offline to log into the run dir (`wandb sync` it "
+                "later)"
+            ) from None
 
     def log_text(self, logger, tag, text, step):
         logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)
@@ -146,12 +153,21 @@ class MLflow(LoggerKind):
     def build(self, run_dir, run_name, run_id):
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "keel")
         if os.environ.get("MLFLOW_TRACKING_URI"):
-            return self.logger_class(experiment_name=experiment, run_name=run_name,
-                              tracking_uri=os.environ["MLFLOW_TRACKING_URI"], run_id=run_id)
+            return self.logger_class(
+                experiment_name=experiment,
+                run_name=run_name,
+                tracking_uri=os.environ["MLFLOW_TRACKING_URI"],
+                run_id=run_id,
+            )
         local = Path(run_dir).resolve()
         local.mkdir(parents=True, exist_ok=True)
-        return self.logger_class(experiment_name=experiment, run_name=run_name, tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
-                          artifact_location=str(local / "mlartifacts"), run_id=run_id)
+        return self.logger_class(
+            experiment_name=experiment,
+            run_name=run_name,
+            tracking_uri=f"sqlite:///{local / 'mlflow.db'}",
+            artifact_location=str(local / "mlartifacts"),
+            run_id=run_id,
+        )
 
     def run_id(self, logger):
         return logger.run_id

@@ -58,8 +58,9 @@ def compute_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
 
 
-def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerSpec], compute_bytes: int,
-                          compiled: bool = False) -> int:
+def block_bytes_per_token(
+    cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerSpec], compute_bytes: int, compiled: bool = False
+) -> int:
     """What autograd keeps per token for one block's backward, in bytes; compute_bytes: 2 under bf16 autocast (or
     bf16 weights), 4 in fp32; compiled: the block compiled (keel.parallel.compile_blocks), else eager. Counted from
     the distinct storages saved (saved_tensors_hooks) on CPU, which this reproduces exactly for every scheme, GELU
@@ -86,8 +87,9 @@ def block_bytes_per_token(cfg: ModelConfig, specs: tuple[SublayerSpec, SublayerS
     return norms * 4 + block_input + compute_bytes * c + 4 * c * specs[1].norm_out + attn + ffn
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int, checkpointed: int = 0,
-                     compiled: bool = False) -> int:
+def activation_bytes(
+    cfg: ModelConfig, tokens: int, compute_bytes: int, checkpointed: int = 0, compiled: bool = False
+) -> int:
     """One micro-batch's saved activations over every block at their peak; checkpointed: how many blocks (the first
     ones) keep only their fp32 input, their activations recomputed one block at a time (peak_activations);
     compiled: the blocks compiled (trainer.compile)."""
@@ -177,8 +179,10 @@ def resolve_gradient_reduction(cfg) -> str | None:
         t.reduce_every_micro_batch = with_margin(gpu_training_bytes(cfg.model, deferred)) > have
         why = ": deferring would not fit beside the activations" if t.reduce_every_micro_batch else ""
     how = "every micro-batch" if t.reduce_every_micro_batch else "once per optimizer step"
-    return (f"trainer.reduce_every_micro_batch=auto: gradients reduced {how}{why} "
-            f"({str(t.reduce_every_micro_batch).lower()})")
+    return (
+        f"trainer.reduce_every_micro_batch=auto: gradients reduced {how}{why} "
+        f"({str(t.reduce_every_micro_batch).lower()})"
+    )
 
 
 # CPU: this machine's memory, shared by a run's processes (keel pretrain, keel bench, keel gradflow, model readers)
@@ -192,8 +196,12 @@ def cpu_activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int, chec
 def measurement_bytes(cfg: ModelConfig, batch: int) -> int:
     """One fp32 forward and backward of `batch` sequences (keel.gradflow): weights, gradients, activations, blocks,
     and the process itself (docs/model.md has the measured peaks)."""
-    return (8 * parameter_count(cfg) + cpu_activation_bytes(cfg, batch * cfg.seq_len, 4) + BLOCK_BYTES * cfg.depth
-            + PROCESS_BYTES)
+    return (
+        8 * parameter_count(cfg)
+        + cpu_activation_bytes(cfg, batch * cfg.seq_len, 4)
+        + BLOCK_BYTES * cfg.depth
+        + PROCESS_BYTES
+    )
 
 
 def model_bytes(cfg: ModelConfig) -> int:
@@ -204,26 +212,39 @@ def model_bytes(cfg: ModelConfig) -> int:
 
 def check_model_fits(cfg: ModelConfig, what: str) -> None:
     """Refuse to build a model read from a file (`what` names it) that this machine cannot hold, before building it."""
-    check_fits(model_bytes(cfg), f"{what}: its model (model.depth={cfg.depth}, model.width={cfg.width}, "
-               f"model.seq_len={cfg.seq_len})", parameter_count(cfg), "fp32 weights",
-               "use a machine with more memory")
+    check_fits(
+        model_bytes(cfg),
+        f"{what}: its model (model.depth={cfg.depth}, model.width={cfg.width}, model.seq_len={cfg.seq_len})",
+        parameter_count(cfg),
+        "fp32 weights",
+        "use a machine with more memory",
+    )
 
 
-def training_bytes(cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpointed: int = 0,
-                   precision: str = "32-true") -> int:
+def training_bytes(
+    cfg: ModelConfig, micro_batch: int, shards: int = 1, checkpointed: int = 0, precision: str = "32-true"
+) -> int:
     """One CPU training process: its share of weights, gradients and AdamW state (1 / shards under FSDP), one
     micro-batch's activations (`checkpointed` blocks checkpointed), the blocks' fixed cost and the process's own."""
-    return (sum(STATE_BYTES[precision]) * parameter_count(cfg) // shards
-            + cpu_activation_bytes(cfg, micro_batch * cfg.seq_len, compute_bytes(precision), checkpointed)
-            + BLOCK_BYTES * cfg.depth + PROCESS_BYTES)
+    return (
+        sum(STATE_BYTES[precision]) * parameter_count(cfg) // shards
+        + cpu_activation_bytes(cfg, micro_batch * cfg.seq_len, compute_bytes(precision), checkpointed)
+        + BLOCK_BYTES * cfg.depth
+        + PROCESS_BYTES
+    )
 
 
 def check_steps_fit(models: list[ModelConfig], batch: int, what: str, remedy: str) -> None:
     """Refuse training steps of every model in `models` (of `batch` sequences each), all held at once in this
     process, that do not fit in this machine's memory; what: the sizes, in words."""
     need = PROCESS_BYTES + sum(training_bytes(cfg, batch) - PROCESS_BYTES for cfg in models)
-    check_fits(need, f"{what}, {len(models)} model(s) held at once", parameter_count(models[0]),
-               "weights, gradients and AdamW state, per model", remedy)
+    check_fits(
+        need,
+        f"{what}, {len(models)} model(s) held at once",
+        parameter_count(models[0]),
+        "weights, gradients and AdamW state, per model",
+        remedy,
+    )
 
 
 def available_bytes() -> int:
@@ -241,15 +262,17 @@ def available_bytes() -> int:
 def cpu_training_bytes(cfg, checkpointed: int) -> int:
     """A CPU run's processes on this machine (cfg: keel.config.Config), `checkpointed` blocks checkpointed in each."""
     t = cfg.trainer
-    return t.devices * training_bytes(cfg.model, t.micro_batch_size, t.shard_size, checkpointed,
-                                      resolve_precision(t, accelerator="cpu"))
+    return t.devices * training_bytes(
+        cfg.model, t.micro_batch_size, t.shard_size, checkpointed, resolve_precision(t, accelerator="cpu")
+    )
 
 
 def cpu_auto_checkpointing(cfg) -> str | float:
     """trainer.activation_checkpointing=auto on CPU: the fewest blocks with which the run fits the memory available."""
     depth = cfg.model.depth
-    return checkpointing_setting(fewest_checkpointed_blocks(
-        depth, lambda n: cpu_training_bytes(cfg, n), available_bytes()), depth)
+    return checkpointing_setting(
+        fewest_checkpointed_blocks(depth, lambda n: cpu_training_bytes(cfg, n), available_bytes()), depth
+    )
 
 
 def check_training_fits(cfg) -> None:
@@ -258,10 +281,15 @@ def check_training_fits(cfg) -> None:
     t = cfg.trainer
     checkpointed = t.checkpointed_blocks(cfg.model.depth)
     more = "" if checkpointed == cfg.model.depth else " (or set trainer.activation_checkpointing=auto or all)"
-    check_fits(cpu_training_bytes(cfg, checkpointed), f"model.depth={cfg.model.depth}, model.width={cfg.model.width}, "
-               f"trainer.micro_batch_size={t.micro_batch_size} x model.seq_len={cfg.model.seq_len} in {t.devices} "
-               f"process(es)", parameter_count(cfg.model), "weights, gradients and AdamW state",
-               f"lower one of them{more}, or set trainer.check_memory=false to start anyway")
+    check_fits(
+        cpu_training_bytes(cfg, checkpointed),
+        f"model.depth={cfg.model.depth}, model.width={cfg.model.width}, "
+        f"trainer.micro_batch_size={t.micro_batch_size} x model.seq_len={cfg.model.seq_len} in {t.devices} "
+        f"process(es)",
+        parameter_count(cfg.model),
+        "weights, gradients and AdamW state",
+        f"lower one of them{more}, or set trainer.check_memory=false to start anyway",
+    )
 
 
 def check_fits(need: int, what: str, parameters: int, state: str, remedy: str) -> None:
@@ -269,8 +297,10 @@ def check_fits(need: int, what: str, parameters: int, state: str, remedy: str) -
     per parameter; remedy: what to lower and how to start anyway."""
     have = available_bytes()
     if need > have:
-        raise ConfigError(f"{what} needs about {gib(need)} ({parameters:,} parameters: {state}; plus activations), "
-                          f"more than the {gib(have)} available here; {remedy}")
+        raise ConfigError(
+            f"{what} needs about {gib(need)} ({parameters:,} parameters: {state}; plus activations), "
+            f"more than the {gib(have)} available here; {remedy}"
+        )
 
 
 # GPU: one training process on its GPU
@@ -289,8 +319,11 @@ def gpu_training_terms(model: ModelConfig, trainer) -> dict[str, int]:
     shards = trainer.shard_size
     tokens = trainer.micro_batch_size * model.seq_len
     checkpointed = trainer.checkpointed_blocks(model.depth)
-    terms = {"weights": weights * params // shards, "gradients": grads * params // shards,
-             "AdamW state": adamw * params // shards}
+    terms = {
+        "weights": weights * params // shards,
+        "gradients": grads * params // shards,
+        "AdamW state": adamw * params // shards,
+    }
     if trainer.resolved_strategy == "ddp":  # the reducer's flat buckets: a second copy of the gradients
         terms["DDP buckets"] = grads * params
     if trainer.resolved_strategy == "fsdp":
@@ -339,8 +372,15 @@ def with_margin(need: int) -> int:
 
 def fewest_fitting_blocks(model: ModelConfig, trainer, have: int) -> int:
     """The fewest blocks to checkpoint for the run to fit `have` bytes per GPU with the margin; all if none does."""
-    return fewest_checkpointed_blocks(model.depth, lambda blocks: with_margin(gpu_training_bytes(
-        model, dataclasses.replace(trainer, activation_checkpointing=checkpointing_setting(blocks, model.depth)))), have)
+    return fewest_checkpointed_blocks(
+        model.depth,
+        lambda blocks: with_margin(
+            gpu_training_bytes(
+                model, dataclasses.replace(trainer, activation_checkpointing=checkpointing_setting(blocks, model.depth))
+            )
+        ),
+        have,
+    )
 
 
 def gpu_auto_checkpointing(model: ModelConfig, trainer, have: int | None) -> str | float:
@@ -366,8 +406,9 @@ def remedies(model: ModelConfig, trainer, have: int) -> list[str]:
     steps = []
     need = gpu_training_bytes(model, trainer)
     while options and with_margin(need) > have:
-        after = {key: gpu_training_bytes(model, dataclasses.replace(trainer, **change))
-                 for key, change in options.items()}
+        after = {
+            key: gpu_training_bytes(model, dataclasses.replace(trainer, **change)) for key, change in options.items()
+        }
         key = min(after, key=after.get)
         trainer, need = dataclasses.replace(trainer, **options.pop(key)), after[key]
         if key == "activation checkpointing":
@@ -375,19 +416,22 @@ def remedies(model: ModelConfig, trainer, have: int) -> list[str]:
             trainer = dataclasses.replace(trainer, activation_checkpointing=checkpointing_setting(blocks, model.depth))
             need = gpu_training_bytes(model, trainer)
             if blocks < model.depth:
-                steps.append(f"trainer.activation_checkpointing=auto (the first {blocks} of {model.depth} blocks -> "
-                             f"{gib(need)})")
+                steps.append(
+                    f"trainer.activation_checkpointing=auto (the first {blocks} of {model.depth} blocks -> {gib(need)})"
+                )
                 continue
             key = "trainer.activation_checkpointing=all"
         steps.append(f"{key} (-> {gib(need)})")
     sequences = trainer.micro_batch_size * trainer.grad_accum
     for micro in range(trainer.micro_batch_size - 1, 0, -1) if with_margin(need) > have else ():
         if sequences % micro == 0:
-            need = gpu_training_bytes(model, dataclasses.replace(trainer, micro_batch_size=micro,
-                                                                 grad_accum=sequences // micro))
+            need = gpu_training_bytes(
+                model, dataclasses.replace(trainer, micro_batch_size=micro, grad_accum=sequences // micro)
+            )
             if with_margin(need) <= have or micro == 1:
-                steps.append(f"trainer.micro_batch_size={micro} trainer.grad_accum={sequences // micro} "
-                             f"(-> {gib(need)})")
+                steps.append(
+                    f"trainer.micro_batch_size={micro} trainer.grad_accum={sequences // micro} (-> {gib(need)})"
+                )
                 break
     if with_margin(need) > have:
         steps.append("more GPUs under trainer.strategy=fsdp, or GPUs with more memory")
@@ -403,10 +447,12 @@ def check_gpu_fits(cfg, have: int) -> None:
     if with_margin(need := sum(terms.values())) <= have:
         return
     breakdown = ", ".join(f"{name} {gib(n)}" for name, n in terms.items())
-    raise ConfigError(f"{run_shape(model, t)} needs about {gib(need)} per GPU ({breakdown}), "
-                      f"{gib(with_margin(need))} with the {ALLOCATOR_MARGIN:.0%} allocator margin, more than the "
-                      f"{gib(have)} of this GPU; change, in this order: {', then '.join(remedies(model, t, have))}; "
-                      "or set trainer.check_memory=false to start anyway")
+    raise ConfigError(
+        f"{run_shape(model, t)} needs about {gib(need)} per GPU ({breakdown}), "
+        f"{gib(with_margin(need))} with the {ALLOCATOR_MARGIN:.0%} allocator margin, more than the "
+        f"{gib(have)} of this GPU; change, in this order: {', then '.join(remedies(model, t, have))}; "
+        "or set trainer.check_memory=false to start anyway"
+    )
 
 
 def run_shape(model: ModelConfig, trainer) -> str:
@@ -416,9 +462,15 @@ def run_shape(model: ModelConfig, trainer) -> str:
     per_block = activation_bytes(model, 1, compute_bytes(gpu_precision(trainer)), compiled=trainer.compile)
     per_block /= model.depth
     saved = f"{per_block / 2**10:.1f} KiB per token per block{', compiled' if trainer.compile else ''}"
-    checkpointing = ("on, every block" if checkpointed == model.depth else
-                     f"on, the first {checkpointed} of {model.depth} blocks; the others keep {saved}" if checkpointed
-                     else f"off: {saved}")
-    return (f"model.depth={model.depth}, model.width={model.width}, trainer.micro_batch_size={trainer.micro_batch_size}"
-            f" x model.seq_len={model.seq_len} ({params / 1e9:.2f} B parameters, {gpu_precision(trainer)}, "
-            f"{trainer.resolved_strategy} over {trainer.world_size} GPU(s), activation checkpointing {checkpointing})")
+    checkpointing = (
+        "on, every block"
+        if checkpointed == model.depth
+        else f"on, the first {checkpointed} of {model.depth} blocks; the others keep {saved}"
+        if checkpointed
+        else f"off: {saved}"
+    )
+    return (
+        f"model.depth={model.depth}, model.width={model.width}, trainer.micro_batch_size={trainer.micro_batch_size}"
+        f" x model.seq_len={model.seq_len} ({params / 1e9:.2f} B parameters, {gpu_precision(trainer)}, "
+        f"{trainer.resolved_strategy} over {trainer.world_size} GPU(s), activation checkpointing {checkpointing})"
+    )

@@ -56,7 +56,7 @@ def _gpt2(model: KeelLM, truncated: bool = False) -> None:
     _draw(model, truncated=truncated)
     for block in model.blocks:
         for linear in (block.attn.branch.out, block.ffn.branch.down):
-            linear.weight.mul_(model.cfg.n_sublayers ** -0.5)
+            linear.weight.mul_(model.cfg.n_sublayers**-0.5)
 
 
 @torch.no_grad()
@@ -162,12 +162,14 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(block, k, v)
         if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.kv_heads != self.n_heads)
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.kv_heads != self.n_heads
+            )
         else:  # new queries attend to every cached position and causally among themselves
             mask = torch.arange(start + T, device=x.device) <= torch.arange(start, start + T, device=x.device)[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.kv_heads != self.n_heads)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.kv_heads != self.n_heads
+            )
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -271,8 +273,11 @@ class KeelLM(nn.Module):
     def hidden_matrices(self) -> list[nn.Parameter]:
         """The weights muP calls hidden (both dimensions grow with the width): q, k, v, out, FFN up and down;
         not the embedding nor the head (keel.lit.make_optimizer scales their LR under model.parametrization=mup)."""
-        return [linear.weight for block in self.blocks for linear in
-                (block.attn.branch.qkv, block.attn.branch.out, block.ffn.branch.up, block.ffn.branch.down)]
+        return [
+            linear.weight
+            for block in self.blocks
+            for linear in (block.attn.branch.qkv, block.attn.branch.out, block.ffn.branch.up, block.ffn.branch.down)
+        ]
 
     def forward(
         self, idx: torch.Tensor, cache: KVCache | None = None, targets: torch.Tensor | None = None
@@ -294,8 +299,7 @@ class KeelLM(nn.Module):
         if targets is None:
             return self.head(x.to(self.head.weight.dtype))
         chunk = default_chunk(x.device) if self.cfg.loss_chunk is None else self.cfg.loss_chunk
-        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk,
-                                    self.loss_chunk_kernel)
+        return linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten(), chunk, self.loss_chunk_kernel)
 
     def num_params(self, embeddings: bool = True) -> int:
         """All parameters, or all but the token embedding's (the head counted unless tied to it)."""
@@ -315,9 +319,12 @@ def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
     so no depth allocates anything): embedding, blocks, final_norm, head (0 when tied to the embedding)."""
     specs, blocks = block_layouts(cfg)
     per_layout = {spec: sum(p.numel() for p in block.parameters()) for spec, block in blocks.items()}
-    return {"embedding": cfg.vocab_size * cfg.width, "blocks": sum(per_layout[spec] for spec in specs),
-            "final_norm": cfg.width if needs_final_norm(cfg) else 0,
-            "head": 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.width}
+    return {
+        "embedding": cfg.vocab_size * cfg.width,
+        "blocks": sum(per_layout[spec] for spec in specs),
+        "final_norm": cfg.width if needs_final_norm(cfg) else 0,
+        "head": 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.width,
+    }
 
 
 def next_token_loss(model: KeelLM, batch: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import PurePath
 
 from keel.config import Config
-from keel.model import parameter_counts
 from keel.config.model import formulas, needs_final_norm
+from keel.model import parameter_counts
 
 PAPER = "https://arxiv.org/abs/2601.19895"
 TRANSFORMERS_REQUIREMENT = "transformers>=5.24"  # what the remote code checks on import (keel/hf/)
@@ -26,8 +26,10 @@ def training_data(cfg: Config) -> str:
 def heldout_line(heldout: dict | None, cfg: Config) -> str:
     if heldout is None:
         return "not in the checkpoint (saved before the run's first validation, or by an older Keel)."
-    return (f"{heldout['loss']:.4f} nats per token at step {heldout['step']}, over {cfg.trainer.val_batches} "
-            f"batches of {cfg.model.seq_len} tokens of the held-out split.")
+    return (
+        f"{heldout['loss']:.4f} nats per token at step {heldout['step']}, over {cfg.trainer.val_batches} "
+        f"batches of {cfg.model.seq_len} tokens of the held-out split."
+    )
 
 
 def model_card(cfg: Config, steps: int | None, heldout: dict | None, license: str) -> str:
@@ -41,8 +43,17 @@ def model_card(cfg: Config, steps: int | None, heldout: dict | None, license: st
     total = "" if steps is None else f", {steps * tokens_per_step:,} tokens in all"
     sublayer_lines = "\n".join(f"- `{formula}`: {count} sublayers" for formula, count in formulas(model))
     kv = "" if model.kv_heads == model.n_heads else f" ({model.kv_heads} key/value heads)"
-    license_note = (" No license was chosen at export (`keel export --license ID` sets one); the weights derive "
-                    "from the training data, whose terms apply." if license == "other" else "")
+    head_norm = (
+        "An RMSNorm before the head"
+        if needs_final_norm(model)
+        else "No norm before the head (the last sublayer ends in one)"
+    )
+    license_note = (
+        " No license was chosen at export (`keel export --license ID` sets one); the weights derive "
+        "from the training data, whose terms apply."
+        if license == "other"
+        else ""
+    )
     return f"""---
 license: {license}
 library_name: transformers
@@ -79,7 +90,7 @@ Every sublayer (attention or FFN, `F`) is one of:
 
 {sublayer_lines}
 
-{"An RMSNorm before the head" if needs_final_norm(model) else "No norm before the head (the last sublayer ends in one)"};
+{head_norm};
 {model.n_heads} attention heads{kv}, {model.ffn} FFN of {model.ffn_hidden}, RoPE (theta {model.rope_theta:g}),
 context {model.seq_len} tokens, vocabulary {model.vocab_size}{", tied embeddings" if model.tie_embeddings else ""}.
 `config.json` spells out every sublayer (`sublayers`) and holds the run's whole config (`keel`).

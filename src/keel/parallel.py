@@ -80,8 +80,9 @@ def sharding_mesh(device_mesh, trainer):
     nodes once per step)."""
     if not trainer.hsdp:
         return device_mesh["data_parallel"]
-    return init_device_mesh(device_mesh.device_type, (trainer.num_nodes, trainer.devices),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device_mesh.device_type, (trainer.num_nodes, trainer.devices), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def shard(model: KeelLM, mesh, mp_policy: MixedPrecisionPolicy) -> None:

@@ -15,8 +15,10 @@ def resolved_comment(cfg: Config) -> str:
     printed config still loads."""
     lines = [f"init in force: {init_description(cfg.model)}"]
     if cfg.model.parametrization == "mup":
-        lines.append(f"mup: hidden matrices' peak LR {cfg.optim.lr * cfg.model.mup_ratio:.4g} (optim.lr x "
-                     f"{cfg.model.mup_ratio:.4g}), the rest at optim.lr {cfg.optim.lr:.4g}")
+        lines.append(
+            f"mup: hidden matrices' peak LR {cfg.optim.lr * cfg.model.mup_ratio:.4g} (optim.lr x "
+            f"{cfg.model.mup_ratio:.4g}), the rest at optim.lr {cfg.optim.lr:.4g}"
+        )
     return "\n".join(f"# {line}" for line in lines)
 
 
@@ -29,15 +31,23 @@ def config_help() -> str:
         marked = [f"{choice}*" if choice == default_choice[group] else choice for choice in choices]
         lines.append(f"  {group:<9} {', '.join(marked)}")
     sections = ", ".join(f"{key}.*" if isinstance(value, dict) else key for key, value in to_dict(Config()).items())
-    lines += ["", f"keys (key.path=value): {sections}",
-              "`keel pretrain --print-config [overrides]` prints every key with its value; e.g.",
-              "  keel pretrain model=paper_d64 trainer=fsdp trainer.devices=8 optim.lr=1e-3 trainer.loggers=[tensorboard,csv]"]
+    lines += [
+        "",
+        f"keys (key.path=value): {sections}",
+        "`keel pretrain --print-config [overrides]` prints every key with its value; e.g.",
+        "  keel pretrain model=paper_d64 trainer=fsdp trainer.devices=8 optim.lr=1e-3 "
+        "trainer.loggers=[tensorboard,csv]",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel pretrain", description=__doc__, epilog=config_help(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="keel pretrain",
+        description=__doc__,
+        epilog=config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML merged over conf/config.yaml")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config (every key) and exit")
     parser.add_argument("overrides", nargs="*", help="group=choice (model=paper_d64) or key.path=value")

@@ -49,8 +49,11 @@ def earlier_run(cfg: Config) -> list[str]:
     """What in run.dir shows that a run has written there: its config, checkpoints or TensorBoard events."""
     run_dir = Path(cfg.run.dir)
     marks = [run_dir / CONFIG, checkpoint_dir(cfg), run_dir / TENSORBOARD]
-    return [f"{mark.name}/" if mark.is_dir() else mark.name for mark in marks
-            if mark.is_file() or (mark.is_dir() and any(mark.iterdir()))]
+    return [
+        f"{mark.name}/" if mark.is_dir() else mark.name
+        for mark in marks
+        if mark.is_file() or (mark.is_dir() and any(mark.iterdir()))
+    ]
 
 
 def clear_run_dir(run_dir: Path) -> None:
@@ -79,8 +82,10 @@ def claim_run_dir(cfg: Config) -> None:
         return
     if cfg.run.overwrite:
         if cfg.resume not in (None, "", "none", "auto"):
-            raise ConfigError(f"run.overwrite=true deletes the earlier run in {run_dir} and starts afresh: it takes "
-                              f"resume=auto or resume=null, not resume={cfg.resume} (a checkpoint to continue)")
+            raise ConfigError(
+                f"run.overwrite=true deletes the earlier run in {run_dir} and starts afresh: it takes "
+                f"resume=auto or resume=null, not resume={cfg.resume} (a checkpoint to continue)"
+            )
         clear_run_dir(run_dir)
         say(f"run.overwrite=true: deleted the earlier run in {run_dir} ({', '.join(found)}); starting afresh")
         return
@@ -88,14 +93,17 @@ def claim_run_dir(cfg: Config) -> None:
         return
     if cfg.resume == "auto" and same_run(cfg):  # its earlier start ended before its first checkpoint
         clear_run_dir(run_dir)
-        say(f"run.dir={run_dir}: the earlier start of this run (the same config) left no checkpoint: its logs "
-            f"({', '.join(found)}) are deleted and it starts again")
+        say(
+            f"run.dir={run_dir}: the earlier start of this run (the same config) left no checkpoint: its logs "
+            f"({', '.join(found)}) are deleted and it starts again"
+        )
         return
     raise ConfigError(
-        f"run.dir={run_dir} holds an earlier run ({', '.join(found)}" + ("" if cfg.resume in (None, "", "none") else
-                                                                          ", and no checkpoint to continue")
+        f"run.dir={run_dir} holds an earlier run ({', '.join(found)}"
+        + ("" if cfg.resume in (None, "", "none") else ", and no checkpoint to continue")
         + "): a fresh start there would mix two runs' checkpoints and logs. Continue it with resume=auto (where it "
-        "has a checkpoint), start in another run.dir=PATH, or delete it and start afresh with run.overwrite=true")
+        "has a checkpoint), start in another run.dir=PATH, or delete it and start afresh with run.overwrite=true"
+    )
 
 
 def remove_orphans(checkpoint_dir: Path) -> None:
@@ -106,8 +114,10 @@ def remove_orphans(checkpoint_dir: Path) -> None:
     for orphan in orphans:
         remove_path(orphan)
     if orphans:
-        say(f"removed {len(orphans)} temporary file(s) of interrupted checkpoint saves: "
-            + ", ".join(orphan.name for orphan in orphans))
+        say(
+            f"removed {len(orphans)} temporary file(s) of interrupted checkpoint saves: "
+            + ", ".join(orphan.name for orphan in orphans)
+        )
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -124,8 +134,11 @@ def changed_keys(saved: dict, cfg: Config) -> list[str]:
     """`key: old -> new` for every setting of cfg that differs from the checkpoint's saved config, read in today's
     spelling (keel.config.from_dict): a key that moved, or one added since with its default, is no change."""
     old, new = _flat(to_dict(from_dict(saved))), _flat(to_dict(cfg))
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
-            if key not in IGNORED_ON_RESUME and old.get(key) != new.get(key)]
+    return [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(old.keys() | new.keys())
+        if key not in IGNORED_ON_RESUME and old.get(key) != new.get(key)
+    ]
 
 
 def write_config(cfg: Config, checkpoint: dict | None) -> None:
@@ -141,6 +154,8 @@ def write_config(cfg: Config, checkpoint: dict | None) -> None:
             os.replace(current, kept)
         else:  # a checkpoint from elsewhere: its own config
             kept.write_text(to_yaml(from_dict(saved)))
-        say(f"resuming at step {step} with {len(changes)} changed setting(s) (the previous config is kept as "
-            f"{kept}):\n  " + "\n  ".join(changes))
+        say(
+            f"resuming at step {step} with {len(changes)} changed setting(s) (the previous config is kept as "
+            f"{kept}):\n  " + "\n  ".join(changes)
+        )
     (run_dir / CONFIG).write_text(to_yaml(cfg))

@@ -30,8 +30,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     async_checkpoint written in the background and swapped in by finish_checkpoint, which the checkpoint callback
     calls once the write is done."""
 
-    def __init__(self, *args, async_checkpoint: bool = False, reduce_every_micro_batch: bool = False,
-                 **kwargs) -> None:
+    def __init__(self, *args, async_checkpoint: bool = False, reduce_every_micro_batch: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.async_writer = AsyncShardedWriter() if async_checkpoint else None
         self.reduce_every_micro_batch = reduce_every_micro_batch
@@ -52,12 +51,17 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.async_writer.open(self.root_device)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        save_sharded(self, checkpoint, filepath,
-                     lambda state, staging: super(FSDP2Strategy, self).save_checkpoint(state, staging, storage_options))
+        save_sharded(
+            self,
+            checkpoint,
+            filepath,
+            lambda state, staging: super(FSDP2Strategy, self).save_checkpoint(state, staging, storage_options),
+        )
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        return load_sharded(self, checkpoint_path,
-                            lambda path: super(FSDP2Strategy, self).load_checkpoint(path, weights_only))
+        return load_sharded(
+            self, checkpoint_path, lambda path: super(FSDP2Strategy, self).load_checkpoint(path, weights_only)
+        )
 
     def finish_checkpoint(self) -> Path | None:
         """Wait for the checkpoint being written in the background, raise what failed there, and move it into
@@ -88,8 +92,11 @@ def build_strategy(trainer):
     backend = "nccl" if resolve_accelerator(trainer) == "gpu" else "gloo"
     if trainer.resolved_strategy == "fsdp":
         return FSDP2Strategy(
-            data_parallel_size=trainer.world_size, tensor_parallel_size=1, save_distributed_checkpoint=True,
-            process_group_backend=backend, async_checkpoint=resolve_async_checkpoint(trainer),
+            data_parallel_size=trainer.world_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=backend,
+            async_checkpoint=resolve_async_checkpoint(trainer),
             reduce_every_micro_batch=trainer.reduce_every_micro_batch is not False,  # auto unresolved: as before
         )
     # bf16: DDP's own hook casts each gradient bucket to bf16 for the all-reduce and back (torch's default_hooks)

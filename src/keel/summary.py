@@ -12,11 +12,11 @@ import torch
 
 from keel.artifacts import TENSORBOARD
 from keel.checkpoint.layout import LAST, checkpoint_dir
+from keel.checkpoint.resume import batch_layout
 from keel.config import Config, resolve_accelerator, resolve_precision
+from keel.config.model import formulas, init_description, sublayer_specs
 from keel.flops import flops_per_token
 from keel.model import KeelLM
-from keel.checkpoint.resume import batch_layout
-from keel.config.model import formulas, init_description, sublayer_specs
 
 
 def alphas(cfg) -> str:
@@ -34,8 +34,8 @@ def model_summary(model: KeelLM) -> list[str]:
     c = model.cfg
     params = model.num_params()
     return [
-        f"model       {c.scheme}: depth {c.depth} blocks (L = {c.n_sublayers} sublayers), width {c.width}, {c.n_heads} heads "
-        f"({c.kv_heads} KV), {c.ffn} FFN {c.ffn_hidden}, seq_len {c.seq_len}, vocab {c.vocab_size}",
+        f"model       {c.scheme}: depth {c.depth} blocks (L = {c.n_sublayers} sublayers), width {c.width}, "
+        f"{c.n_heads} heads ({c.kv_heads} KV), {c.ffn} FFN {c.ffn_hidden}, seq_len {c.seq_len}, vocab {c.vocab_size}",
         f"parameters  {params:,} ({model.num_params(embeddings=False):,} non-embedding)",
         f"alpha       {alphas(c)}",
         f"sublayers   {sublayers(c)}",
@@ -52,13 +52,15 @@ def run_plan(cfg: Config, params: int) -> list[str]:
         f"steps       {t.max_steps:,} x {global_tokens_per_step:,} tokens = {tokens:,} tokens "
         f"({tokens / params:.3g} tokens/parameter, {tokens * flops_per_token(cfg.model):.3g} FLOPs)",
         f"batch       {batch_layout(t)} sequences of {cfg.model.seq_len} tokens",
-        f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {t.resolved_strategy}, world size "
-        f"{t.world_size}, {torch.get_num_threads()} intra-op thread(s) per process"
+        f"hardware    {resolve_accelerator(t)}, precision {resolve_precision(t)}, strategy {t.resolved_strategy}, "
+        f"world size {t.world_size}, {torch.get_num_threads()} intra-op thread(s) per process"
         + (", torch.compile per block (compiled during the first steps)" if t.compile else ""),
     ]
     if resolve_accelerator(t) == "gpu":  # what to compare when a cluster's driver and torch's build disagree
-        lines.append(f"cuda        torch {torch.__version__} built for CUDA {torch.version.cuda}, "
-                     f"NVIDIA driver {nvidia_driver_version()}")
+        lines.append(
+            f"cuda        torch {torch.__version__} built for CUDA {torch.version.cuda}, "
+            f"NVIDIA driver {nvidia_driver_version()}"
+        )
     return lines
 
 
@@ -77,8 +79,13 @@ def nvidia_driver_version() -> str:
     except Exception:  # pynvml missing (ImportError) or NVML unusable (pynvml.NVMLError): ask nvidia-smi
         pass
     try:
-        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30, check=True)
+        query = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):  # not on PATH, failed or hung
         return "unknown"
     return next(iter(query.stdout.split()), "unknown")  # one line per GPU, all the same driver
@@ -89,11 +96,12 @@ def run_places(cfg: Config) -> list[str]:
     command (with the tensorboard logger) and the evaluation cadence."""
     t = cfg.trainer
     kept = f" (and the newest {t.keep_last_k} step-numbered)" if t.keep_last_k else ""
-    lines = [f"run dir     {cfg.run.dir} (config.yaml, checkpoints/, logs; one run per directory)",
-             f"checkpoints every {t.checkpoint_every_n_steps:,} steps and at the end: "
-             f"{checkpoint_dir(cfg) / LAST}{kept}",
-             f"validation  every {t.val_every_n_steps:,} steps and at the end ({t.val_batches} batch(es))"
-             + (f"; downstream tasks every {cfg.eval.every_n_steps:,} steps" if cfg.eval.enabled else "")]
+    lines = [
+        f"run dir     {cfg.run.dir} (config.yaml, checkpoints/, logs; one run per directory)",
+        f"checkpoints every {t.checkpoint_every_n_steps:,} steps and at the end: {checkpoint_dir(cfg) / LAST}{kept}",
+        f"validation  every {t.val_every_n_steps:,} steps and at the end ({t.val_batches} batch(es))"
+        + (f"; downstream tasks every {cfg.eval.every_n_steps:,} steps" if cfg.eval.enabled else ""),
+    ]
     if "tensorboard" in t.loggers:
         tensorboard = Path(cfg.run.dir) / TENSORBOARD
         lines.append(f"tensorboard tensorboard --logdir {tensorboard}  (then http://localhost:6006)")
@@ -108,6 +116,9 @@ def run_result(cfg: Config, step: int, heldout: dict | None, saved_step: int | N
     """The line a run that was not interrupted ends with: the step it reached, its last held-out loss
     (KeelLitModule.heldout) and the step last.ckpt holds, if this run wrote it."""
     loss = f"val/loss {heldout['loss']:.4f} at step {heldout['step']}" if heldout else "not validated"
-    saved = (f"checkpoint {checkpoint_dir(cfg) / LAST} (step {saved_step})" if saved_step is not None
-             else "no checkpoint written by this run")
+    saved = (
+        f"checkpoint {checkpoint_dir(cfg) / LAST} (step {saved_step})"
+        if saved_step is not None
+        else "no checkpoint written by this run"
+    )
     return f"end         step {step} of {cfg.trainer.max_steps}, {loss}; {saved}"

@@ -31,8 +31,9 @@ def full_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0, dtype=torch.float32, device=device)
     sharded = [isinstance(t, DTensor) for t in tensors]
-    norms = {kind: iter(_stacked_norms([t for t, s in zip(tensors, sharded) if s == kind], device))
-             for kind in (False, True)}
+    norms = {
+        kind: iter(_stacked_norms([t for t, s in zip(tensors, sharded) if s == kind], device)) for kind in (False, True)
+    }
     return torch.stack([next(norms[kind]) for kind in sharded])
 
 

@@ -30,14 +30,19 @@ from keel.checkpoint.resume import check_resume, check_same_model, resolve_resum
 from keel.checkpoint.write import AtomicCheckpointIO
 from keel.config import Config, resolve_accelerator, resolve_precision, to_dict
 from keel.console import quiet_libraries
-from keel.devices import set_threads
 from keel.data.loading import KeelDataModule, check_splits_fit, open_dataset
 from keel.data.tokenizer import same_tokenizer
+from keel.devices import set_threads
 from keel.errors import ConfigError
 from keel.lit import KeelLitModule
 from keel.loggers import LOGGERS, kind_of
-from keel.memory import (check_gpu_fits, check_training_fits, gpu_budget_bytes, resolve_activation_checkpointing,
-                          resolve_gradient_reduction)
+from keel.memory import (
+    check_gpu_fits,
+    check_training_fits,
+    gpu_budget_bytes,
+    resolve_activation_checkpointing,
+    resolve_gradient_reduction,
+)
 from keel.rundir import RunDirLock, claim_run_dir, remove_orphans, say, write_config
 from keel.strategy import build_strategy
 from keel.summary import run_result, run_summary
@@ -66,8 +71,10 @@ def check_cpu_processes(cfg: Config) -> None:
         check_training_fits(cfg)
     cores = len(os.sched_getaffinity(0))
     if cfg.trainer.devices > cores:
-        say(f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they share the "
-            "cores and each step is slower than with trainer.devices <= the cores")
+        say(
+            f"trainer.devices={cfg.trainer.devices} starts that many processes on {cores} core(s): they share the "
+            "cores and each step is slower than with trainer.devices <= the cores"
+        )
 
 
 def configured_callbacks(cfg: Config) -> list[Callback]:
@@ -84,8 +91,12 @@ def configured_callbacks(cfg: Config) -> list[Callback]:
 def build_callbacks(cfg: Config, dataset) -> list[Callback]:
     """The fixed callbacks (trainer.*), then the enabled configurable ones (callbacks.*, eval) in their run order."""
     callbacks: list[Callback] = [
-        RunCheckpoint(checkpoint_dir(cfg), cfg.trainer.checkpoint_every_n_steps, cfg.trainer.keep_last_k,
-                      cfg.trainer.val_every_n_steps),
+        RunCheckpoint(
+            checkpoint_dir(cfg),
+            cfg.trainer.checkpoint_every_n_steps,
+            cfg.trainer.keep_last_k,
+            cfg.trainer.val_every_n_steps,
+        ),
         GracefulInterrupt(),
         LearningRateMonitor(logging_interval="step"),
     ]
@@ -104,8 +115,10 @@ def build_loggers(cfg: Config) -> list[Logger]:
         try:
             loggers.append(LOGGERS[name].build(cfg.run.dir, Path(cfg.run.dir).name, runs.get(name)))
         except ModuleNotFoundError:
-            raise ConfigError(f"trainer.loggers: {name} needs its package: pip install 'keel[{name}]' (or pip install "
-                              f"{name}), or remove {name} from trainer.loggers") from None
+            raise ConfigError(
+                f"trainer.loggers: {name} needs its package: pip install 'keel[{name}]' (or pip install "
+                f"{name}), or remove {name} from trainer.loggers"
+            ) from None
     return loggers
 
 
@@ -180,7 +193,9 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
     init_from is not loaded again over its progress. The source, as an absolute path, is kept in cfg (so in
     config.yaml and every checkpoint)."""
     if ckpt_path is not None:
-        return f"resuming {ckpt_path}" + (" (init_from is not reloaded over this run's progress)" if cfg.init_from else "")
+        return f"resuming {ckpt_path}" + (
+            " (init_from is not reloaded over this run's progress)" if cfg.init_from else ""
+        )
     if not cfg.init_from:
         return f"fresh initialization (seed {cfg.run.seed})"
     cfg.init_from = str(Path(cfg.init_from).resolve())
@@ -189,8 +204,10 @@ def start_from(cfg: Config, module: KeelLitModule, ckpt_path: str | None) -> str
     payload = read_payload(checkpoint)
     if not same_tokenizer(payload.tokenizer_json, module.tokenizer_json):
         source_data = payload.run_config().data.dir
-        raise ConfigError(f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
-                          f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)")
+        raise ConfigError(
+            f"init_from: {cfg.init_from} was trained with another tokenizer than {cfg.data.dir}'s; "
+            f"build the new data with that tokenizer (data.tokenizer={source_data}/tokenizer.json)"
+        )
     state = model_state_dict(checkpoint)
     check_state_fits(cfg.model, state, f"init_from: {cfg.init_from}")  # an edited export: refused, not RuntimeError
     if not module.model.embed.weight.is_meta:  # else rank 0's loaded weights reach it when the model is sharded
@@ -231,9 +248,11 @@ def complete_run(cfg: Config, ckpt_path: str, checkpoint: dict) -> str:
     """The line a rerun of a finished run says instead of training."""
     heldout = read_payload(checkpoint).heldout
     loss = f", val/loss {heldout['loss']:.4f} at step {heldout['step']}" if heldout else ""
-    return (f"run.dir={cfg.run.dir} is complete (step {checkpoint.get('global_step', 0)} of trainer.max_steps="
-            f"{cfg.trainer.max_steps}{loss}; {ckpt_path}): raise trainer.max_steps to train on, or start another run "
-            "in a new run.dir")
+    return (
+        f"run.dir={cfg.run.dir} is complete (step {checkpoint.get('global_step', 0)} of trainer.max_steps="
+        f"{cfg.trainer.max_steps}{loss}; {ckpt_path}): raise trainer.max_steps to train on, or start another run "
+        "in a new run.dir"
+    )
 
 
 def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None) -> Trainer | None:
@@ -261,11 +280,16 @@ def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None
         write_config(cfg, checkpoint)
     order, attention = None, None
     if resolve_accelerator(cfg.trainer) == "gpu":
-        order, attention = describe_attention(cfg.trainer.attention, cfg.model, cfg.trainer.micro_batch_size,
-                                              resolve_precision(cfg.trainer))
+        order, attention = describe_attention(
+            cfg.trainer.attention, cfg.model, cfg.trainer.micro_batch_size, resolve_precision(cfg.trainer)
+        )
     if trainer.is_global_zero:
-        print(f"{run_summary(cfg, module.model)}\n" + (f"attention   {attention}\n" if attention else "")
-              + f"start       {start}", flush=True)
+        print(
+            f"{run_summary(cfg, module.model)}\n"
+            + (f"attention   {attention}\n" if attention else "")
+            + f"start       {start}",
+            flush=True,
+        )
         log_config(cfg, trainer.loggers)
     if owner:
         lock.started = True  # a failure from here on keeps what the run wrote
@@ -279,8 +303,11 @@ def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None
     interrupt = next(cb for cb in trainer.callbacks if isinstance(cb, GracefulInterrupt))
     if interrupt.stopped_at is not None:
         step = trainer.checkpoint_callback.saved_step  # an earlier one if this step's weights were not finite
-        saved = (f"saved step {step} to {checkpoint_dir(cfg) / LAST}" if step is not None
-                 else f"stopped after step {interrupt.stopped_at} without a finite checkpoint (see above)")
+        saved = (
+            f"saved step {step} to {checkpoint_dir(cfg) / LAST}"
+            if step is not None
+            else f"stopped after step {interrupt.stopped_at} without a finite checkpoint (see above)"
+        )
         message = f"{SAID[interrupt.signal]}: {saved}; re-run the same command to continue (resume=auto)"
         raise Interrupted(interrupt.signal, message if trainer.is_global_zero else "")  # rank 0 says it for all
     if trainer.is_global_zero:
@@ -292,17 +319,21 @@ def _train(cfg: Config, extra_callbacks: list[Callback], lock: RunDirLock | None
 def build_module(cfg: Config, dataset, owner: bool) -> KeelLitModule:
     """The LightningModule a fit trains. Under FSDP the other ranks' weights come from rank 0's (keel.parallel.shard):
     they build nothing on the host."""
-    return KeelLitModule(cfg, tokenizer_json=dataset.tokenizer_json,
-                         empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner,
-                         data_manifest_sha256=dataset.manifest_sha256)
+    return KeelLitModule(
+        cfg,
+        tokenizer_json=dataset.tokenizer_json,
+        empty_init=cfg.trainer.resolved_strategy == "fsdp" and not owner,
+        data_manifest_sha256=dataset.manifest_sha256,
+    )
 
 
 def stability_monitor(trainer: Trainer) -> StabilityMonitor | None:
     return next((cb for cb in trainer.callbacks if isinstance(cb, StabilityMonitor)), None)
 
 
-def rewind_fit(cfg: Config, dataset, previous: Trainer, monitor: StabilityMonitor, extra_callbacks: list[Callback],
-               owner: bool) -> tuple[KeelLitModule, Trainer]:
+def rewind_fit(
+    cfg: Config, dataset, previous: Trainer, monitor: StabilityMonitor, extra_callbacks: list[Callback], owner: bool
+) -> tuple[KeelLitModule, Trainer]:
     """The fit after a rewind (callbacks.stability.rewind): from the checkpoint the monitor went back to, as a
     resume, with its rewinds handed to the new monitor (which has the data skipped), the same loggers, and the same
     signal handling: a signal the ended fit received stops the new one after its first step, with a checkpoint."""
@@ -328,7 +359,9 @@ def failure_exit_code(cfg: Config, trainer: Trainer | None) -> int:
     if not cfg.callbacks.stability.stop_on_failure and trainer.global_step >= cfg.trainer.max_steps:
         return 0
     if trainer.is_global_zero:
-        say(f"{describe(monitor.failure)}. Details: {cfg.run.dir}/stability.json; a lower optim.lr (or "
+        say(
+            f"{describe(monitor.failure)}. Details: {cfg.run.dir}/stability.json; a lower optim.lr (or "
             "callbacks.stability.* settings) in a new run.dir, or callbacks.stability.stop_on_failure=false to "
-            "train on regardless")
+            "train on regardless"
+        )
     return 1

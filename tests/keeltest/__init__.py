@@ -33,8 +33,10 @@ QUIET_TRAINER = [
 def shared_data() -> Path:
     """../shared/data (or $KEEL_SHARED_DATA), or skip: users' clones do not have it; CI does."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (only the project's CI machine has it; "
-                    "KEEL_SHARED_DATA=DIR points elsewhere)")
+        pytest.skip(
+            f"shared data not found at {SHARED_DATA} (only the project's CI machine has it; "
+            "KEEL_SHARED_DATA=DIR points elsewhere)"
+        )
     return SHARED_DATA
 
 

@@ -13,9 +13,10 @@ from tokenizers import Tokenizer
 from keel.config import Config, load_config
 from keel.data.spooling import is_validation
 
-
-WORDS = ("keel highway residual norm layer depth gradient the of and to model train token shard loader "
-         "naïve café Δx → 深い 🚀").split()
+WORDS = (
+    "keel highway residual norm layer depth gradient the of and to model train token shard loader "
+    "naïve café Δx → 深い 🚀"
+).split()
 
 
 DOCUMENTS = 40
@@ -39,9 +40,16 @@ def write_corpus(folder: Path) -> dict[str, str]:
 def overrides_for(data_dir: Path, *overrides: str, corpus: Path | None = None) -> list[str]:
     corpus_glob = f"{corpus}/*.txt" if corpus else "unused"
     return [
-        "data=text_files", f"data.text_files.paths=[{corpus_glob}]", f"data.dir={data_dir}", "data.vocab_size=300",
-        f"data.val_fraction={VAL_FRACTION}", "data.prepare_workers=2", "model.seq_len=32", "model.vocab_size=300",
-        "trainer.micro_batch_size=4", *overrides,
+        "data=text_files",
+        f"data.text_files.paths=[{corpus_glob}]",
+        f"data.dir={data_dir}",
+        "data.vocab_size=300",
+        f"data.val_fraction={VAL_FRACTION}",
+        "data.prepare_workers=2",
+        "model.seq_len=32",
+        "model.vocab_size=300",
+        "trainer.micro_batch_size=4",
+        *overrides,
     ]
 
 

@@ -18,9 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from keel.checkpoint.layout import SHARDED_META
 from keel.config import load_config, to_dict
 from keel.model import KeelLM
-
 from keeltest import QUIET_TRAINER, TINY_MODEL
-
 
 WORLD = 2
 STEPS = 4  # optimizer steps of the in-process comparison
@@ -63,13 +61,16 @@ def _sharded_checkpoint(path: Path, *overrides: str):
     cfg = _tiny_cfg(*overrides)
     model = KeelLM(cfg.model)
     optimizer = get_optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
-    save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "optimizer_0": optimizer},
-         checkpoint_id=path, no_dist=True)
+    save(
+        {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "optimizer_0": optimizer},
+        checkpoint_id=path,
+        no_dist=True,
+    )
     torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": None}, "global_step": 3}, path / SHARDED_META)
     return model, cfg
 
 
-LAUNCHER = '''
+LAUNCHER = """
 import os, signal, sys
 from pathlib import Path
 import torch
@@ -102,19 +103,38 @@ if extra:
     configured = training.build_callbacks
     training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
 sys.exit(cli.main(sys.argv[1:]))
-'''
+"""
 
 
-RUN = [*TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", "trainer.accelerator=cpu", "trainer.devices=2",
-       "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
-       "trainer.val_batches=2", "optim.warmup_steps=2", f"optim.grad_clip={CLIP}", "callbacks.grad_norms.every_n_steps=1"]
+RUN = [
+    *TINY_MODEL,
+    *QUIET_TRAINER,
+    "eval.enabled=false",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.max_steps=8",
+    "trainer.checkpoint_every_n_steps=4",
+    "trainer.val_every_n_steps=4",
+    "trainer.val_batches=2",
+    "optim.warmup_steps=2",
+    f"optim.grad_clip={CLIP}",
+    "callbacks.grad_norms.every_n_steps=1",
+]
 
 
 def _command(tiny_data, run_dir: Path, strategy: str, overrides=(), launcher=(sys.executable,)) -> list[str]:
     script = run_dir.parent / "launch.py"
     script.write_text(LAUNCHER)
-    return [*launcher, str(script), "pretrain", f"trainer={strategy}", *RUN, *tiny_data, f"run.dir={run_dir}",
-            *overrides]
+    return [
+        *launcher,
+        str(script),
+        "pretrain",
+        f"trainer={strategy}",
+        *RUN,
+        *tiny_data,
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
 
 
 def _env(run_dir: Path, attempt: str, crash_at: int | None = None) -> dict[str, str]:
@@ -122,8 +142,9 @@ def _env(run_dir: Path, attempt: str, crash_at: int | None = None) -> dict[str, 
     return {**os.environ, "KEEL_TEST_RECORD": str(run_dir.parent / "seen" / attempt), **crash}
 
 
-def pretrain(tiny_data, run_dir: Path, strategy: str, crash_at: int | None = None, overrides=(),
-             attempt: str = "run") -> None:
+def pretrain(
+    tiny_data, run_dir: Path, strategy: str, crash_at: int | None = None, overrides=(), attempt: str = "run"
+) -> None:
     """`keel pretrain trainer=<strategy>` on 2 CPU processes (unless overrides say otherwise), Lightning launching
     the others (it re-runs the command, so every rank gets the recording and crash callbacks); each rank's
     batches are saved under the name `attempt` (seen())."""

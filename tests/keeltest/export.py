@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from keel.config import load_config, to_dict  # noqa: E402
 from keel.model import KeelLM  # noqa: E402
 
-
 VOCAB = 512
 BASE = ["model.depth=3", "model.width=32", "model.n_heads=4", "model.seq_len=24", f"model.vocab_size={VOCAB}"]
 
@@ -26,8 +25,12 @@ BASE = ["model.depth=3", "model.width=32", "model.n_heads=4", "model.seq_len=24"
 # Every scheme and every option that changes the computation (docs/schemes.md)
 VARIANTS = {
     "keel": [],
-    "keel-v2-alpha-swiglu-gqa": ["model.keel_first_block=v2", "model.keel_alpha=5", "model.ffn=swiglu",
-                                 "model.n_kv_heads=2"],
+    "keel-v2-alpha-swiglu-gqa": [
+        "model.keel_first_block=v2",
+        "model.keel_alpha=5",
+        "model.ffn=swiglu",
+        "model.n_kv_heads=2",
+    ],
     "keel-no-inner-norm": ["model.keel_inner_norm=false"],
     "keel-no-gain-tied": ["model.out_norm_gain=false", "model.tie_embeddings=true"],
     "preln": ["model.scheme=preln"],
@@ -39,8 +42,12 @@ VARIANTS = {
     "mixln": ["model.scheme=mixln", "model.depth=4", "model.mixln_post_fraction=0.5"],
     # muP at a width (32) other than its base: logits multiplier 0.5, attention scale sqrt(16/4)/8
     "keel-mup": ["model.parametrization=mup", "model.mup_base_width=16"],
-    "preln-mup-tied": ["model.scheme=preln", "model.parametrization=mup", "model.mup_base_width=64",
-                       "model.tie_embeddings=true"],
+    "preln-mup-tied": [
+        "model.scheme=preln",
+        "model.parametrization=mup",
+        "model.mup_base_width=64",
+        "model.tie_embeddings=true",
+    ],
 }
 
 
@@ -50,8 +57,13 @@ def standalone(script: str, *args, pythonpath: Path | None = None, check: bool =
     environment's; check: that it succeeds."""
     prelude = "import sys\nsys.modules['keel'] = None  # any import of keel fails\n"
     env = os.environ if pythonpath is None else {**os.environ, "PYTHONPATH": str(pythonpath)}
-    done = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0 or not check, done.stderr[-4000:]
     return done
 
@@ -74,6 +86,8 @@ def random_checkpoint(overrides: list[str], tokenizer_json: str, path: Path) -> 
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    torch.save({"keel": {"config": to_dict(cfg), "tokenizer_json": tokenizer_json}, "state_dict": state,
-                "global_step": 7}, path)
+    torch.save(
+        {"keel": {"config": to_dict(cfg), "tokenizer_json": tokenizer_json}, "state_dict": state, "global_step": 7},
+        path,
+    )
     return model, path

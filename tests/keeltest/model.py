@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from keel.config import ModelConfig
 
-
 TINY = dict(width=32, n_heads=2, seq_len=16, vocab_size=64)
 
 

@@ -14,11 +14,20 @@ from keeltest import QUIET_TRAINER, TINY_MODEL
 
 NO_EXTRAS = ["eval.enabled=false"]
 # an 8-step run that checkpoints and validates every 4 steps
-EIGHT_STEP_RUN = ["trainer.max_steps=8", "trainer.checkpoint_every_n_steps=4", "trainer.val_every_n_steps=4",
-                  "trainer.val_batches=2"]
+EIGHT_STEP_RUN = [
+    "trainer.max_steps=8",
+    "trainer.checkpoint_every_n_steps=4",
+    "trainer.val_every_n_steps=4",
+    "trainer.val_batches=2",
+]
 # a 4-step run that checkpoints at step 2
-FOUR_STEP_RUN = ["trainer.max_steps=4", "trainer.checkpoint_every_n_steps=2", "trainer.val_every_n_steps=4",
-                 "trainer.val_batches=1", "optim.warmup_steps=4"]
+FOUR_STEP_RUN = [
+    "trainer.max_steps=4",
+    "trainer.checkpoint_every_n_steps=2",
+    "trainer.val_every_n_steps=4",
+    "trainer.val_batches=1",
+    "optim.warmup_steps=4",
+]
 
 
 def tiny_config(tiny_data, run_dir: Path, *extra: str):

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 import keel.bench
-from keel.cli_args import OneLineErrorParser, comma_list
 from keel.bench.report import report, table
 from keel.bench.variants import build_variants, measure, model_config
+from keel.cli_args import OneLineErrorParser, comma_list
 from keel.config.model import SCHEMES
 from keel.devices import MATMUL_REPEATS, device_name, matmul_size, measured_matmul_flops
 from keel.errors import ConfigError
@@ -30,8 +30,10 @@ def peak_flops(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     if (peak := device_peak_flops(device, dtype, args.peak_flops or 0.0)) is not None:
         return peak, "--peak-flops" if args.peak_flops else f"spec sheet, {device_name(device)}"
     size = matmul_size(device, dtype, max(args.threads))
-    return None, (f"measured each round: best of {MATMUL_REPEATS} {size}x{size} {args.dtype} matmuls, "
-                  f"{max(args.threads)} threads; median over rounds")
+    return None, (
+        f"measured each round: best of {MATMUL_REPEATS} {size}x{size} {args.dtype} matmuls, "
+        f"{max(args.threads)} threads; median over rounds"
+    )
 
 
 def _on_off(text: str) -> bool:
@@ -54,10 +56,14 @@ def _at_least(parser: argparse.ArgumentParser, option: str, values: list[int], l
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
-    parser = OneLineErrorParser(prog="keel bench", description=keel.bench.__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--schemes", type=comma_list(_scheme), default="keel,preln",
-                        help="comma-separated; step ratios are to preln")
+    parser = OneLineErrorParser(
+        prog="keel bench",
+        description=keel.bench.__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--schemes", type=comma_list(_scheme), default="keel,preln", help="comma-separated; step ratios are to preln"
+    )
     parser.add_argument("--peer", choices=("litgpt",), help="add litgpt's GPT at the same dims (litgpt importable)")
     parser.add_argument("--depth", type=int, default=16, help="blocks")
     parser.add_argument("--width", type=int, default=128, help="model width")
@@ -70,19 +76,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds over all variants")
     parser.add_argument("--threads", type=comma_list(int), default=str(cores), help="intra-op threads, comma-separated")
     parser.add_argument("--compile", type=comma_list(_on_off), default="off", help="off, on or off,on")
-    parser.add_argument("--loss-chunk", type=comma_list(int),
-                        help="model.loss_chunk values, comma-separated: tokens per chunk of the loss head, 0 = plain "
-                             "head (full logits); None: the device's default")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda when available")
+    parser.add_argument(
+        "--loss-chunk",
+        type=comma_list(int),
+        help="model.loss_chunk values, comma-separated: tokens per chunk of the loss head, 0 = plain "
+        "head (full logits); None: the device's default",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda when available",
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: autocast, as bf16-mixed")
     parser.add_argument("--peak-flops", type=float, help="FLOP/s for MFU (default: GPU spec sheet, else measured)")
-    parser.add_argument("--members", type=comma_list(int), default="1",
-                        help="models trained as one, comma-separated: K > 1 stacks K models of each scheme along a "
-                             "member axis (torch.func.vmap; eager, no peer); tokens/s counts every member's tokens")
+    parser.add_argument(
+        "--members",
+        type=comma_list(int),
+        default="1",
+        help="models trained as one, comma-separated: K > 1 stacks K models of each scheme along a "
+        "member axis (torch.func.vmap; eager, no peer); tokens/s counts every member's tokens",
+    )
     parser.add_argument("--app", action="store_true", help="also time short `keel pretrain` runs and the loader")
-    parser.add_argument("--loader-workers", type=comma_list(int), default="0",
-                        help="data.loader_workers values (--app)")
+    parser.add_argument(
+        "--loader-workers", type=comma_list(int), default="0", help="data.loader_workers values (--app)"
+    )
     parser.add_argument("--config", help="--app: YAML merged over conf/config.yaml, as for keel pretrain")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("overrides", nargs="*", help="--app: key=value / group=choice config overrides (data=...)")
@@ -112,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if device.type == "cpu":  # each step variant keeps its model, gradients and AdamW state through the rounds
         models = [model_config(args, *pair) for pair in itertools.product(args.schemes, args.loss_chunk)]
-        check_steps_fit(models * len(args.compile) * len(args.threads) * sum(args.members), args.batch, f"keel bench --depth {args.depth} "
-                        f"--width {args.width} --batch {args.batch} x --seq-len {args.seq_len}", "lower them, or bench "
-                        "fewer --schemes, --loss-chunk, --compile or --threads values at once")
+        check_steps_fit(
+            models * len(args.compile) * len(args.threads) * sum(args.members),
+            args.batch,
+            f"keel bench --depth {args.depth} --width {args.width} --batch {args.batch} x --seq-len {args.seq_len}",
+            "lower them, or bench fewer --schemes, --loss-chunk, --compile or --threads values at once",
+        )
     peak, peak_source = peak_flops(args, device, dtype)
     variants = build_variants(args, device)
     probe = None

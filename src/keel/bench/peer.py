@@ -30,12 +30,24 @@ class LitgptPeer(nn.Module):
 
         super().__init__()
         self.cfg = cfg
-        self.gpt = GPT(Config(
-            block_size=cfg.seq_len, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.vocab_size, n_layer=cfg.depth,
-            n_embd=cfg.width, n_head=cfg.n_heads, n_query_groups=cfg.n_heads, rotary_percentage=1.0,
-            parallel_residual=False, bias=False, norm_class_name="RMSNorm", norm_eps=1e-5,
-            mlp_class_name="GptNeoxMLP", intermediate_size=4 * cfg.width,
-        ))
+        self.gpt = GPT(
+            Config(
+                block_size=cfg.seq_len,
+                vocab_size=cfg.vocab_size,
+                padded_vocab_size=cfg.vocab_size,
+                n_layer=cfg.depth,
+                n_embd=cfg.width,
+                n_head=cfg.n_heads,
+                n_query_groups=cfg.n_heads,
+                rotary_percentage=1.0,
+                parallel_residual=False,
+                bias=False,
+                norm_class_name="RMSNorm",
+                norm_eps=1e-5,
+                mlp_class_name="GptNeoxMLP",
+                intermediate_size=4 * cfg.width,
+            )
+        )
 
     @property
     def blocks(self) -> nn.ModuleList:

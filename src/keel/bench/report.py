@@ -13,8 +13,9 @@ from keel.flops import flops_per_token
 from keel.ops.chunked_ce import default_chunk
 
 
-def report(args: argparse.Namespace, variants: list[Variant], device: torch.device, peaks: list[float],
-           peak_source: str) -> dict:
+def report(
+    args: argparse.Namespace, variants: list[Variant], device: torch.device, peaks: list[float], peak_source: str
+) -> dict:
     """peaks: the peak FLOP/s of each round (one value repeated where it is given); MFU is the median over rounds
     of each round's model FLOP/s over that round's peak."""
     flops = flops_per_token(model_config(args, args.schemes[0]))  # same for every scheme (and the peer): norms excluded
@@ -24,29 +25,51 @@ def report(args: argparse.Namespace, variants: list[Variant], device: torch.devi
         mfu = statistics.median(t * flops / p for t, p in zip(variant.tokens_per_s, peaks))
         ref = reference(variant, variants)
         ratios = [a / b for a, b in zip(variant.tokens_per_s, ref.tokens_per_s)] if ref else None
-        rows.append({
-            "label": variant.label, "kind": variant.kind, "scheme": variant.scheme, "compile": variant.compile,
-            "threads": variant.threads, "loader_workers": variant.workers,
-            "loss_chunk": loss_chunk(variant, device), "members": variant.members,
-            "tokens_per_s": tps, "tokens_per_s_repeats": variant.tokens_per_s,
-            "spread": (max(variant.tokens_per_s) - min(variant.tokens_per_s)) / tps,
-            "step_s": variant.members * args.batch * args.seq_len / tps,
-            "flops_per_token": flops if variant.kind != "loader" else None,
-            "flops_per_s": tps * flops if variant.kind != "loader" else None,
-            "mfu": mfu if variant.kind != "loader" else None,
-            "peak_memory_bytes": variant.peak_memory,
-            "reference": ref.label if ref else None,
-            "ratio": statistics.median(ratios) if ratios else None, "ratio_repeats": ratios,
-        })
+        rows.append(
+            {
+                "label": variant.label,
+                "kind": variant.kind,
+                "scheme": variant.scheme,
+                "compile": variant.compile,
+                "threads": variant.threads,
+                "loader_workers": variant.workers,
+                "loss_chunk": loss_chunk(variant, device),
+                "members": variant.members,
+                "tokens_per_s": tps,
+                "tokens_per_s_repeats": variant.tokens_per_s,
+                "spread": (max(variant.tokens_per_s) - min(variant.tokens_per_s)) / tps,
+                "step_s": variant.members * args.batch * args.seq_len / tps,
+                "flops_per_token": flops if variant.kind != "loader" else None,
+                "flops_per_s": tps * flops if variant.kind != "loader" else None,
+                "mfu": mfu if variant.kind != "loader" else None,
+                "peak_memory_bytes": variant.peak_memory,
+                "reference": ref.label if ref else None,
+                "ratio": statistics.median(ratios) if ratios else None,
+                "ratio_repeats": ratios,
+            }
+        )
     return {
-        "device": args.device, "device_name": device_name(device), "dtype": args.dtype,
-        "model": {"depth": args.depth, "width": args.width, "heads": args.heads, "seq_len": args.seq_len,
-                  "vocab": args.vocab},
-        "batch": args.batch, "tokens_per_step": args.batch * args.seq_len,
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-        "peak_flops": statistics.median(peaks), "peak_flops_repeats": peaks, "peak_flops_source": peak_source,
+        "device": args.device,
+        "device_name": device_name(device),
+        "dtype": args.dtype,
+        "model": {
+            "depth": args.depth,
+            "width": args.width,
+            "heads": args.heads,
+            "seq_len": args.seq_len,
+            "vocab": args.vocab,
+        },
+        "batch": args.batch,
+        "tokens_per_step": args.batch * args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "peak_flops": statistics.median(peaks),
+        "peak_flops_repeats": peaks,
+        "peak_flops_source": peak_source,
         "flops_per_token": flops,
-        "torch": torch.__version__, "rows": rows,
+        "torch": torch.__version__,
+        "rows": rows,
     }
 
 

@@ -132,8 +132,9 @@ class MembersStep(Step):
         template = models[0].to("meta")
 
         def loss(member_params, member_buffers, batch):
-            return functional_call(template, (member_params, member_buffers), (batch[:, :-1],),
-                                   {"targets": batch[:, 1:]})
+            return functional_call(
+                template, (member_params, member_buffers), (batch[:, :-1],), {"targets": batch[:, 1:]}
+            )
 
         self.params, self.buffers, self.loss = params, buffers, vmap(loss)
         self.batch, self.bf16 = batch, bf16

@@ -27,8 +27,15 @@ LOADER_BATCHES_PER_STEP = 10  # a loader segment reads this many batches per ste
 
 
 def model_config(args: argparse.Namespace, scheme: str, loss_chunk: int | None = None) -> ModelConfig:
-    return ModelConfig(scheme=scheme, depth=args.depth, width=args.width, n_heads=args.heads, seq_len=args.seq_len,
-                       vocab_size=args.vocab, loss_chunk=loss_chunk)
+    return ModelConfig(
+        scheme=scheme,
+        depth=args.depth,
+        width=args.width,
+        n_heads=args.heads,
+        seq_len=args.seq_len,
+        vocab_size=args.vocab,
+        loss_chunk=loss_chunk,
+    )
 
 
 @dataclass
@@ -59,13 +66,16 @@ class Variant:
         return " ".join(parts)
 
 
-def train_step(args: argparse.Namespace, scheme: str, loss_chunk: int | None, compile: bool,
-               device: torch.device) -> TrainStep:
+def train_step(
+    args: argparse.Namespace, scheme: str, loss_chunk: int | None, compile: bool, device: torch.device
+) -> TrainStep:
     """The LightningModule of `keel pretrain` at the bench's dims (the default optimizer config), its step on a
     random batch; scheme litgpt: litgpt's GPT in the module's place (--peer litgpt)."""
     precision = "bf16-mixed" if args.dtype == "bf16" else "32-true"
-    cfg = Config(model=model_config(args, REFERENCE_SCHEME if scheme == "litgpt" else scheme, loss_chunk),
-                 trainer=TrainerConfig(compile=compile, precision=precision))
+    cfg = Config(
+        model=model_config(args, REFERENCE_SCHEME if scheme == "litgpt" else scheme, loss_chunk),
+        trainer=TrainerConfig(compile=compile, precision=precision),
+    )
     module = KeelLitModule(cfg, empty_init=scheme == "litgpt")
     if scheme == "litgpt":
         from keel.bench.peer import LitgptPeer
@@ -96,25 +106,44 @@ class _AppTimer(Callback):
         return self.tokens / (self.end - self.start)
 
 
-def app_config(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int,
-               loss_chunk: int | None = None, run_dir: str | None = None) -> Config:
+def app_config(
+    args: argparse.Namespace,
+    scheme: str,
+    compile: bool,
+    threads: int,
+    workers: int,
+    loss_chunk: int | None = None,
+    run_dir: str | None = None,
+) -> Config:
     """The `keel pretrain` config of an app run: the user's config and overrides, then the bench's model dims,
     device, steps, threads and workers (which must match the step rows); run_dir: a throwaway run directory."""
-    return load_config(args.config, [
-        *args.overrides,
-        f"model.scheme={scheme}", f"model.depth={args.depth}", f"model.width={args.width}",
-        f"model.n_heads={args.heads}", f"model.seq_len={args.seq_len}", f"model.vocab_size={args.vocab}",
-        f"trainer.micro_batch_size={args.batch}",
-        f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
-        f"trainer.precision={'bf16-mixed' if args.dtype == 'bf16' else '32-true'}", "trainer.devices=1",
-        f"trainer.compile={compile}", f"trainer.threads={threads}", f"trainer.max_steps={args.warmup + args.steps}",
-        f"data.loader_workers={workers}", *([f"model.loss_chunk={loss_chunk}"] if loss_chunk is not None else []),
-        *([f"run.dir={run_dir}"] if run_dir else []),
-    ])
+    return load_config(
+        args.config,
+        [
+            *args.overrides,
+            f"model.scheme={scheme}",
+            f"model.depth={args.depth}",
+            f"model.width={args.width}",
+            f"model.n_heads={args.heads}",
+            f"model.seq_len={args.seq_len}",
+            f"model.vocab_size={args.vocab}",
+            f"trainer.micro_batch_size={args.batch}",
+            f"trainer.accelerator={'gpu' if args.device == 'cuda' else 'cpu'}",
+            f"trainer.precision={'bf16-mixed' if args.dtype == 'bf16' else '32-true'}",
+            "trainer.devices=1",
+            f"trainer.compile={compile}",
+            f"trainer.threads={threads}",
+            f"trainer.max_steps={args.warmup + args.steps}",
+            f"data.loader_workers={workers}",
+            *([f"model.loss_chunk={loss_chunk}"] if loss_chunk is not None else []),
+            *([f"run.dir={run_dir}"] if run_dir else []),
+        ],
+    )
 
 
-def app_run(args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int,
-            loss_chunk: int | None) -> float:
+def app_run(
+    args: argparse.Namespace, scheme: str, compile: bool, threads: int, workers: int, loss_chunk: int | None
+) -> float:
     from keel.training import train
 
     timer = _AppTimer(skip=args.warmup)

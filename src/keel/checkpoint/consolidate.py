@@ -21,8 +21,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("output", help="the single-file checkpoint to write, e.g. NAME.ckpt")
     args = parser.parse_args(argv)
     if not Path(args.sharded_dir).is_dir():
-        raise ConfigError(f"consolidate: {args.sharded_dir} is not a sharded checkpoint directory "
-                          "(a single-file checkpoint is already what load_model reads)")
+        raise ConfigError(
+            f"consolidate: {args.sharded_dir} is not a sharded checkpoint directory "
+            "(a single-file checkpoint is already what load_model reads)"
+        )
     refuse_output(Path(args.output), "consolidate", "output path")
     checkpoint = read_checkpoint(args.sharded_dir)
     AtomicCheckpointIO().save_checkpoint(checkpoint, args.output)

@@ -48,5 +48,9 @@ def read_payload(checkpoint: dict, what: str = "checkpoint") -> KeelPayload:
         raise ConfigError(f"{what}: not a keel checkpoint (no '{PAYLOAD}' entry)")
     saved = checkpoint[PAYLOAD]
     data = saved.get("data_manifest_sha256") or checkpoint.get(LEGACY_DATA_STATE, {}).get("manifest_sha256")
-    return KeelPayload(config=saved["config"], tokenizer_json=saved.get("tokenizer_json"),
-                       heldout=saved.get("heldout"), data_manifest_sha256=data)
+    return KeelPayload(
+        config=saved["config"],
+        tokenizer_json=saved.get("tokenizer_json"),
+        heldout=saved.get("heldout"),
+        data_manifest_sha256=data,
+    )

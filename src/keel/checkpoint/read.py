@@ -38,19 +38,27 @@ def _read_sharded(path: Path, weights: bool) -> dict:
     missing = [name for name in (DCP_METADATA, SHARDED_META) if not (path / name).is_file()]
     if len(missing) == 2:  # nothing of a sharded checkpoint: a run dir, its checkpoints/ or another directory
         meant = next((last for last in (path / "checkpoints" / LAST, path / LAST) if last.exists()), None)
-        raise ConfigError(f"checkpoint: {path} is not a checkpoint: it has no {DCP_METADATA} nor {SHARDED_META}"
-                          + (f"; did you mean {meant}?" if meant else " (a checkpoint is a .ckpt file or an FSDP "
-                             "checkpoint directory holding both)"))
+        raise ConfigError(
+            f"checkpoint: {path} is not a checkpoint: it has no {DCP_METADATA} nor {SHARDED_META}"
+            + (
+                f"; did you mean {meant}?"
+                if meant
+                else " (a checkpoint is a .ckpt file or an FSDP checkpoint directory holding both)"
+            )
+        )
     if missing:
-        raise ConfigError(f"checkpoint: {path} is an incomplete sharded checkpoint (no {', '.join(missing)}): "
-                          "its save was interrupted; resume from another checkpoint")
+        raise ConfigError(
+            f"checkpoint: {path} is an incomplete sharded checkpoint (no {', '.join(missing)}): "
+            "its save was interrupted; resume from another checkpoint"
+        )
     try:
         reader = SafeFileSystemReader(path)
         for info in reader.read_metadata().storage_data.values():  # every shard file there, none truncated
             shard = path / info.relative_path
             if not shard.is_file() or shard.stat().st_size < info.offset + info.length:
-                raise ConfigError(f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or "
-                                  "truncated")
+                raise ConfigError(
+                    f"checkpoint: {path} is corrupt: shard file {info.relative_path} is missing or truncated"
+                )
         refuse_payloads(path)
         checkpoint = torch_load(path / SHARDED_META)
         if weights:
@@ -73,8 +81,9 @@ def read_checkpoint(path: str | Path, weights: bool = True) -> dict:
         checkpoint = _read_sharded(path, weights)
     elif path.is_file():
         if path.stat().st_size == 0:
-            raise ConfigError(f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); use another "
-                              "checkpoint")
+            raise ConfigError(
+                f"checkpoint: {path} is empty (0 bytes: an interrupted copy or save?); use another checkpoint"
+            )
         checkpoint = torch_load(path, mmap=not weights)  # without the weights, mapped: only the entries used are read
     else:
         raise ConfigError(f"checkpoint: no file or directory at {path}")
@@ -92,8 +101,9 @@ def model_state_dict(checkpoint: dict) -> dict[str, torch.Tensor]:
 def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """KeelLM(cfg).state_dict()'s names and shapes (a tied head named too), without building it."""
     specs, blocks = block_layouts(cfg)
-    per_layout = {spec: {name: tuple(t.shape) for name, t in block.state_dict().items()}
-                  for spec, block in blocks.items()}
+    per_layout = {
+        spec: {name: tuple(t.shape) for name, t in block.state_dict().items()} for spec, block in blocks.items()
+    }
     shapes = {"embed.weight": (cfg.vocab_size, cfg.width)}
     for index, spec in enumerate(specs):
         shapes.update({f"blocks.{index}.{name}": shape for name, shape in per_layout[spec].items()})
@@ -109,19 +119,28 @@ def check_state_fits(cfg: ModelConfig, state: dict[str, torch.Tensor], what: str
     and shape. what: e.g. "checkpoint: PATH" (a config read from a file is as untrusted as its weights)."""
     depth = len({name.split(".")[1] for name in state if name.startswith("blocks.")})
     if depth != cfg.depth:
-        raise ConfigError(f"{what}: its config says model.depth={cfg.depth}, its weights hold {depth} blocks; the "
-                          "config or the weights were edited or mixed up: use the checkpoint they came from")
+        raise ConfigError(
+            f"{what}: its config says model.depth={cfg.depth}, its weights hold {depth} blocks; the "
+            "config or the weights were edited or mixed up: use the checkpoint they came from"
+        )
     expected = state_shapes(cfg)
     shapes = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    wrong = [f"{name} {shapes[name]} (config: {shape})" for name, shape in expected.items()
-             if name in shapes and shapes[name] != shape]
+    wrong = [
+        f"{name} {shapes[name]} (config: {shape})"
+        for name, shape in expected.items()
+        if name in shapes and shapes[name] != shape
+    ]
     missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if wrong or missing or unexpected:
-        found = "; ".join(f"{kind} {', '.join(names[:3])}" + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
-                          for kind, names in (("shapes", wrong), ("missing", missing), ("unexpected", unexpected))
-                          if names)
-        raise ConfigError(f"{what}: its weights do not match its model config ({found}): the config or the "
-                          "weights were edited or mixed up: use the checkpoint they came from")
+        found = "; ".join(
+            f"{kind} {', '.join(names[:3])}" + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+            for kind, names in (("shapes", wrong), ("missing", missing), ("unexpected", unexpected))
+            if names
+        )
+        raise ConfigError(
+            f"{what}: its weights do not match its model config ({found}): the config or the "
+            "weights were edited or mixed up: use the checkpoint they came from"
+        )
 
 
 def checked_config(checkpoint: dict, path: str | Path) -> Config:

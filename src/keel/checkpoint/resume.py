@@ -62,8 +62,10 @@ def check_same_model(cfg: Config, checkpoint: dict, key: str = "resume") -> None
 
 def batch_layout(trainer) -> str:
     """Processes x sequences per process per micro-batch x micro-batches per step = the global batch."""
-    return (f"{trainer.world_size} process(es) x {trainer.micro_batch_size} sequences x {trainer.grad_accum} "
-            f"micro-batch(es) = {trainer.global_batch}")
+    return (
+        f"{trainer.world_size} process(es) x {trainer.micro_batch_size} sequences x {trainer.grad_accum} "
+        f"micro-batch(es) = {trainer.global_batch}"
+    )
 
 
 def check_training_state(trainer, path: str | Path, checkpoint: dict) -> None:
@@ -72,8 +74,10 @@ def check_training_state(trainer, path: str | Path, checkpoint: dict) -> None:
     split of that batch is an elastic resume: the weights and optimizer state are re-sharded on load, and litdata
     re-plans the rest of the epoch's sample stream over the new processes, so no sequence is repeated or skipped."""
     if checkpoint.get("exported"):
-        raise ConfigError(f"resume: {path} is an exported model (`keel export`: weights only, no optimizer state); "
-                          f"start a new run from its weights with init_from={path}")
+        raise ConfigError(
+            f"resume: {path} is an exported model (`keel export`: weights only, no optimizer state); "
+            f"start a new run from its weights with init_from={path}"
+        )
     saved = read_payload(checkpoint).run_config().trainer
     if saved.global_batch != trainer.global_batch:
         raise ConfigError(
@@ -83,11 +87,15 @@ def check_training_state(trainer, path: str | Path, checkpoint: dict) -> None:
             "processes and twice trainer.grad_accum); set them so, or start a new run (resume=null, or another run.dir)"
         )
     if Path(path).is_dir() and trainer.resolved_strategy != "fsdp":
-        raise ConfigError(f"resume: {path} is a sharded (FSDP) checkpoint; resume it with trainer=fsdp, "
-                          f"or `keel consolidate {path} OUT.ckpt` for evaluation")
+        raise ConfigError(
+            f"resume: {path} is a sharded (FSDP) checkpoint; resume it with trainer=fsdp, "
+            f"or `keel consolidate {path} OUT.ckpt` for evaluation"
+        )
     if Path(path).is_file() and "optimizer_states" not in checkpoint:
-        raise ConfigError(f"resume: {path} holds model weights only (a `keel consolidate` output?); "
-                          "resume from the checkpoint it was made from")
+        raise ConfigError(
+            f"resume: {path} holds model weights only (a `keel consolidate` output?); "
+            "resume from the checkpoint it was made from"
+        )
 
 
 def check_same_data(cfg: Config, dataset: DatasetInfo, path: str | Path, checkpoint: dict) -> None:

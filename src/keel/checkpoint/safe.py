@@ -24,9 +24,16 @@ TORCH_ZIP_MAGIC = b"PK\x03\x04"  # how every torch.save file starts (a zip archi
 # Everything a torch.distributed.checkpoint `.metadata` pickle refers to; anything else (os.system, builtins.eval,
 # ...) is how a hostile file runs code when unpickled, so it is refused before torch reads the file.
 DCP_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata",
-                                              "TensorProperties", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},  # and the dtypes, checked by type below
@@ -51,9 +58,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
     except Exception as err:
-        raise ConfigError(f"checkpoint: {file} refused: {describe_error(err)}; it may have been made to run code "
-                          "when loaded: do not use this checkpoint (if it comes from a run you trust, made with "
-                          "another torch version, report the name above)") from None
+        raise ConfigError(
+            f"checkpoint: {file} refused: {describe_error(err)}; it may have been made to run code "
+            "when loaded: do not use this checkpoint (if it comes from a run you trust, made with "
+            "another torch version, report the name above)"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise ConfigError(f"checkpoint: {file} refused: it holds a {type(metadata).__name__}, not a checkpoint index")
     _refuse_shards_outside(Path(path), metadata)
@@ -68,8 +77,10 @@ def _refuse_shards_outside(path: Path, metadata: Metadata) -> None:
     file, root = path / DCP_METADATA, path.resolve()
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
-        raise ConfigError(f"checkpoint: {file} refused: its storage_data is a {type(storage).__name__}, not the "
-                          "index of its shard files")
+        raise ConfigError(
+            f"checkpoint: {file} refused: its storage_data is a {type(storage).__name__}, not the "
+            "index of its shard files"
+        )
     outside = []
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
@@ -84,9 +95,11 @@ def _refuse_shards_outside(path: Path, metadata: Metadata) -> None:
         outside.append(f"its entry {getattr(index, 'fqn', index)} is read from {name!r}, {where}")
     if outside:
         others = f" (and {len(outside) - 1} other entries)" if len(outside) > 1 else ""
-        raise ConfigError(f"checkpoint: {file} refused: it must name shard files in {path} itself, but {outside[0]}"
-                          f"{others}; do not use this checkpoint (where a shard file is a link to one elsewhere, "
-                          "copy that file in its place)")
+        raise ConfigError(
+            f"checkpoint: {file} refused: it must name shard files in {path} itself, but {outside[0]}"
+            f"{others}; do not use this checkpoint (where a shard file is a link to one elsewhere, "
+            "copy that file in its place)"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -141,8 +154,10 @@ def torch_load(path: Path, mmap: bool = False) -> Any:
     with open(path, "rb") as file:
         zipped = file.read(len(TORCH_ZIP_MAGIC)) == TORCH_ZIP_MAGIC
     if not zipped:
-        raise ConfigError(f"checkpoint: {path} is not a torch.save zip file (a bare pickle, an old torch format, "
-                          "or corrupt); use a checkpoint a keel run wrote")
+        raise ConfigError(
+            f"checkpoint: {path} is not a torch.save zip file (a bare pickle, an old torch format, "
+            "or corrupt); use a checkpoint a keel run wrote"
+        )
     try:
         with warnings.catch_warnings():  # torch's request to report a pickle protocol it may not read: see below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -153,9 +168,11 @@ def torch_load(path: Path, mmap: bool = False) -> Any:
         except Exception:  # not even a zip of pickles: damaged
             unsafe = []
         if unsafe:
-            raise ConfigError(f"checkpoint: {path} refused: it refers to {', '.join(unsafe)}, which a checkpoint "
-                              "never holds; it may have been made to run code when loaded: do not use this "
-                              "checkpoint") from None
+            raise ConfigError(
+                f"checkpoint: {path} refused: it refers to {', '.join(unsafe)}, which a checkpoint "
+                "never holds; it may have been made to run code when loaded: do not use this "
+                "checkpoint"
+            ) from None
         raise ConfigError(f"checkpoint: {path} cannot be read (corrupt or truncated?): {_load_reason(err)}") from None
 
 
@@ -174,14 +191,19 @@ def refuse_payloads(path: Path) -> None:
     (read_dcp_metadata) and each of its byte entries, which torch would unpickle with weights_only=False, must pass
     torch's weights-only allow-list. Every reader of a sharded checkpoint calls this first."""
     reader = SafeFileSystemReader(path)
-    entries = {fqn: None for fqn, entry in reader.read_metadata().state_dict_metadata.items()
-               if isinstance(entry, BytesStorageMetadata)}
+    entries = {
+        fqn: None
+        for fqn, entry in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(entry, BytesStorageMetadata)
+    }
     planner = _WeightsOnlyBytesPlanner(Path(path))
     load_in_this_process(entries, reader, planner)
     if planner.refused:
         others = f" (and {len(planner.refused) - 1} other entries)" if len(planner.refused) > 1 else ""
-        raise ConfigError(f"checkpoint: {planner.refused[0]}{others}; it may have been made to run code when loaded: "
-                          "do not use this checkpoint")
+        raise ConfigError(
+            f"checkpoint: {planner.refused[0]}{others}; it may have been made to run code when loaded: "
+            "do not use this checkpoint"
+        )
 
 
 def load_in_this_process(state_dict: dict, reader, planner=None) -> None:

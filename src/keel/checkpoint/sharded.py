@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+
 # imported here, not at the first save: an install without them fails at start-up, not 20 minutes into a run
 from torch.distributed.checkpoint import async_save
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -71,8 +72,11 @@ def stager_outlives_a_save() -> bool:
     """Whether this torch's DefaultStager stages more than once. Some versions (2.11 among them) clear its copy
     table after each stage, and the next save then fails (`KeyError: <class 'type'>`, pytorch#183413); there a
     stager serves one save. Asked of the stager itself, on a one-element tensor, not of the version number."""
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=False))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
     try:
         for _ in range(2):
             stager.stage({"probe": torch.zeros(1)})
@@ -115,8 +119,9 @@ class AsyncShardedWriter:
         time (stager_outlives_a_save)."""
         self._group = torch.distributed.new_group(backend="gloo")
         cuda = device.type == "cuda"
-        self._options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                       use_non_blocking_copy=cuda)
+        self._options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
         self._stager_per_save = not stager_outlives_a_save()
         self._stager = DefaultStager(self._options)
 

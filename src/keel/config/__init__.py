@@ -20,7 +20,24 @@ from keel.config.run import Config, RunConfig
 from keel.config.trainer import TrainerConfig, resolve_accelerator, resolve_precision
 
 __all__ = [
-    "CALLBACKS", "GROUPS", "SOURCES", "Config", "DataConfig", "HFConfig", "ModelConfig", "OptimConfig", "RunConfig",
-    "SourceConfig", "StdlibConfig", "TextFilesConfig", "TrainerConfig", "conf_dir", "from_dict", "load_config",
-    "resolve_accelerator", "resolve_precision", "to_dict", "to_yaml",
+    "CALLBACKS",
+    "GROUPS",
+    "SOURCES",
+    "Config",
+    "DataConfig",
+    "HFConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SourceConfig",
+    "StdlibConfig",
+    "TextFilesConfig",
+    "TrainerConfig",
+    "conf_dir",
+    "from_dict",
+    "load_config",
+    "resolve_accelerator",
+    "resolve_precision",
+    "to_dict",
+    "to_yaml",
 ]

@@ -18,14 +18,18 @@ def options_classes() -> list[type[CallbackConfig]]:
     """The CallbackConfig subclass each module of keel.callbacks.options defines, by module name."""
     found = []
     for module in pkgutil.iter_modules(options.__path__, f"{options.__name__}."):
-        found += [value for value in vars(import_module(module.name)).values() if isinstance(value, type)
-                  and issubclass(value, CallbackConfig) and value.__module__ == module.name]
+        found += [
+            value
+            for value in vars(import_module(module.name)).values()
+            if isinstance(value, type) and issubclass(value, CallbackConfig) and value.__module__ == module.name
+        ]
     return found
 
 
 # every callbacks.<name> section, in the order of their names; the run order is each class's priority
 CALLBACKS: tuple[type[CallbackConfig], ...] = tuple(
-    sorted((c for c in options_classes() if c is not EvalConfig), key=lambda c: c.name))
+    sorted((c for c in options_classes() if c is not EvalConfig), key=lambda c: c.name)
+)
 
 CallbacksConfig = make_dataclass("CallbacksConfig", [(c.name, c, field(default_factory=c)) for c in CALLBACKS])
 CallbacksConfig.__module__ = __name__  # make_dataclass's `module=` is Python >= 3.12; pickling needs it

@@ -85,13 +85,22 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(self.source in SOURCES, "data.source", f"unknown source {self.source!r}; allowed: {', '.join(SOURCES)}")
         require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
-        require(self.shuffle_window >= 0, "data.shuffle_window",
-                "must be >= 0 (0 = full permutation of each chunk; N = windows of N consecutive sequences)")
-        require(_is_text_codec(self.encoding), "data.encoding",
-                f"{self.encoding!r} is not a text codec Python knows; use one such as utf-8, latin-1, cp1252, utf-16")
+        require(
+            self.shuffle_window >= 0,
+            "data.shuffle_window",
+            "must be >= 0 (0 = full permutation of each chunk; N = windows of N consecutive sequences)",
+        )
+        require(
+            _is_text_codec(self.encoding),
+            "data.encoding",
+            f"{self.encoding!r} is not a text codec Python knows; use one such as utf-8, latin-1, cp1252, utf-16",
+        )
         require(self.vocab_size >= 260, "data.vocab_size", "must be >= 260 (256 bytes + special tokens)")
-        require(self.loader_workers == "auto" or (isinstance(self.loader_workers, int) and self.loader_workers >= 0),
-                "data.loader_workers", f"must be auto or >= 0 workers; got {self.loader_workers!r}")
+        require(
+            self.loader_workers == "auto" or (isinstance(self.loader_workers, int) and self.loader_workers >= 0),
+            "data.loader_workers",
+            f"must be auto or >= 0 workers; got {self.loader_workers!r}",
+        )
         require(self.prepare_workers >= 1, "data.prepare_workers", f"must be >= 1; got {self.prepare_workers}")
         self.source_config.check()
 
@@ -102,13 +111,21 @@ class DataConfig:
 
 
 # data.source's allowed values: the names of DataConfig's source sections, in their order
-SOURCES = tuple(f.name for f in fields(DataConfig)
-                if isinstance(f.default_factory, type) and issubclass(f.default_factory, SourceConfig))
+SOURCES = tuple(
+    f.name
+    for f in fields(DataConfig)
+    if isinstance(f.default_factory, type) and issubclass(f.default_factory, SourceConfig)
+)
 # data.<key> -> the source sections' keys it became: an old spelling is refused naming them (keel.config.loading),
 # and a config saved with it (a checkpoint's, a run's config.yaml) is read with its value moved there
-MOVED_KEYS = {"paths": [("text_files", "paths")], "doc_chars": [("text_files", "doc_chars")],
-              "text_field": [("text_files", "text_field"), ("hf", "text_field")],
-              "hf_dataset": [("hf", "dataset")], "hf_name": [("hf", "name")], "hf_split": [("hf", "split")]}
+MOVED_KEYS = {
+    "paths": [("text_files", "paths")],
+    "doc_chars": [("text_files", "doc_chars")],
+    "text_field": [("text_files", "text_field"), ("hf", "text_field")],
+    "hf_dataset": [("hf", "dataset")],
+    "hf_name": [("hf", "name")],
+    "hf_split": [("hf", "split")],
+}
 
 
 def new_spelling(key: str) -> str:

@@ -64,10 +64,17 @@ def _explain(err: OmegaConfBaseException) -> ConfigError:
 
 
 # OmegaConf's words for a value of the wrong type (value, the type wanted), and what each type it names is in Keel's
-CONVERSIONS = (re.compile(r"Value '(.*)' of type '\w+' could not be converted to (\w+)"),
-               re.compile(r"Value '(.*)' is not a valid (bool) "))
-WANTED = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "bool": "true or false",
-          "String": "a string"}
+CONVERSIONS = (
+    re.compile(r"Value '(.*)' of type '\w+' could not be converted to (\w+)"),
+    re.compile(r"Value '(.*)' is not a valid (bool) "),
+)
+WANTED = {
+    "Integer": "a whole number",
+    "Float": "a number",
+    "Boolean": "true or false",
+    "bool": "true or false",
+    "String": "a string",
+}
 
 
 def _wrong_type(key: str, err: ValidationError) -> ConfigError | None:
@@ -87,15 +94,18 @@ def _wrong_type(key: str, err: ValidationError) -> ConfigError | None:
 
 def _read_yaml(path: Path) -> DictConfig:
     if not path.is_file():  # else read as a YAML error: "cannot parse YAML: [Errno 2] ..."
-        raise ConfigError(f"config: {path} {'is a directory, not' if path.is_dir() else 'does not exist: give'} "
-                          "a YAML file")
+        raise ConfigError(
+            f"config: {path} {'is a directory, not' if path.is_dir() else 'does not exist: give'} a YAML file"
+        )
     try:
         loaded = OmegaConf.load(path)
     except Exception as err:  # yaml's own errors carry line numbers
         raise ConfigError(f"{path}: cannot parse YAML: {err}") from err
     if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"{path}: its top level is a list; a config file maps keys to settings "
-                          "(e.g. a line `optim:`, then `  lr: 0.001`)")
+        raise ConfigError(
+            f"{path}: its top level is a list; a config file maps keys to settings "
+            "(e.g. a line `optim:`, then `  lr: 0.001`)"
+        )
     return loaded
 
 
@@ -110,8 +120,10 @@ def _parse_overrides(dotlist: list[str]) -> DictConfig:
                 OmegaConf.from_dotlist([item])
             except Exception as err:
                 reason = " ".join(str(err).split())
-                raise ConfigError(f"override {item!r}: cannot parse its value as YAML ({reason}); quote it or "
-                                  "fix the brackets, e.g. data.text_files.paths='[a.txt,b.txt]'") from None
+                raise ConfigError(
+                    f"override {item!r}: cannot parse its value as YAML ({reason}); quote it or "
+                    "fix the brackets, e.g. data.text_files.paths='[a.txt,b.txt]'"
+                ) from None
         raise
 
 

@@ -29,8 +29,9 @@ PARAMETRIZATIONS = ("sp", "mup")
 INITS: dict[str, Callable[[ModelConfig], str]] = {
     "normal": lambda cfg: f"every matrix and the embedding N(0, {cfg.init_std:g}^2)",
     "gpt2": lambda cfg: f"N(0, {cfg.init_std:g}^2), attention out and FFN down x 1/sqrt(2 x {cfg.depth})",
-    "megatron": lambda cfg: (f"N(0, {cfg.init_std:g}^2) cut at 3 std, attention out and FFN down x "
-                             f"1/sqrt(2 x {cfg.depth})"),
+    "megatron": lambda cfg: (
+        f"N(0, {cfg.init_std:g}^2) cut at 3 std, attention out and FFN down x 1/sqrt(2 x {cfg.depth})"
+    ),
     "xavier": lambda cfg: f"the blocks' matrices Xavier-normal, embedding and head N(0, {cfg.init_std:g}^2)",
     "mixln": lambda cfg: f"every matrix N(0, {cfg.init_std:g}^2), the embedding N(0, 2/5)",
     "unit": lambda cfg: "Linear N(0, 1/fan_in), embedding N(0, 1)",
@@ -59,7 +60,9 @@ class ModelConfig:
     scheme: str = "keel"
     keel_alpha: float | None = None  # None = L, the number of sublayers
     keel_first_block: str = "v1"  # v1: first attention and FFN plain Pre-LN; v2: paper's revision
-    keel_inner_norm: bool = True  # false: the ablation without Keel's inner norm (blocks after the first: Post-LN + alpha)
+    keel_inner_norm: bool = (
+        True  # false: the ablation without Keel's inner norm (blocks after the first: Post-LN + alpha)
+    )
     # false: every Norm_out without its learnable per-channel gain. With alpha = L a sublayer is nearly
     # x -> gain * x / rms(x), so the gains multiply coordinate-wise over all L sublayers (docs/schemes.md)
     out_norm_gain: bool = True
@@ -81,31 +84,55 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
-        for key, noun, allowed in (("ffn", "FFN", FFN_KINDS), ("init", "init", ("auto", *INITS)),
-                                   ("keel_first_block", "rule", KEEL_FIRST_BLOCK),
-                                   ("parametrization", "parametrization", PARAMETRIZATIONS)):
+        for key, noun, allowed in (
+            ("ffn", "FFN", FFN_KINDS),
+            ("init", "init", ("auto", *INITS)),
+            ("keel_first_block", "rule", KEEL_FIRST_BLOCK),
+            ("parametrization", "parametrization", PARAMETRIZATIONS),
+        ):
             value = getattr(self, key)
             require(value in allowed, f"model.{key}", f"unknown {noun} {value!r}; allowed: {', '.join(allowed)}")
-        require(self.keel_inner_norm or self.scheme == "keel", "model.keel_inner_norm",
-                f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true")
-        require(self.out_norm_gain or any(spec.norm_out for block in sublayer_specs(self) for spec in block),
-                "model.out_norm_gain", f"scheme {self.scheme!r} has no Norm_out at this depth; leave it true")
-        require(self.parametrization == "sp" or self.init_kind not in WIDTH_DEPENDENT_INITS, "model.init",
-                f"init {self.init_kind!r} already scales with the width, which model.parametrization=mup does too; "
-                f"use one of {', '.join(k for k in INITS if k not in WIDTH_DEPENDENT_INITS)}")
+        require(
+            self.keel_inner_norm or self.scheme == "keel",
+            "model.keel_inner_norm",
+            f"applies to scheme keel only (scheme is {self.scheme!r}); leave it true",
+        )
+        require(
+            self.out_norm_gain or any(spec.norm_out for block in sublayer_specs(self) for spec in block),
+            "model.out_norm_gain",
+            f"scheme {self.scheme!r} has no Norm_out at this depth; leave it true",
+        )
+        require(
+            self.parametrization == "sp" or self.init_kind not in WIDTH_DEPENDENT_INITS,
+            "model.init",
+            f"init {self.init_kind!r} already scales with the width, which model.parametrization=mup does too; "
+            f"use one of {', '.join(k for k in INITS if k not in WIDTH_DEPENDENT_INITS)}",
+        )
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len", "mup_base_width"):
             require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        require(self.mup_base_head_dim is None or self.mup_base_head_dim >= 1, "model.mup_base_head_dim",
-                f"must be null (= mup_base_width / n_heads) or >= 1, got {self.mup_base_head_dim}")
-        require(self.width % self.n_heads == 0, "model.width",
-                f"width {self.width} must be divisible by model.n_heads={self.n_heads}")
+        require(
+            self.mup_base_head_dim is None or self.mup_base_head_dim >= 1,
+            "model.mup_base_head_dim",
+            f"must be null (= mup_base_width / n_heads) or >= 1, got {self.mup_base_head_dim}",
+        )
+        require(
+            self.width % self.n_heads == 0,
+            "model.width",
+            f"width {self.width} must be divisible by model.n_heads={self.n_heads}",
+        )
         require(self.head_dim % 2 == 0, "model.width", f"head dim width/n_heads = {self.head_dim} must be even (RoPE)")
-        require(1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0, "model.n_kv_heads",
-                f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}")
+        require(
+            1 <= self.kv_heads <= self.n_heads and self.n_heads % self.kv_heads == 0,
+            "model.n_kv_heads",
+            f"must be null (= n_heads) or a divisor of model.n_heads={self.n_heads}, got {self.n_kv_heads}",
+        )
         for key in ("ffn_mult", "init_std", "norm_eps", "rope_theta"):
             require(getattr(self, key) > 0, f"model.{key}", f"must be > 0, got {getattr(self, key)}")
-        require(self.loss_chunk is None or self.loss_chunk >= 0, "model.loss_chunk",
-                f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}")
+        require(
+            self.loss_chunk is None or self.loss_chunk >= 0,
+            "model.loss_chunk",
+            f"must be >= 0 (tokens per chunk; 0 = plain head) or null (device default), got {self.loss_chunk}",
+        )
         require(0.0 <= self.mixln_post_fraction <= 1.0, "model.mixln_post_fraction", "must be in [0, 1]")
         for key in ("keel_alpha", "deepnorm_alpha", "deepnorm_beta"):
             value = getattr(self, key)
@@ -157,8 +184,10 @@ def init_description(cfg: ModelConfig) -> str:
         what += f"; DeepNorm's beta {deepnorm_beta(cfg):.4g} on v, out and both FFN matrices"
     if cfg.parametrization == "mup":
         ratio = cfg.mup_ratio
-        what += (f"; mup (base width {cfg.mup_base_width}): hidden matrices' std x {ratio**0.5:.4g} and LR x "
-                 f"{ratio:.4g}, logits x {ratio:.4g}, attention scale {cfg.attention_scale:.4g}")
+        what += (
+            f"; mup (base width {cfg.mup_base_width}): hidden matrices' std x {ratio**0.5:.4g} and LR x "
+            f"{ratio:.4g}, logits x {ratio:.4g}, attention scale {cfg.attention_scale:.4g}"
+        )
     origin = f"{cfg.scheme}'s own recipe, model.init=auto" if cfg.init == "auto" else f"model.init={kind}"
     return f"{kind} ({origin}): {what}"
 
@@ -198,7 +227,7 @@ def deepnorm_beta(cfg: ModelConfig) -> float:
 
 
 def _deepnorm(cfg: ModelConfig) -> BlockSpecs:
-    deep = SublayerSpec(norm_in=False, norm_out=True, alpha=cfg.deepnorm_alpha or cfg.n_sublayers ** 0.25)
+    deep = SublayerSpec(norm_in=False, norm_out=True, alpha=cfg.deepnorm_alpha or cfg.n_sublayers**0.25)
     return [(deep, deep)] * cfg.depth
 
 
@@ -243,8 +272,13 @@ class Scheme:
 # Every scheme, one entry each (docs/schemes.md): model.scheme's allowed values, in this order everywhere.
 SCHEMES = {
     # block 0 has alpha = 1, unlike the rest: not "bottom"
-    "keel": Scheme(_keel, final_norm=_unless_last_normalized, bottom_block=lambda cfg: min(1, cfg.depth - 1),
-                   alpha_field="keel_alpha", alpha=lambda cfg: cfg.keel_alpha or float(cfg.n_sublayers)),
+    "keel": Scheme(
+        _keel,
+        final_norm=_unless_last_normalized,
+        bottom_block=lambda cfg: min(1, cfg.depth - 1),
+        alpha_field="keel_alpha",
+        alpha=lambda cfg: cfg.keel_alpha or float(cfg.n_sublayers),
+    ),
     "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth, init="gpt2"),
     "postln": Scheme(lambda cfg: [(POST, POST)] * cfg.depth, final_norm=lambda cfg: cfg.postln_final_norm),
     "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized, init="xavier"),

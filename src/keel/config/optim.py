@@ -28,8 +28,11 @@ class OptimConfig:
         require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
         require(self.schedule in SCHEDULES, "optim.schedule", f"allowed: {', '.join(SCHEDULES)}")
-        require(self.schedule != "exp_warmup" or self.min_lr_ratio > 0, "optim.min_lr_ratio",
-                 "must be > 0 with optim.schedule=exp_warmup (the ramp starts at lr * min_lr_ratio)")
+        require(
+            self.schedule != "exp_warmup" or self.min_lr_ratio > 0,
+            "optim.min_lr_ratio",
+            "must be > 0 with optim.schedule=exp_warmup (the ramp starts at lr * min_lr_ratio)",
+        )
         require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         for key in ("beta1", "beta2"):  # torch's AdamW would refuse them only once the model is built
             require(0 <= getattr(self, key) < 1, f"optim.{key}", f"must be in [0, 1), got {getattr(self, key)}")

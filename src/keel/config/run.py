@@ -13,7 +13,6 @@ from keel.config.optim import OptimConfig
 from keel.config.trainer import TrainerConfig, resolve_accelerator
 from keel.errors import ConfigError, require
 
-
 # data.loader_workers=auto on GPUs: two processes reading ahead are plenty for a batch of a few hundred KB of token
 # ids per step (a GPU step takes tenths of a second); each takes a core from the node's intra-op threads
 GPU_LOADER_WORKERS = 2
@@ -43,11 +42,16 @@ class Config:
         # which torch does not do for the fused AdamW every run uses (Lightning would raise at the first step)
         fp16 = self.trainer.precision == "16-mixed"
         if fp16 and self.trainer.resolved_strategy == "fsdp":
-            raise ConfigError("trainer.precision=16-mixed: fp16 loss scaling does not work on FSDP shards; "
-                              "use trainer.precision=bf16-mixed (or 32-true)")
-        require(not fp16 or not self.optim.grad_clip, "trainer.precision",
-                "16-mixed (fp16 loss scaling) cannot clip gradients with keel's fused AdamW; use bf16-mixed (no loss "
-                "scaling, same memory), or optim.grad_clip=0 to train fp16 without clipping")
+            raise ConfigError(
+                "trainer.precision=16-mixed: fp16 loss scaling does not work on FSDP shards; "
+                "use trainer.precision=bf16-mixed (or 32-true)"
+            )
+        require(
+            not fp16 or not self.optim.grad_clip,
+            "trainer.precision",
+            "16-mixed (fp16 loss scaling) cannot clip gradients with keel's fused AdamW; use bf16-mixed (no loss "
+            "scaling, same memory), or optim.grad_clip=0 to train fp16 without clipping",
+        )
         # here, once every section has checked its own keys: resolving auto may import torch (seconds), and a
         # callback's check below needs the resolved value
         if self.trainer.compile == "auto":

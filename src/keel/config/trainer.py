@@ -104,21 +104,37 @@ class TrainerConfig:
         """global_batch_size / (processes x micro_batch_size), refused with the arithmetic where it does not divide or
         disagrees with a grad_accum set by hand (1, the default, counts as unset)."""
         per_micro_batch = self.world_size * self.micro_batch_size
-        layout = (f"{self.devices} device(s) x {self.num_nodes} node(s) x trainer.micro_batch_size "
-                  f"{self.micro_batch_size} = {per_micro_batch} sequences per micro-batch")
-        require(self.global_batch_size >= 1, "trainer.global_batch_size",
-                f"must be >= 1 sequences per optimizer step, or null; got {self.global_batch_size}")
+        layout = (
+            f"{self.devices} device(s) x {self.num_nodes} node(s) x trainer.micro_batch_size "
+            f"{self.micro_batch_size} = {per_micro_batch} sequences per micro-batch"
+        )
+        require(
+            self.global_batch_size >= 1,
+            "trainer.global_batch_size",
+            f"must be >= 1 sequences per optimizer step, or null; got {self.global_batch_size}",
+        )
         if self.global_batch_size % per_micro_batch:
-            fitting = [micro for micro in range(1, self.micro_batch_size + 1)
-                       if self.global_batch_size % (self.world_size * micro) == 0]
-            advice = (f"trainer.micro_batch_size={fitting[-1]} divides it on this many processes" if fitting else
-                      f"no micro-batch size divides it on {self.world_size} processes: change the device count")
-            raise ConfigError(f"trainer.global_batch_size={self.global_batch_size}: not a multiple of {layout}; "
-                              f"{advice}, or set trainer.global_batch_size=null and trainer.grad_accum by hand")
+            fitting = [
+                micro
+                for micro in range(1, self.micro_batch_size + 1)
+                if self.global_batch_size % (self.world_size * micro) == 0
+            ]
+            advice = (
+                f"trainer.micro_batch_size={fitting[-1]} divides it on this many processes"
+                if fitting
+                else f"no micro-batch size divides it on {self.world_size} processes: change the device count"
+            )
+            raise ConfigError(
+                f"trainer.global_batch_size={self.global_batch_size}: not a multiple of {layout}; "
+                f"{advice}, or set trainer.global_batch_size=null and trainer.grad_accum by hand"
+            )
         derived = self.global_batch_size // per_micro_batch
-        require(self.grad_accum in (1, derived), "trainer.grad_accum",
-                f"{self.grad_accum} disagrees with trainer.global_batch_size={self.global_batch_size} / ({layout}) = "
-                f"{derived}; leave trainer.grad_accum unset (it is derived), or set trainer.global_batch_size=null")
+        require(
+            self.grad_accum in (1, derived),
+            "trainer.grad_accum",
+            f"{self.grad_accum} disagrees with trainer.global_batch_size={self.global_batch_size} / ({layout}) = "
+            f"{derived}; leave trainer.grad_accum unset (it is derived), or set trainer.global_batch_size=null",
+        )
         return derived
 
     @property
@@ -131,8 +147,10 @@ class TrainerConfig:
     def checkpointed_blocks(self, depth: int) -> int:
         """How many blocks (the first ones) recompute their activations in backward; auto is resolved before."""
         if self.activation_checkpointing == "auto":
-            raise ConfigError("trainer.activation_checkpointing=auto is chosen from the memory estimate by keel pretrain "
-                              "and keel estimate; here give none, all or a fraction of the blocks")
+            raise ConfigError(
+                "trainer.activation_checkpointing=auto is chosen from the memory estimate by keel pretrain "
+                "and keel estimate; here give none, all or a fraction of the blocks"
+            )
         fraction = {"none": 0.0, "all": 1.0}.get(self.activation_checkpointing, self.activation_checkpointing)
         return min(depth, max(1, round(fraction * depth))) if fraction else 0
 
@@ -145,50 +163,101 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         require(self.accelerator in ACCELERATORS, "trainer.accelerator", f"allowed: {', '.join(ACCELERATORS)}")
         require(
-            self.strategy in STRATEGIES, "trainer.strategy", f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}"
+            self.strategy in STRATEGIES,
+            "trainer.strategy",
+            f"unknown strategy {self.strategy!r}; allowed: {', '.join(STRATEGIES)}",
         )
-        require(not self.hsdp or (self.resolved_strategy == "fsdp" and self.num_nodes > 1), "trainer.hsdp",
-                "shards within each node and replicates across nodes: it needs trainer.strategy=fsdp (trainer=fsdp) "
-                f"and trainer.num_nodes > 1 (got strategy {self.strategy}, {self.num_nodes} node(s)); on one node "
-                "FSDP alone shards over every process")
+        require(
+            not self.hsdp or (self.resolved_strategy == "fsdp" and self.num_nodes > 1),
+            "trainer.hsdp",
+            "shards within each node and replicates across nodes: it needs trainer.strategy=fsdp (trainer=fsdp) "
+            f"and trainer.num_nodes > 1 (got strategy {self.strategy}, {self.num_nodes} node(s)); on one node "
+            "FSDP alone shards over every process",
+        )
         require(self.precision in PRECISIONS, "trainer.precision", f"allowed: {', '.join(PRECISIONS)}")
-        for key in ("devices", "num_nodes", "max_steps", "micro_batch_size", "grad_accum", "val_every_n_steps",
-                    "val_batches", "log_every_n_steps", "checkpoint_every_n_steps"):
+        for key in (
+            "devices",
+            "num_nodes",
+            "max_steps",
+            "micro_batch_size",
+            "grad_accum",
+            "val_every_n_steps",
+            "val_batches",
+            "log_every_n_steps",
+            "checkpoint_every_n_steps",
+        ):
             require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
         if self.global_batch_size is not None:
             self.grad_accum = self.derived_grad_accum()
         require(self.threads >= 0, "trainer.threads", "must be >= 0 (0 = automatic)")
         require(self.keep_last_k >= 0, "trainer.keep_last_k", "must be >= 0 (0 = keep last.ckpt only)")
         unknown = [name for name in self.loggers if name not in LOGGERS]
-        require(not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}")
-        require(bool(self.loggers) and len(set(self.loggers)) == len(self.loggers), "trainer.loggers",
-                 f"name each logger once, at least one of {', '.join(LOGGERS)}; got {self.loggers}")
+        require(
+            not unknown, "trainer.loggers", f"unknown logger(s) {', '.join(unknown)}; allowed: {', '.join(LOGGERS)}"
+        )
+        require(
+            bool(self.loggers) and len(set(self.loggers)) == len(self.loggers),
+            "trainer.loggers",
+            f"name each logger once, at least one of {', '.join(LOGGERS)}; got {self.loggers}",
+        )
         checkpointing = self.activation_checkpointing
         if isinstance(checkpointing, bool) or checkpointing in (0, 1):  # true/false (the older configs'), 1/0
             self.activation_checkpointing = "all" if checkpointing else "none"
-        require(self.activation_checkpointing in ("none", "all", "auto") or (
-                isinstance(checkpointing, float) and 0 < checkpointing < 1), "trainer.activation_checkpointing",
-                f"allowed: none, all, auto, or a fraction of the blocks in (0, 1) (0.25: the first quarter); got "
-                f"{checkpointing!r}")
-        require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "trainer.gpu_memory_gib",
-                f"must be > 0 (GiB per GPU), or null for the visible GPU's; got {self.gpu_memory_gib}")
-        require(self.reduce_dtype in ("fp32", "bf16"), "trainer.reduce_dtype", f"allowed: fp32, bf16; got {self.reduce_dtype!r}")
-        require(self.reduce_dtype == "fp32" or self.resolved_strategy != "single", "trainer.reduce_dtype",
-                "bf16 sums gradients over processes in bf16; a single-process run sums none: use trainer=fsdp or "
-                "trainer=ddp, or leave it fp32")
-        require(self.reduce_every_micro_batch in (True, False, "auto"), "trainer.reduce_every_micro_batch",
-                f"allowed: true, false, auto; got {self.reduce_every_micro_batch!r}")
-        require(self.reduce_every_micro_batch is not True or self.resolved_strategy == "fsdp",
-                "trainer.reduce_every_micro_batch",
-                "chooses when FSDP reduces accumulated gradients: it needs trainer.strategy=fsdp (DDP reduces once per "
-                f"optimizer step, one process never; got {self.resolved_strategy}); leave it auto")
-        require(self.attention in ATTENTION, "trainer.attention",
-                f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}")
-        require(self.compile in (True, False, "auto"), "trainer.compile", f"allowed: true, false, auto; got {self.compile!r}")
-        require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
-                f"allowed: {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}")
-        require(self.async_checkpoint in (True, False, "auto"), "trainer.async_checkpoint",
-                f"allowed: true, false, auto; got {self.async_checkpoint!r}")
-        require(self.async_checkpoint is not True or self.resolved_strategy == "fsdp", "trainer.async_checkpoint",
-                "true writes sharded checkpoints in the background: it needs trainer.strategy=fsdp (trainer=fsdp); "
-                f"a {self.resolved_strategy} run saves one file, synchronously")
+        require(
+            self.activation_checkpointing in ("none", "all", "auto")
+            or (isinstance(checkpointing, float) and 0 < checkpointing < 1),
+            "trainer.activation_checkpointing",
+            f"allowed: none, all, auto, or a fraction of the blocks in (0, 1) (0.25: the first quarter); got "
+            f"{checkpointing!r}",
+        )
+        require(
+            self.gpu_memory_gib is None or self.gpu_memory_gib > 0,
+            "trainer.gpu_memory_gib",
+            f"must be > 0 (GiB per GPU), or null for the visible GPU's; got {self.gpu_memory_gib}",
+        )
+        require(
+            self.reduce_dtype in ("fp32", "bf16"),
+            "trainer.reduce_dtype",
+            f"allowed: fp32, bf16; got {self.reduce_dtype!r}",
+        )
+        require(
+            self.reduce_dtype == "fp32" or self.resolved_strategy != "single",
+            "trainer.reduce_dtype",
+            "bf16 sums gradients over processes in bf16; a single-process run sums none: use trainer=fsdp or "
+            "trainer=ddp, or leave it fp32",
+        )
+        require(
+            self.reduce_every_micro_batch in (True, False, "auto"),
+            "trainer.reduce_every_micro_batch",
+            f"allowed: true, false, auto; got {self.reduce_every_micro_batch!r}",
+        )
+        require(
+            self.reduce_every_micro_batch is not True or self.resolved_strategy == "fsdp",
+            "trainer.reduce_every_micro_batch",
+            "chooses when FSDP reduces accumulated gradients: it needs trainer.strategy=fsdp (DDP reduces once per "
+            f"optimizer step, one process never; got {self.resolved_strategy}); leave it auto",
+        )
+        require(
+            self.attention in ATTENTION, "trainer.attention", f"allowed: {', '.join(ATTENTION)}; got {self.attention!r}"
+        )
+        require(
+            self.compile in (True, False, "auto"),
+            "trainer.compile",
+            f"allowed: true, false, auto; got {self.compile!r}",
+        )
+        require(
+            self.compile_mode in COMPILE_MODES,
+            "trainer.compile_mode",
+            f"allowed: {', '.join(COMPILE_MODES)}; got {self.compile_mode!r}",
+        )
+        require(
+            self.async_checkpoint in (True, False, "auto"),
+            "trainer.async_checkpoint",
+            f"allowed: true, false, auto; got {self.async_checkpoint!r}",
+        )
+        require(
+            self.async_checkpoint is not True or self.resolved_strategy == "fsdp",
+            "trainer.async_checkpoint",
+            "true writes sharded checkpoints in the background: it needs trainer.strategy=fsdp (trainer=fsdp); "
+            f"a {self.resolved_strategy} run saves one file, synchronously",
+        )

@@ -120,8 +120,10 @@ def build_tasks(val_docs: Iterable[str]) -> dict[str, bytes]:
             chars += len(text)
     if len(docs) < 2:
         raise ValueError(f"the generated tasks need at least 2 held-out documents ({VAL_DOCS}), found {len(docs)}")
-    return {name: "".join(json.dumps(example) + "\n" for example in build(docs, random.Random(f"{SEED}:{name}")))
-            .encode() for name, build in BUILDERS.items()}
+    return {
+        name: "".join(json.dumps(example) + "\n" for example in build(docs, random.Random(f"{SEED}:{name}"))).encode()
+        for name, build in BUILDERS.items()
+    }
 
 
 def write_tasks(fs: fsspec.AbstractFileSystem, root: str, tasks: dict[str, bytes]) -> dict[str, str]:
@@ -182,5 +184,6 @@ def read_tasks(corpus_dir: str, tasks_dir: str | None = None) -> dict[str, list[
                 contents[name] = f.read()
     else:
         contents = _build_from(storage(corpus_dir), data_path(corpus_dir, VAL_DOCS))
-    return {name: [json.loads(line) for line in content.decode("utf-8").splitlines()]
-            for name, content in contents.items()}
+    return {
+        name: [json.loads(line) for line in content.decode("utf-8").splitlines()] for name, content in contents.items()
+    }

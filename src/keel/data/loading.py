@@ -16,8 +16,19 @@ from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from keel.config import Config, DataConfig, resolve_accelerator
 from keel.data.shards import (
-    MANIFEST, MANIFEST_KEYS, REBUILD, SPLITS, TOKENIZER, checksummed_chunks, corrupt_chunk, data_path, first_corrupt,
-    sha256, storage, tokens_per_chunk, verify_shards,
+    MANIFEST,
+    MANIFEST_KEYS,
+    REBUILD,
+    SPLITS,
+    TOKENIZER,
+    checksummed_chunks,
+    corrupt_chunk,
+    data_path,
+    first_corrupt,
+    sha256,
+    storage,
+    tokens_per_chunk,
+    verify_shards,
 )
 from keel.errors import ConfigError
 
@@ -119,8 +130,10 @@ def check_splits_fit(cfg: Config, chunk_tokens: dict[str, list[int]]) -> None:
     batch at all (every rank then fails when training starts) or fewer (validation would silently run on fewer
     than trainer.val_batches)."""
     t = cfg.trainer
-    larger = {"val": "a larger validation split (data.val_fraction",
-              "train": "more training text (data.text_files.paths, data.max_chars"}
+    larger = {
+        "val": "a larger validation split (data.val_fraction",
+        "train": "more training text (data.text_files.paths, data.max_chars",
+    }
     for split, key in (("val", "val_batches"), ("train", "grad_accum")):
         needed = getattr(t, key)
         sequences, batches = batches_per_rank(cfg, chunk_tokens[split])
@@ -171,8 +184,9 @@ class _ResumableLoader(StreamingDataLoader):
 
     _resumed_epoch_begun = False
 
-    def __init__(self, dataset: StreamingDataset, data: DataConfig, position: DataPosition | None = None,
-                 **kwargs) -> None:
+    def __init__(
+        self, dataset: StreamingDataset, data: DataConfig, position: DataPosition | None = None, **kwargs
+    ) -> None:
         super().__init__(dataset, **kwargs)
         self.data = data
         self.position = position
@@ -193,8 +207,10 @@ class _ResumableLoader(StreamingDataLoader):
             try:
                 verify_shards(storage(self.data.dir), self.data, {})  # sizes only: quick
             except ConfigError as gone:
-                raise ConfigError(f"while training: {gone}. The shards changed under the run: restore them to "
-                                  "continue from its checkpoint, or rebuild them and start a new run.dir") from None
+                raise ConfigError(
+                    f"while training: {gone}. The shards changed under the run: restore them to "
+                    "continue from its checkpoint, or rebuild them and start a new run.dir"
+                ) from None
             raise
 
 
@@ -213,7 +229,11 @@ def token_loader(cfg: Config, split: str, shuffle: bool, position: DataPosition 
         cache_dir=cfg.data.cache_dir,  # where chunks of an object-store data.dir are downloaded to
     )
     loader = _ResumableLoader(
-        dataset, cfg.data, position, batch_size=cfg.trainer.micro_batch_size, num_workers=cfg.data.loader_workers,
+        dataset,
+        cfg.data,
+        position,
+        batch_size=cfg.trainer.micro_batch_size,
+        num_workers=cfg.data.loader_workers,
         collate_fn=_stack_long,
         # page-locked batches: their copy to the GPU runs without a staging copy, and asynchronously
         pin_memory=resolve_accelerator(cfg.trainer) == "gpu",
@@ -251,8 +271,9 @@ class KeelDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         if self.cfg.trainer.world_size > 1:
-            verify_checksums_shared(self.cfg, self.info.manifest, self.trainer.local_rank,
-                                    self.trainer.strategy.root_device)
+            verify_checksums_shared(
+                self.cfg, self.info.manifest, self.trainer.local_rank, self.trainer.strategy.root_device
+            )
 
     def train_dataloader(self) -> StreamingDataLoader:
         return token_loader(self.cfg, "train", shuffle=True, position=self.position)
@@ -261,8 +282,11 @@ class KeelDataModule(LightningDataModule):
         return token_loader(self.cfg, "val", shuffle=False)
 
     def state_dict(self) -> dict:
-        return {"manifest_sha256": self.info.manifest_sha256, "micro_batches": self.position.micro_batches,
-                "grad_accum": self.position.grad_accum}
+        return {
+            "manifest_sha256": self.info.manifest_sha256,
+            "micro_batches": self.position.micro_batches,
+            "grad_accum": self.position.grad_accum,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # an elastic resume at another grad_accum counts the same global batches in its own micro-batches (a

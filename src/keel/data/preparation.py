@@ -34,8 +34,20 @@ from keel.config import Config, DataConfig, load_config
 from keel.data.generated_tasks import TASKS_SUBDIR, build_tasks, task_files, write_tasks
 from keel.data.shard_writing import SpanEncoder, write_shards
 from keel.data.shards import (
-    MANIFEST, PUBLISHING, SPLITS, STAGING, TOKENIZER, VAL_DOCS, chunk_digests, data_path, refuse_foreign_files,
-    require_sequences, sha256, storage, tokens_per_chunk, writing,
+    MANIFEST,
+    PUBLISHING,
+    SPLITS,
+    STAGING,
+    TOKENIZER,
+    VAL_DOCS,
+    chunk_digests,
+    data_path,
+    refuse_foreign_files,
+    require_sequences,
+    sha256,
+    storage,
+    tokens_per_chunk,
+    writing,
 )
 from keel.data.sources import SOURCES
 from keel.data.sources.base import MAX_UNDECODABLE, SkippedFiles
@@ -107,8 +119,10 @@ def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> 
     built = {key.removeprefix("hf_"): value for key, value in built.items()}
     changed = sorted(key for key in set(settings) | set(built) if settings.get(key) != built.get(key))
     own = {f.name for f in fields(data.source_config)}
-    changes = [f"data.{data.source + '.' if key in own else ''}{key}: {built.get(key)!r} -> {settings.get(key)!r}"
-               for key in changed]
+    changes = [
+        f"data.{data.source + '.' if key in own else ''}{key}: {built.get(key)!r} -> {settings.get(key)!r}"
+        for key in changed
+    ]
     other_tokenizer = not {"tokenizer", "vocab_size"}.isdisjoint(changed)
     if data.tokenizer and os.path.isfile(data.tokenizer):
         if sha256(Path(data.tokenizer).read_bytes()) != manifest.get("tokenizer_sha256"):
@@ -126,8 +140,10 @@ def _existing_build(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> 
 
 def _up_to_date(cfg: Config, fs: fsspec.AbstractFileSystem, force: bool) -> dict | None:
     if (manifest := _existing_build(cfg, fs, force)) is not None:
-        print(f"keel data: {cfg.data.dir} is up to date ({manifest['tokens']['train']:,} train / "
-              f"{manifest['tokens']['val']:,} val tokens); nothing to do (--force rebuilds)")
+        print(
+            f"keel data: {cfg.data.dir} is up to date ({manifest['tokens']['train']:,} train / "
+            f"{manifest['tokens']['val']:,} val tokens); nothing to do (--force rebuilds)"
+        )
     return manifest
 
 
@@ -151,16 +167,19 @@ def prepare(cfg: Config, force: bool = False) -> dict:
             try:
                 manifest = _build(cfg, fs, staging, given)
             except KeyboardInterrupt:
-                raise KeyboardInterrupt(f"interrupted: the unfinished build was removed; {data.dir} holds what it "
-                                        "held before") from None
+                raise KeyboardInterrupt(
+                    f"interrupted: the unfinished build was removed; {data.dir} holds what it held before"
+                ) from None
             _publish(fs, staging, data.dir)  # interrupted, it leaves an unfinished build: the next run rebuilds it
         finally:
             if fs.exists(staging):
                 fs.rm(staging, recursive=True)
     documents, tokens = manifest["documents"], manifest["tokens"]
-    print(f"keel data: wrote {data.dir}: {documents['train']:,} train / {documents['val']:,} val documents, "
-          f"{tokens['train']:,} / {tokens['val']:,} tokens, vocabulary {manifest['vocab_size']}; "
-          + ", ".join(f"{key[:-2]} {seconds:.1f} s" for key, seconds in manifest["timings"].items()))
+    print(
+        f"keel data: wrote {data.dir}: {documents['train']:,} train / {documents['val']:,} val documents, "
+        f"{tokens['train']:,} / {tokens['val']:,} tokens, vocabulary {manifest['vocab_size']}; "
+        + ", ".join(f"{key[:-2]} {seconds:.1f} s" for key, seconds in manifest["timings"].items())
+    )
     return manifest
 
 
@@ -178,13 +197,17 @@ def _build(cfg: Config, fs: fsspec.AbstractFileSystem, staging: str, given: tupl
         spools = spool_corpus(data, workdir, skipped)
         timings["read_s"] = time.perf_counter() - start
         if skipped.count:
-            print(f"keel data: skipped {skipped} (a NUL, or more than {MAX_UNDECODABLE:.0%} of the characters "
-                  "undecodable); files in another encoding are read with data.encoding=CODEC (e.g. latin-1, cp1252)")
+            print(
+                f"keel data: skipped {skipped} (a NUL, or more than {MAX_UNDECODABLE:.0%} of the characters "
+                "undecodable); files in another encoding are read with data.encoding=CODEC (e.g. latin-1, cp1252)"
+            )
 
         mark = time.perf_counter()
         if given is None:
-            print(f"keel data: training a {data.vocab_size}-token byte-level BPE "
-                  f"on {spools['train'].chars:,} characters", flush=True)
+            print(
+                f"keel data: training a {data.vocab_size}-token byte-level BPE on {spools['train'].chars:,} characters",
+                flush=True,
+            )
             tokenizer = _in_a_thread(train_tokenizer, spools["train"].texts(), data.vocab_size)
             tokenizer_bytes = tokenizer.to_str().encode()
         else:
@@ -274,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keel data", description="Build tokenized litdata shards from data.source.")
     parser.add_argument("--config", help="YAML merged over conf/config.yaml (data.* and model.seq_len matter here)")
     parser.add_argument("--force", action="store_true", help="rebuild even if data.dir already holds shards")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="e.g. data=text_files 'data.text_files.paths=[docs/*.md]'")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="e.g. data=text_files 'data.text_files.paths=[docs/*.md]'"
+    )
     args = parser.parse_intermixed_args(argv)  # options may follow overrides: `keel data $ARGS --force`
     # Past a file size limit (ulimit -f) the kernel kills the writer with SIGXFSZ, without a word; ignored, the
     # write fails with EFBIG instead, which is reported like a full disk. Shard writers inherit it.

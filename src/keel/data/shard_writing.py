@@ -75,8 +75,16 @@ def _shares(spans: list[Any], workers: int) -> list[list[Any]]:
     return [spans[begin:end] for begin, end in zip(bounds, bounds[1:])]
 
 
-def _shard_writer(rank: int, spans: list[Any], encoder: SpanEncoder, chunk_dir: str, upload_dir: str | None,
-                  chunk_bytes: str, written: Any, report: Connection) -> None:
+def _shard_writer(
+    rank: int,
+    spans: list[Any],
+    encoder: SpanEncoder,
+    chunk_dir: str,
+    upload_dir: str | None,
+    chunk_bytes: str,
+    written: Any,
+    report: Connection,
+) -> None:
     """One worker process: its share of the spans, encoded in order and written with litdata's BinaryWriter (as
     optimize() writes them) into chunk-<rank>-<n>.bin files and a <rank>.index.json in chunk_dir; on an object store
     each chunk is then uploaded to upload_dir and removed here. Reports None when done, a ConfigError (a full disk),
@@ -95,8 +103,9 @@ def _shard_writer(rank: int, spans: list[Any], encoder: SpanEncoder, chunk_dir: 
 
             # msg_queue: litdata's optimize() collects each worker's "Rank N inferred the following data format"
             # there; here it is dropped (without one the writer prints it, per worker and split)
-            writer = BinaryWriter(chunk_dir, chunk_bytes=chunk_bytes, item_loader=TokensLoader(),
-                                  msg_queue=queue.SimpleQueue())
+            writer = BinaryWriter(
+                chunk_dir, chunk_bytes=chunk_bytes, item_loader=TokensLoader(), msg_queue=queue.SimpleQueue()
+            )
             for index, span in enumerate(spans):
                 keep(writer.add_item(index, encoder(span)))
                 with written.get_lock():
@@ -139,8 +148,15 @@ def _died(process: multiprocessing.process.BaseProcess, name: str) -> ConfigErro
     return ConfigError(f"{name} {how} before it was done")
 
 
-def write_shards(data: DataConfig, fs: fsspec.AbstractFileSystem, spool: Spool, split: str, encoder: SpanEncoder,
-                  staging: str, workdir: str) -> None:
+def write_shards(
+    data: DataConfig,
+    fs: fsspec.AbstractFileSystem,
+    spool: Spool,
+    split: str,
+    encoder: SpanEncoder,
+    staging: str,
+    workdir: str,
+) -> None:
     """The split's shards in <staging>/<split>: written there by the workers on a local data.dir; on an object store
     through <workdir>/<split>, a chunk at a time. Any worker's failure or death stops them all and is raised."""
     spans = [(spool.path, documents) for documents in spool.spans(document_order(spool.documents, data, split))]
@@ -148,8 +164,11 @@ def write_shards(data: DataConfig, fs: fsspec.AbstractFileSystem, spool: Spool, 
     remote = "://" in data.dir
     chunk_dir = os.path.join(workdir, split) if remote else data_path(staging, split)
     upload_dir = data_path(staging, split) if remote else None
-    print(f"keel data: encoding the {split} split ({len(spans)} span(s) of ~{SPAN_CHARS:,} characters) with "
-          f"{len(shares)} worker(s)", flush=True)
+    print(
+        f"keel data: encoding the {split} split ({len(spans)} span(s) of ~{SPAN_CHARS:,} characters) with "
+        f"{len(shares)} worker(s)",
+        flush=True,
+    )
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     written = context.Value("q", 0)
     workers: dict[Connection, tuple[str, multiprocessing.process.BaseProcess]] = {}
@@ -157,8 +176,11 @@ def write_shards(data: DataConfig, fs: fsspec.AbstractFileSystem, spool: Spool, 
         with _tokenizers_single_threaded():
             for rank, share in enumerate(shares):
                 receive, send = context.Pipe(duplex=False)
-                worker = context.Process(target=_shard_writer, daemon=True, args=(
-                    rank, share, encoder, chunk_dir, upload_dir, data.chunk_bytes, written, send))
+                worker = context.Process(
+                    target=_shard_writer,
+                    daemon=True,
+                    args=(rank, share, encoder, chunk_dir, upload_dir, data.chunk_bytes, written, send),
+                )
                 worker.start()
                 send.close()  # the worker's copy alone remains: its end, however it ends, reads as end of file here
                 workers[receive] = (f"the {split} shard writer (worker {rank} of {len(shares)})", worker)
@@ -186,13 +208,13 @@ def write_shards(data: DataConfig, fs: fsspec.AbstractFileSystem, spool: Spool, 
         fs.put_file(os.path.join(chunk_dir, "index.json"), f"{upload_dir}/index.json")
 
 
-
-
 def merge_indexes(chunk_dir: str) -> None:
     """The workers' <rank>.index.json -> one index.json listing their chunks in rank order, as litdata's optimize()
     merges them (BinaryWriter.merge() waits for WORLD_SIZE x workers files: forever when keel data runs inside a
     distributed job). Every worker wrote the same TokensLoader config."""
-    ranked = sorted((int(m[1]), name) for name in os.listdir(chunk_dir) if (m := re.fullmatch(r"(\d+)\.index\.json", name)))
+    ranked = sorted(
+        (int(m[1]), name) for name in os.listdir(chunk_dir) if (m := re.fullmatch(r"(\d+)\.index\.json", name))
+    )
     indexes = []
     for _, name in ranked:
         with open(os.path.join(chunk_dir, name)) as f:

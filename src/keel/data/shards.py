@@ -74,9 +74,11 @@ def storage(data_dir: str) -> fsspec.AbstractFileSystem:
             ) from None
         if not found:
             at = f" at {endpoint}" if endpoint else ""
-            raise ConfigError(f"data.dir={data_dir}: bucket {bucket!r} cannot be found{at}: it does not exist, the "
-                              "endpoint is unreachable, or these credentials cannot see it; create it, or fix "
-                              "data.dir or the endpoint (AWS_ENDPOINT_URL)")
+            raise ConfigError(
+                f"data.dir={data_dir}: bucket {bucket!r} cannot be found{at}: it does not exist, the "
+                "endpoint is unreachable, or these credentials cannot see it; create it, or fix "
+                "data.dir or the endpoint (AWS_ENDPOINT_URL)"
+            )
     return fs
 
 
@@ -115,13 +117,17 @@ def refuse_foreign_files(fs: fsspec.AbstractFileSystem, data_dir: str) -> None:
     each that is there was written by an earlier build (a keel manifest, or a move into place that was stopped),
     and the splits hold only shards. Nothing else is ever removed: data.dir may be the user's corpus folder."""
     earlier = _is_manifest(fs, data_dir) or fs.exists(data_path(data_dir, PUBLISHING))
-    foreign = [name for name in (MANIFEST, TOKENIZER, VAL_DOCS) if fs.exists(data_path(data_dir, name))
-               and not earlier]
-    foreign += [f"{split}/" for split in SPLITS if fs.exists(data_path(data_dir, split))
-                and not _is_split(fs, data_path(data_dir, split))]
+    foreign = [name for name in (MANIFEST, TOKENIZER, VAL_DOCS) if fs.exists(data_path(data_dir, name)) and not earlier]
+    foreign += [
+        f"{split}/"
+        for split in SPLITS
+        if fs.exists(data_path(data_dir, split)) and not _is_split(fs, data_path(data_dir, split))
+    ]
     if foreign:
-        raise ConfigError(f"data.dir={data_dir} holds {', '.join(foreign)}, which no keel build wrote (a build would "
-                          "replace them); nothing was changed: choose a new or empty data.dir")
+        raise ConfigError(
+            f"data.dir={data_dir} holds {', '.join(foreign)}, which no keel build wrote (a build would "
+            "replace them); nothing was changed: choose a new or empty data.dir"
+        )
 
 
 def tokens_per_chunk(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> list[int]:
@@ -145,8 +151,10 @@ def _file_sha256(fs: fsspec.AbstractFileSystem, path: str) -> str:
 
 def chunk_digests(fs: fsspec.AbstractFileSystem, data_dir: str, split: str) -> dict[str, str]:
     """sha256 of each chunk file of a split, by file name."""
-    return {chunk["filename"]: _file_sha256(fs, data_path(data_dir, split, chunk["filename"]))
-            for chunk in _chunks(fs, data_dir, split)}
+    return {
+        chunk["filename"]: _file_sha256(fs, data_path(data_dir, split, chunk["filename"]))
+        for chunk in _chunks(fs, data_dir, split)
+    }
 
 
 def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dict, checksums: bool = True) -> None:
@@ -159,8 +167,9 @@ def verify_shards(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest: dic
             size = fs.size(path) if fs.exists(path) else None
             if size != chunk["chunk_bytes"]:
                 found = "missing" if size is None else f"{size:,} of its {chunk['chunk_bytes']:,} bytes"
-                raise ConfigError(f"{data.dir}/{split}/{chunk['filename']} is truncated or missing ({found}): "
-                                  f"{REBUILD}")
+                raise ConfigError(
+                    f"{data.dir}/{split}/{chunk['filename']} is truncated or missing ({found}): {REBUILD}"
+                )
     chunks = checksummed_chunks(fs, data, manifest) if checksums else []
     if (bad := first_corrupt(fs, data, chunks)) is not None:
         raise corrupt_chunk(data, chunks[bad])
@@ -172,12 +181,16 @@ def checksummed_chunks(fs: fsspec.AbstractFileSystem, data: DataConfig, manifest
     checksums = manifest.get("chunk_sha256") if data.verify_checksums and "://" not in data.dir else None
     if not checksums:
         return []
-    return [(split, chunk["filename"], checksums.get(split, {}).get(chunk["filename"]))
-            for split in SPLITS for chunk in _chunks(fs, data.dir, split)]
+    return [
+        (split, chunk["filename"], checksums.get(split, {}).get(chunk["filename"]))
+        for split in SPLITS
+        for chunk in _chunks(fs, data.dir, split)
+    ]
 
 
-def first_corrupt(fs: fsspec.AbstractFileSystem, data: DataConfig, chunks: list[tuple[str, str, str]], share: int = 0,
-                  shares: int = 1) -> int | None:
+def first_corrupt(
+    fs: fsspec.AbstractFileSystem, data: DataConfig, chunks: list[tuple[str, str, str]], share: int = 0, shares: int = 1
+) -> int | None:
     """The index of the first chunk of this share (every shares-th, from the share-th on) whose sha256 is not
     the manifest's, or None."""
     for i in range(share, len(chunks), shares):

@@ -41,8 +41,11 @@ def remove_stale_spools() -> None:
     build's is kept (its pid is alive), and so is one whose owner cannot be told: another host's (a shared
     $TMPDIR), or one named before the pid was part of the name."""
     owner = re.compile(rf"{SPOOL}(\d+)-{re.escape(socket.gethostname())}-[a-z0-9_]+")  # tempfile: no "-" in its part
-    stale = [path for path in sorted(Path(tempfile.gettempdir()).glob(f"{SPOOL}*"))
-             if (match := owner.fullmatch(path.name)) and path.is_dir() and not pid_alive(int(match[1]))]
+    stale = [
+        path
+        for path in sorted(Path(tempfile.gettempdir()).glob(f"{SPOOL}*"))
+        if (match := owner.fullmatch(path.name)) and path.is_dir() and not pid_alive(int(match[1]))
+    ]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)  # another user's, in a shared /tmp, is theirs to remove
     if removed := [str(path) for path in stale if not path.exists()]:
@@ -115,8 +118,9 @@ def spool_corpus(data: DataConfig, workdir: str, skipped: SkippedFiles) -> dict[
     total = sum(spool.documents for spool in spools.values())
     if total == 0:
         binary = f"; skipped {skipped}" if skipped.count else ""
-        raise ConfigError(f"data.source={data.source}: the corpus is empty: no non-blank text in "
-                          f"{source.describe(data)}{binary}")
+        raise ConfigError(
+            f"data.source={data.source}: the corpus is empty: no non-blank text in {source.describe(data)}{binary}"
+        )
     for split, spool in spools.items():
         if spool.documents == 0:
             raise ConfigError(
@@ -125,5 +129,3 @@ def spool_corpus(data: DataConfig, workdir: str, skipped: SkippedFiles) -> dict[
                 "data.seed"
             )
     return spools
-
-

@@ -44,7 +44,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         # its bars draw on a terminal only, but it ends each stage with a newline on stdout wherever that goes
         show_progress=sys.stderr.isatty(),
     )
@@ -59,9 +61,11 @@ def load_tokenizer(name: str) -> tuple[Tokenizer, bytes]:
         try:
             return Tokenizer.from_str(raw.decode()), raw
         except Exception as err:  # the tokenizers library raises a bare Exception (serde's reason)
-            raise ConfigError(f"data.tokenizer: {name} is not a tokenizer.json the tokenizers library can read "
-                              f"({' '.join(str(err).split())}); give a complete tokenizer.json, or null to train a BPE "
-                              "on the corpus") from None
+            raise ConfigError(
+                f"data.tokenizer: {name} is not a tokenizer.json the tokenizers library can read "
+                f"({' '.join(str(err).split())}); give a complete tokenizer.json, or null to train a BPE "
+                "on the corpus"
+            ) from None
     try:
         tokenizer = Tokenizer.from_pretrained(name)
     except Exception as err:

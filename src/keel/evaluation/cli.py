@@ -54,6 +54,7 @@ def with_defaults(argv: list[str]) -> list[str]:
 
 def without_stderr(function):
     """function with this process's stderr (file descriptor 2, which its subprocesses inherit) sent to /dev/null."""
+
     @functools.wraps(function)
     def call(*args, **kwargs):
         sys.stderr.flush()
@@ -65,6 +66,7 @@ def without_stderr(function):
             os.dup2(saved, 2)
             os.close(saved)
             os.close(devnull)
+
     return call
 
 
@@ -92,8 +94,10 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         if not str(err).startswith("Tasks not found"):  # lm-eval's words for a --tasks name it does not know
             raise
-        raise ConfigError(f"--tasks: {err}; `keel eval ls tasks` lists the known ones (the bundled keel_* tasks "
-                          "among them), or add a directory of task YAMLs with --include_path") from None
+        raise ConfigError(
+            f"--tasks: {err}; `keel eval ls tasks` lists the known ones (the bundled keel_* tasks "
+            "among them), or add a directory of task YAMLs with --include_path"
+        ) from None
     finally:
         sys.argv = saved
     return 0

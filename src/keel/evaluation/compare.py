@@ -25,17 +25,24 @@ NOT_SCORES = ("eval/disagree/", "eval/spearman/")  # the callback's own flags, n
 
 def read_curves(run_dir: Path, train_loss: bool = False) -> dict[str, list[tuple[int, float]]]:
     """{tag: [(step, value), ...]} of the loss and task scalars (and train/loss) in a run's TensorBoard events."""
-    return {tag: curve for tag, curve in read_scalars(run_dir).items()
-            if tag == LOSS_TAG or (tag.startswith(TASK_PREFIX) and not tag.startswith(NOT_SCORES))
-            or (train_loss and tag == TRAIN_LOSS_TAG)}
+    return {
+        tag: curve
+        for tag, curve in read_scalars(run_dir).items()
+        if tag == LOSS_TAG
+        or (tag.startswith(TASK_PREFIX) and not tag.startswith(NOT_SCORES))
+        or (train_loss and tag == TRAIN_LOSS_TAG)
+    }
 
 
 def detrended(curve: list[tuple[int, float]], window: int) -> list[tuple[int, float]]:
     """Each point minus the mean of the `window` points centred on it (points without a full window dropped)."""
     half = window // 2
     values = [value for _, value in curve]
-    return [(step, values[i] - sum(values[i - half : i + half + 1]) / (2 * half + 1))
-            for i, (step, _) in enumerate(curve) if half <= i < len(curve) - half]
+    return [
+        (step, values[i] - sum(values[i - half : i + half + 1]) / (2 * half + 1))
+        for i, (step, _) in enumerate(curve)
+        if half <= i < len(curve) - half
+    ]
 
 
 def lag1_autocorrelation(values: list[float]) -> float:
@@ -80,8 +87,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="keel compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (run.dir of each training run)")
     parser.add_argument("--out", type=Path, default=Path("compare.png"), help="PNG to write (default: compare.png)")
-    parser.add_argument("--train-loss", action="store_true",
-                        help="also the per-step training loss, detrended, and its lag-1 autocorrelation")
+    parser.add_argument(
+        "--train-loss",
+        action="store_true",
+        help="also the per-step training loss, detrended, and its lag-1 autocorrelation",
+    )
     parser.add_argument("--window", type=int, default=25, help="moving-average window of --train-loss (steps)")
     args = parser.parse_args(argv)
     if args.window < 3:
@@ -92,21 +102,29 @@ def main(argv: list[str]) -> int:
             parser.error(f"{run_dir} has no tb/ directory: not a keel run directory")
         runs[str(run_dir)] = curves = read_curves(run_dir, args.train_loss)
         if not curves:
-            raise ConfigError(f"compare: {run_dir} has nothing to compare: its tb/ events hold no {LOSS_TAG} or "
-                              f"{TASK_PREFIX} scalars (validation runs every trainer.val_every_n_steps steps: a run "
-                              "stopped before the first has none)")
+            raise ConfigError(
+                f"compare: {run_dir} has nothing to compare: its tb/ events hold no {LOSS_TAG} or "
+                f"{TASK_PREFIX} scalars (validation runs every trainer.val_every_n_steps steps: a run "
+                "stopped before the first has none)"
+            )
         if args.train_loss:
             if len(curves.get(TRAIN_LOSS_TAG, [])) < 2 * args.window:
-                parser.error(f"{run_dir} logged train/loss at fewer than {2 * args.window} steps: "
-                             "train with trainer.log_every_n_steps=1, or pass a smaller --window")
+                parser.error(
+                    f"{run_dir} logged train/loss at fewer than {2 * args.window} steps: "
+                    "train with trainer.log_every_n_steps=1, or pass a smaller --window"
+                )
             curves[DETRENDED_TAG] = detrended(curves[TRAIN_LOSS_TAG], args.window)
             autocorrelation = lag1_autocorrelation([value for _, value in curves[DETRENDED_TAG]])
-            print(f"{run_dir}: detrended train/loss (window {args.window}), lag-1 autocorrelation "
-                  f"{autocorrelation:+.3f}")
+            print(
+                f"{run_dir}: detrended train/loss (window {args.window}), lag-1 autocorrelation {autocorrelation:+.3f}"
+            )
     plot(runs, args.out)
     for name, curves in runs.items():
-        last = ", ".join(f"{tag.removeprefix(TASK_PREFIX)} {pts[-1][1]:.4f}" for tag, pts in sorted(curves.items())
-                         if tag != DETRENDED_TAG)
+        last = ", ".join(
+            f"{tag.removeprefix(TASK_PREFIX)} {pts[-1][1]:.4f}"
+            for tag, pts in sorted(curves.items())
+            if tag != DETRENDED_TAG
+        )
         print(f"{name}: {last}")
     print(f"wrote {args.out}")
     return 0

@@ -22,7 +22,8 @@ def _corpus_dir(corpus_dir: str | None, checkpoint: str | None) -> str:
             raise FileNotFoundError(
                 f"{checkpoint} is an exported model, which records its training data.dir without the path it had "
                 f"on the machine that trained it ({data_dir!r}): pass that data.dir as --metadata "
-                f"'{{\"corpus_dir\": \"DIR\"}}' (its val_docs.jsonl holds the generated tasks' documents)")
+                f'\'{{"corpus_dir": "DIR"}}\' (its val_docs.jsonl holds the generated tasks\' documents)'
+            )
         return data_dir
     from keel.config import DataConfig
 

@@ -243,9 +243,13 @@ class KeelEvalLM(TemplateLM):
         no rank is decoding, agreed on before each step."""
         steps = None
         if ids is not None and max_new > 0:
-            steps = stream(self.model, torch.tensor([ids], device=self._device), max_new,
-                           temperature=kwargs.get("temperature", 1.0) if kwargs["do_sample"] else 0.0,
-                           top_k=kwargs.get("top_k"))
+            steps = stream(
+                self.model,
+                torch.tensor([ids], device=self._device),
+                max_new,
+                temperature=kwargs.get("temperature", 1.0) if kwargs["do_sample"] else 0.0,
+                top_k=kwargs.get("top_k"),
+            )
         tokens = []
         with self._inference():
             while self._anyone(steps is not None):

@@ -18,8 +18,9 @@ def task_yaml(data_dir: str | os.PathLike, task: str) -> Path:
 
 def resolve_tasks(tasks: Sequence[str], data_dir: str | None) -> list[str]:
     """Each task name, or the path of its local copy's YAML where data_dir holds one (lm-eval loads both)."""
-    return [str(task_yaml(data_dir, name)) if data_dir and task_yaml(data_dir, name).is_file() else name
-            for name in tasks]
+    return [
+        str(task_yaml(data_dir, name)) if data_dir and task_yaml(data_dir, name).is_file() else name for name in tasks
+    ]
 
 
 def unknown_tasks(tasks: Sequence[str], include_path: str | Sequence[str] | None) -> list[str]:

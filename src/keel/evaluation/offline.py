@@ -28,8 +28,17 @@ from keel.evaluation.local_tasks import task_yaml
 from keel.evaluation.suite import task_manager
 
 # The standard downstream suite, by lm-eval's task names: `keel eval-data fetch`'s default.
-STANDARD_TASKS = ("arc_easy", "arc_challenge", "boolq", "hellaswag", "lambada_openai", "openbookqa", "piqa",
-                  "winogrande", "gsm8k")
+STANDARD_TASKS = (
+    "arc_easy",
+    "arc_challenge",
+    "boolq",
+    "hellaswag",
+    "lambada_openai",
+    "openbookqa",
+    "piqa",
+    "winogrande",
+    "gsm8k",
+)
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 HUB_KEYS = ("dataset_path", "dataset_name", "dataset_kwargs")
 
@@ -38,8 +47,10 @@ def _function_tag(dumper: yaml.SafeDumper, fn: types.FunctionType) -> yaml.Node:
     # lm-eval's !function resolves a dotted name by import when no file beside the YAML matches; its own tasks'
     # helpers are importable as lm_eval.tasks.<folder>.<file>, a task file outside a package is not
     if "/" in fn.__module__:
-        raise ConfigError(f"{fn.__qualname__} (from {fn.__module__}.py) is not importable: `keel eval-data fetch` "
-                          "copies lm-eval's own tasks")
+        raise ConfigError(
+            f"{fn.__qualname__} (from {fn.__module__}.py) is not importable: `keel eval-data fetch` "
+            "copies lm-eval's own tasks"
+        )
     return dumper.represent_scalar("!function", f"{fn.__module__}.{fn.__qualname__}")
 
 
@@ -66,8 +77,9 @@ def write_local_task(config: dict, dataset, out_dir: str | os.PathLike) -> Path:
     task_dir.mkdir(parents=True, exist_ok=True)
     for split, name in local["dataset_kwargs"]["files"].items():
         if split not in dataset:
-            raise ConfigError(f"{config['task']}: {config['dataset_path']} has no split {split!r} "
-                              f"(it has {', '.join(dataset)})")
+            raise ConfigError(
+                f"{config['task']}: {config['dataset_path']} has no split {split!r} (it has {', '.join(dataset)})"
+            )
         partial = Path(out_dir) / f"{name}.partial"
         with open(partial, "w", encoding="utf-8") as f:
             for row in dataset[split]:
@@ -76,8 +88,10 @@ def write_local_task(config: dict, dataset, out_dir: str | os.PathLike) -> Path:
     path = task_yaml(out_dir, config["task"])
     source = " / ".join(str(config[key]) for key in ("dataset_path", "dataset_name") if config.get(key))
     header = f"# lm-eval's {config['task']} on the local copy of {source} written by `keel eval-data fetch`\n"
-    path.write_text(header + yaml.dump(local, Dumper=_ConfigDumper, sort_keys=False, allow_unicode=True, width=120),
-                    encoding="utf-8")
+    path.write_text(
+        header + yaml.dump(local, Dumper=_ConfigDumper, sort_keys=False, allow_unicode=True, width=120),
+        encoding="utf-8",
+    )
     return path
 
 
@@ -88,13 +102,17 @@ def lm_eval_configs(tasks: Sequence[str]) -> dict[str, dict]:
     index = task_manager(tasks).task_index
     unknown = [name for name in tasks if name not in index or index[name].yaml_path is None]
     if unknown:
-        raise ConfigError(f"--tasks: {', '.join(unknown)}: not a task of lm-eval's with a YAML config "
-                          f"(`keel eval ls tasks` lists them; the default is {','.join(STANDARD_TASKS)})")
+        raise ConfigError(
+            f"--tasks: {', '.join(unknown)}: not a task of lm-eval's with a YAML config "
+            f"(`keel eval ls tasks` lists them; the default is {','.join(STANDARD_TASKS)})"
+        )
     configs = {name: load_yaml(index[name].yaml_path, resolve_func=True) for name in tasks}
     no_dataset = [name for name, config in configs.items() if not config.get("dataset_path")]
     if no_dataset:
-        raise ConfigError(f"--tasks: {', '.join(no_dataset)}: not read from a Hugging Face dataset (no "
-                          "dataset_path), so there is nothing to fetch")
+        raise ConfigError(
+            f"--tasks: {', '.join(no_dataset)}: not read from a Hugging Face dataset (no "
+            "dataset_path), so there is nothing to fetch"
+        )
     return configs
 
 
@@ -105,8 +123,9 @@ def fetch(tasks: Sequence[str], out_dir: str | os.PathLike) -> dict[str, Path]:
     written = {}
     for name, config in lm_eval_configs(tasks).items():
         try:
-            dataset = datasets.load_dataset(config["dataset_path"], config.get("dataset_name"),
-                                            **(config.get("dataset_kwargs") or {}))
+            dataset = datasets.load_dataset(
+                config["dataset_path"], config.get("dataset_name"), **(config.get("dataset_kwargs") or {})
+            )
         except ConnectionError as err:
             raise ConfigError(
                 f"{name}: {err}. `keel eval-data fetch` downloads from the Hugging Face hub: run it where the hub "
@@ -125,10 +144,14 @@ def main(argv: list[str]) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     fetch_parser = commands.add_parser(
-        "fetch", help="download tasks' Hugging Face datasets once and write them to DIR (docs/evaluation.md)")
+        "fetch", help="download tasks' Hugging Face datasets once and write them to DIR (docs/evaluation.md)"
+    )
     fetch_parser.add_argument("dir", metavar="DIR", help="where to write DIR/<task>/ (created if absent)")
-    fetch_parser.add_argument("--tasks", default=",".join(STANDARD_TASKS),
-                              help="comma-separated lm-eval task names (default: the standard suite)")
+    fetch_parser.add_argument(
+        "--tasks",
+        default=",".join(STANDARD_TASKS),
+        help="comma-separated lm-eval task names (default: the standard suite)",
+    )
     args = parser.parse_args(argv)
     tasks = [name for name in args.tasks.split(",") if name]
     fetch(tasks, args.dir)

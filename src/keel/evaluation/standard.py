@@ -26,13 +26,17 @@ WHERE = "eval.data_dir=DIR in training, --metadata data_dir=DIR on `keel eval`"
 
 def _path(data_dir: str | None, name: str) -> Path:
     if not data_dir:
-        raise ConfigError(f"data_dir: this task reads local files ({name}, ...) and no directory is set: {WHERE} "
-                          "(layouts: docs/evaluation.md). lm-eval's own task names (arc_easy, ...) can read the "
-                          "Hugging Face hub instead")
+        raise ConfigError(
+            f"data_dir: this task reads local files ({name}, ...) and no directory is set: {WHERE} "
+            "(layouts: docs/evaluation.md). lm-eval's own task names (arc_easy, ...) can read the "
+            "Hugging Face hub instead"
+        )
     path = Path(data_dir) / name
     if not path.is_file():
-        raise ConfigError(f"data_dir: {path} not found; {WHERE} must name a directory in the layout the task "
-                          "reads (docs/evaluation.md)")
+        raise ConfigError(
+            f"data_dir: {path} not found; {WHERE} must name a directory in the layout the task "
+            "reads (docs/evaluation.md)"
+        )
     return path
 
 

@@ -107,7 +107,10 @@ def _without_progress_bars() -> Iterator[None]:
 
 
 def run_tasks(
-    lm: LM, tasks: dict[str, Task], limit: int | None = None, num_fewshot: int | None = None,
+    lm: LM,
+    tasks: dict[str, Task],
+    limit: int | None = None,
+    num_fewshot: int | None = None,
     progress_bars: bool = True,
 ) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} of loaded tasks (TaskManager.load(...)["tasks"], reusable: their documents are

@@ -13,9 +13,13 @@ from keel.config import ModelConfig
 from keel.errors import ConfigError
 from keel.model import parameter_counts
 
-
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 
 
 def resolve_alpha(expr: str | float, n_sublayers: int) -> float:
@@ -39,8 +43,9 @@ def resolve_alpha(expr: str | float, n_sublayers: int) -> float:
     try:
         alpha = value(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as err:
-        raise ConfigError(f"alpha {expr!r}: not a number or an expression in L "
-                          f"(e.g. 1, sqrt(L), L/2, L, 2L): {err}") from None
+        raise ConfigError(
+            f"alpha {expr!r}: not a number or an expression in L (e.g. 1, sqrt(L), L/2, L, 2L): {err}"
+        ) from None
     if not alpha > 0:
         raise ConfigError(f"alpha {expr!r} = {alpha} at L = {n_sublayers}: must be > 0")
     return alpha

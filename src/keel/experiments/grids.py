@@ -93,32 +93,71 @@ LINEAR_ONLY = ((("keel", "preln"), "SEEDS"), (("postln", "deepnorm", "mixln"), "
 FAMILY = ("--schemes", "postln,deepnorm,hybridnorm,mixln", "--seeds", "{TREND_SEEDS}")
 LINEAR = ("paper", "paper-linear")
 # 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks
-DEEP1024 = ("--depths", "1024", "--lrs", "0.01", "--out", "{OUT}", "model.width=32", "model.n_heads=4",
-            "model.seq_len=64", "trainer.micro_batch_size=8", "trainer.threads=1", "trainer.max_steps=200",
-            "trainer.val_every_n_steps=25", "trainer.val_batches=8", "trainer.checkpoint_every_n_steps=50",
-            "eval.enabled=false", "callbacks.grad_norms.every_n_steps=25",
-            "callbacks.grad_norms.heatmap_every_n_steps=50", "callbacks.stability.stop_on_failure=false",
-            "trainer.progress_bar=false")
+DEEP1024 = (
+    "--depths",
+    "1024",
+    "--lrs",
+    "0.01",
+    "--out",
+    "{OUT}",
+    "model.width=32",
+    "model.n_heads=4",
+    "model.seq_len=64",
+    "trainer.micro_batch_size=8",
+    "trainer.threads=1",
+    "trainer.max_steps=200",
+    "trainer.val_every_n_steps=25",
+    "trainer.val_batches=8",
+    "trainer.checkpoint_every_n_steps=50",
+    "eval.enabled=false",
+    "callbacks.grad_norms.every_n_steps=25",
+    "callbacks.grad_norms.heatmap_every_n_steps=50",
+    "callbacks.stability.stop_on_failure=false",
+    "trainer.progress_bar=false",
+)
 # Complete runs (linear warm-up, then cosine to 10% at the last step) of Keel and Pre-LN, each from its own init,
 # with the in-loop generated tasks (400 documents each); a run the stability monitor flags trains on to the end
-TRAINED = ("--schemes", "keel,preln", "--seeds", "{TRAINED_SEEDS}", "--out", "{OUT}", *NARROW,
-           "trainer.max_steps={TRAINED_STEPS}", "optim.warmup_steps={TRAINED_WARMUP}", "optim.schedule=cosine",
-           "optim.min_lr_ratio=0.1", "trainer.val_every_n_steps=100", "eval.every_n_steps=200", "eval.limit=400",
-           "trainer.checkpoint_every_n_steps=500", "trainer.progress_bar=false",
-           "callbacks.stability.stop_on_failure=false")
+TRAINED = (
+    "--schemes",
+    "keel,preln",
+    "--seeds",
+    "{TRAINED_SEEDS}",
+    "--out",
+    "{OUT}",
+    *NARROW,
+    "trainer.max_steps={TRAINED_STEPS}",
+    "optim.warmup_steps={TRAINED_WARMUP}",
+    "optim.schedule=cosine",
+    "optim.min_lr_ratio=0.1",
+    "trainer.val_every_n_steps=100",
+    "eval.every_n_steps=200",
+    "eval.limit=400",
+    "trainer.checkpoint_every_n_steps=500",
+    "trainer.progress_bar=false",
+    "callbacks.stability.stop_on_failure=false",
+)
 
 
 def trained(point: tuple[int, int], lrs: str, *args: str) -> PaperGrid:
     blocks, width = point
-    return PaperGrid("sweep", (*TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args), point,
-                ("paper-trained",))
+    return PaperGrid(
+        "sweep",
+        (*TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args),
+        point,
+        ("paper-trained",),
+    )
 
 
 def redundancy(grid: str) -> PaperGrid:
     """keel redundancy over the final checkpoints of a grid's runs that have no rows yet, into <grid>/redundancy/
     beside the rows already there (those of committed records whose checkpoints are gone too)."""
-    return PaperGrid("redundancy", (CHECKPOINTS, "--append", "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"), None,
-                ("paper-trained",), over=grid)
+    return PaperGrid(
+        "redundancy",
+        (CHECKPOINTS, "--append", "--out", f"{{PAPER_OUT}}/{grid}/{REDUNDANCY_DIR}"),
+        None,
+        ("paper-trained",),
+        over=grid,
+    )
 
 
 GRIDS = {
@@ -135,22 +174,25 @@ GRIDS = {
     # the trends on the paper's protocol; Post-LN's depth row at the gentle slope, as at 64 x 32
     "linear-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 32), sets=LINEAR),
     "linear-depth-d256": maxlr((256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(256, 32), sets=LINEAR),
-    "linear-gentle-depth-d16": maxlr((16, 32), *POSTLN, "--seeds", "{TREND_SEEDS}", *SLOPE_2E5, *size(16, 32),
-                                     sets=LINEAR),
-    "linear-gentle-depth-d256": maxlr((256, 32), *POSTLN, "--seeds", "{WIDE_SEEDS}", *SLOPE_2E5, *size(256, 32),
-                                      sets=LINEAR),
+    "linear-gentle-depth-d16": maxlr(
+        (16, 32), *POSTLN, "--seeds", "{TREND_SEEDS}", *SLOPE_2E5, *size(16, 32), sets=LINEAR
+    ),
+    "linear-gentle-depth-d256": maxlr(
+        (256, 32), *POSTLN, "--seeds", "{WIDE_SEEDS}", *SLOPE_2E5, *size(256, 32), sets=LINEAR
+    ),
     # the depth trend again at half the slope, where 1e-4 per step outruns learning (Pre-LN at 64 x 32, both at 256)
-    "linear-slow-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(16, 32),
-                                   sets=LINEAR),
-    "linear-slow-depth-d256": maxlr((256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_5E5_TO_01, *size(256, 32),
-                                    sets=LINEAR),
+    "linear-slow-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(16, 32), sets=LINEAR),
+    "linear-slow-depth-d256": maxlr(
+        (256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_5E5_TO_01, *size(256, 32), sets=LINEAR
+    ),
     "linear-width-w128": maxlr((16, 128), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 128), sets=LINEAR),
     "linear-width-w256": maxlr((16, 256), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(16, 256), sets=LINEAR),
     # Table 1 on the geometric ramp (the second protocol): every scheme at 16 x 64, the four the paper runs deep at
     # 64 x 32; at paper scale SLURM arrays (gather each with `keel maxlr collect DIR`)
     "table1-d16": maxlr((16, 64), "--seeds", "{SEEDS}", EMIT, SHALLOW, cluster=True),
-    "table1-d64": maxlr((64, 32), "--schemes", "keel,preln,postln,deepnorm", "--seeds", "{SEEDS}", EMIT, DEEP,
-                        cluster=True),
+    "table1-d64": maxlr(
+        (64, 32), "--schemes", "keel,preln,postln,deepnorm", "--seeds", "{SEEDS}", EMIT, DEEP, cluster=True
+    ),
     # trends: depth at width 32 (64 blocks: table1-d64), width at 16 blocks (64: table1-d16, 32: depth-d16), 8x the
     # tokens per step at 16 x 64
     "depth-d16": maxlr((16, 32), *TRIO, "--seeds", "{TREND_SEEDS}", *size(16, 32)),
@@ -159,12 +201,32 @@ GRIDS = {
     "width-w256": maxlr((16, 256), *PAIR, "--seeds", "{WIDE_SEEDS}", *size(16, 256)),
     "batch-8x": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *size(16, 64), "trainer.micro_batch_size=64"),
     # the criterion's check: the ramp twice as slow (a real LR limit stays at its LR, an artefact moves with the step)
-    "ramp-2x": maxlr((16, 64), *PAIR, "--seeds", "1,2", "--steps", "1120", "--eval-every", "40",
-                     "callbacks.stability.spike_patience=80"),
+    "ramp-2x": maxlr(
+        (16, 64),
+        *PAIR,
+        "--seeds",
+        "1,2",
+        "--steps",
+        "1120",
+        "--eval-every",
+        "40",
+        "callbacks.stability.spike_patience=80",
+    ),
     # HybridNorm with the shared init and with its authors' (Megatron-scaled output projections), on a ramp from 1e-4
-    "hybridnorm": maxlr((16, 64), "--schemes", "hybridnorm", "--variant",
-                        "hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron", "--seeds", "{TREND_SEEDS}",
-                        "--start-lr", "1e-4", "--steps", "720", "model.init=normal"),
+    "hybridnorm": maxlr(
+        (16, 64),
+        "--schemes",
+        "hybridnorm",
+        "--variant",
+        "hybridnorm-megatron=model.scheme=hybridnorm,model.init=megatron",
+        "--seeds",
+        "{TREND_SEEDS}",
+        "--start-lr",
+        "1e-4",
+        "--steps",
+        "720",
+        "model.init=normal",
+    ),
     # past 1000 layers: three schemes, then Keel without the outer norms' per-channel gains
     "deep1024": PaperGrid("sweep", (*DEEP1024, "--schemes", "keel,preln,postln"), (1024, 32)),
     "deep1024-nogain": PaperGrid("sweep", (*DEEP1024, "--schemes", "keel", "model.out_norm_gain=false"), (1024, 32)),
@@ -173,15 +235,20 @@ GRIDS = {
     "nogain-d64": maxlr((64, 32), *NOGAIN, "--seeds", "{TREND_SEEDS}", DEEP),
     "nogain-d256": maxlr((256, 32), *NOGAIN, "--seeds", "{WIDE_SEEDS}", *size(256, 32)),
     # LR transfer across width under muP (docs/model.md#mup-modelparametrization): the width trend's grids again
-    **{f"mup-width-w{width}": maxlr((16, width), *PAIR, "--seeds", "{WIDE_SEEDS}" if width == 256 else "{TREND_SEEDS}",
-                                    *size(16, width), *MUP) for width in MUP_WIDTHS},
+    **{
+        f"mup-width-w{width}": maxlr(
+            (16, width), *PAIR, "--seeds", "{WIDE_SEEDS}" if width == 256 else "{TREND_SEEDS}", *size(16, width), *MUP
+        )
+        for width in MUP_WIDTHS
+    },
     # the trained models: LR sweeps at 16 x 64 and 64 x 32, 3-point sweeps at 16 and 256 blocks of width 32, the
     # layer use of the LR sweeps' final checkpoints (after their grid)
     "lr-d16": trained((16, 64), "{LRS_D16}"),
     "lr-d64": trained((64, 32), "{LRS_D64}"),
     "tuned-depth-d16": trained((16, 32), "{TUNED_LRS}"),
-    "tuned-depth-d256": trained((256, 32), "{TUNED_LRS}", "trainer.max_steps={TRAINED_STEPS_D256}",
-                                "optim.warmup_steps=50"),
+    "tuned-depth-d256": trained(
+        (256, 32), "{TUNED_LRS}", "trainer.max_steps={TRAINED_STEPS_D256}", "optim.warmup_steps=50"
+    ),
     "redundancy-lr-d16": redundancy("lr-d16"),
     "redundancy-lr-d64": redundancy("lr-d64"),
 }

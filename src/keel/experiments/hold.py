@@ -31,11 +31,16 @@ WARMUP_HOLD = WARMUP_STEPS * (HOLD_FACTOR - 1)  # its hold at its peak, were the
 MIN_HOLD_SPAN = 2.0
 
 
-def hold_points(grids: dict[str, list[dict]], point: tuple[int, int], scheme: str,
-                ramps: str = "every ramp") -> list[tuple[str, dict]]:
+def hold_points(
+    grids: dict[str, list[dict]], point: tuple[int, int], scheme: str, ramps: str = "every ramp"
+) -> list[tuple[str, dict]]:
     """(grid, row) of every run of the scheme at the point in the map's grids, on the ramps of RAMP_SETS[ramps]."""
-    return [(grid, r) for grid in HOLD_GRIDS[point] for r in rows_at(grids.get(grid, []), *point, scheme)
-            if RAMP_SETS[ramps](r["ramp"])]
+    return [
+        (grid, r)
+        for grid in HOLD_GRIDS[point]
+        for r in rows_at(grids.get(grid, []), *point, scheme)
+        if RAMP_SETS[ramps](r["ramp"])
+    ]
 
 
 def limits(runs: list[tuple[str, dict]]) -> list[tuple[float, float]]:
@@ -59,14 +64,19 @@ def hold_table(grids: dict[str, list[dict]]) -> list[dict]:
                 values = [v for v in map(max_lr_value, rows) if v is not None]
                 holds = [r["hold_steps"] for r in rows if r.get("hold_steps") is not None]
                 optimal = [r["loss_optimal_lr"] for r in rows if r["loss_optimal_lr"] is not None]
-                table.append({
-                    "blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "grid": grid,
-                    "ramp": rows[0]["ramp"], "resolved": f"{len(values)}/{len(rows)}",
-                    "max LR per seed": ", ".join(fmt(v) for v in values) or "-",
-                    "max LR median": fmt(median(values)),
-                    "hold at the limit (steps)": fmt(median(holds)),
-                    "loss-optimal LR median": fmt(median(optimal)),
-                })
+                table.append(
+                    {
+                        "blocks x width": f"{point[0]} x {point[1]}",
+                        "scheme": scheme,
+                        "grid": grid,
+                        "ramp": rows[0]["ramp"],
+                        "resolved": f"{len(values)}/{len(rows)}",
+                        "max LR per seed": ", ".join(fmt(v) for v in values) or "-",
+                        "max LR median": fmt(median(values)),
+                        "hold at the limit (steps)": fmt(median(holds)),
+                        "loss-optimal LR median": fmt(median(optimal)),
+                    }
+                )
     return table
 
 
@@ -96,22 +106,32 @@ def hold_fits(grids: dict[str, list[dict]]) -> list[dict]:
                 if (result := fit(points)) is not None:
                     table.append(fit_row(point, scheme, ramps, result))
                 elif holds >= 2 and hold_span(points) < MIN_HOLD_SPAN:
-                    table.append({"blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "ramps": ramps,
-                                  "seeds x ramps": f"{len(points)} ({holds} holds)", "exponent [95%]": "-",
-                                  "limit depends on the hold": f"no line: the holds span {hold_span(points):.2f}x, "
-                                                               f"under {MIN_HOLD_SPAN:g}x"})
+                    table.append(
+                        {
+                            "blocks x width": f"{point[0]} x {point[1]}",
+                            "scheme": scheme,
+                            "ramps": ramps,
+                            "seeds x ramps": f"{len(points)} ({holds} holds)",
+                            "exponent [95%]": "-",
+                            "limit depends on the hold": f"no line: the holds span {hold_span(points):.2f}x, "
+                            f"under {MIN_HOLD_SPAN:g}x",
+                        }
+                    )
     return table
 
 
 def fit_row(point: tuple[int, int], scheme: str, ramps: str, result: dict) -> dict:
     depends = not result["exponent low"] <= 0 <= result["exponent high"]
     return {
-        "blocks x width": f"{point[0]} x {point[1]}", "scheme": scheme, "ramps": ramps,
+        "blocks x width": f"{point[0]} x {point[1]}",
+        "scheme": scheme,
+        "ramps": ramps,
         "seeds x ramps": f"{result['points']} ({result['holds']} holds)",
         "exponent [95%]": f"{result['exponent']:.2f} [{result['exponent low']:.2f}, {result['exponent high']:.2f}]",
         "limit depends on the hold": "yes" if depends else "not measurably",
-        f"max LR at a {WARMUP_STEPS:,}-step warm-up (hold {WARMUP_HOLD:.0f}) [95%]":
-            f"{result['value']:.3g} [{result['value low']:.3g}, {result['value high']:.3g}]",
+        f"max LR at a {WARMUP_STEPS:,}-step warm-up (hold {WARMUP_HOLD:.0f}) [95%]": (
+            f"{result['value']:.3g} [{result['value low']:.3g}, {result['value high']:.3g}]"
+        ),
     }
 
 
@@ -132,14 +152,27 @@ def plot_hold_map(grids: dict[str, list[dict]], path: Path) -> None:
                 xs = np.geomspace(min(h for h, _ in points), WARMUP_HOLD, 20)
                 ys = result["value"] * (xs / WARMUP_HOLD) ** result["exponent"]
                 ax.plot(xs, ys, style, color=color, linewidth=1, label=f"{scheme}: the line through {ramps}")
-                ax.errorbar([WARMUP_HOLD], [result["value"]], fmt=marker, color=color,
-                            yerr=[[result["value"] - result["value low"]], [result["value high"] - result["value"]]])
-        ax.set(xscale="log", yscale="log", xlabel="steps between the max LR x and 4/3 x (hold)",
-               ylabel="max tolerable LR", title=f"{point[0]} blocks x {point[1]}")
+                ax.errorbar(
+                    [WARMUP_HOLD],
+                    [result["value"]],
+                    fmt=marker,
+                    color=color,
+                    yerr=[[result["value"] - result["value low"]], [result["value high"] - result["value"]]],
+                )
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="steps between the max LR x and 4/3 x (hold)",
+            ylabel="max tolerable LR",
+            title=f"{point[0]} blocks x {point[1]}",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"The hold map: max LR against the ramp's hold at the limit (at a {WARMUP_STEPS:,}-step warm-up, "
-                 "95%: square, every ramp's fit; diamond, the linear ramps')", fontsize=9)
+    fig.suptitle(
+        f"The hold map: max LR against the ramp's hold at the limit (at a {WARMUP_STEPS:,}-step warm-up, "
+        "95%: square, every ramp's fit; diamond, the linear ramps')",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -18,9 +18,17 @@ class GridCell:
 
 
 def slurm_script(commands: list[str], out: Path, sbatch: list[str]) -> str:
-    lines = ["#!/bin/bash", "#SBATCH --job-name=keel-sweep", f"#SBATCH --array=0-{len(commands) - 1}",
-             f"#SBATCH --output={out}/slurm-%A_%a.out", *(f"#SBATCH {option}" for option in sbatch),
-             "# one command per array task, run from the submission directory", "set -euo pipefail",
-             "COMMANDS=(", *(f"  {shlex.quote(command)}" for command in commands), ")",
-             'eval "${COMMANDS[$SLURM_ARRAY_TASK_ID]}"']
+    lines = [
+        "#!/bin/bash",
+        "#SBATCH --job-name=keel-sweep",
+        f"#SBATCH --array=0-{len(commands) - 1}",
+        f"#SBATCH --output={out}/slurm-%A_%a.out",
+        *(f"#SBATCH {option}" for option in sbatch),
+        "# one command per array task, run from the submission directory",
+        "set -euo pipefail",
+        "COMMANDS=(",
+        *(f"  {shlex.quote(command)}" for command in commands),
+        ")",
+        'eval "${COMMANDS[$SLURM_ARRAY_TASK_ID]}"',
+    ]
     return "\n".join(lines) + "\n"

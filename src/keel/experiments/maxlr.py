@@ -24,18 +24,25 @@ from lightning.pytorch.callbacks import Callback
 
 from keel.artifacts import read_stability
 from keel.cadence import finished_step
-from keel.config import Config, load_config, to_yaml
-from keel.errors import ConfigError
 from keel.cli_args import OneLineErrorParser, comma_list
+from keel.config import Config, load_config, to_yaml
+from keel.config.model import PAPER_SCHEMES, scheme_named
+from keel.errors import ConfigError
 from keel.experiments.axes import resolve_alpha, slug
 from keel.experiments.launch import GridCell, slurm_script
 from keel.experiments.maxlr_report import MARGIN, collect, unigram_key, unigram_loss
 from keel.experiments.maxlr_report import main as report_main
-from keel.experiments.records import (COMMANDS, LOSS_LR, MANIFEST, MAXLR_SUMMARY, MAXLR_TIME, SBATCH_SCRIPT,
-                                      already_trained)
+from keel.experiments.records import (
+    COMMANDS,
+    LOSS_LR,
+    MANIFEST,
+    MAXLR_SUMMARY,
+    MAXLR_TIME,
+    SBATCH_SCRIPT,
+    already_trained,
+)
 from keel.experiments.timing import train_timed
 from keel.schedule import lr_factor
-from keel.config.model import PAPER_SCHEMES, scheme_named
 
 # The CPU miniature, only when no model group or model.* key is given (docs/experiments.md has its cost).
 MINIATURE = [
@@ -94,12 +101,15 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     name, sep, overrides = text.partition("=")
     items = [item for item in overrides.split(",") if item]
     if not sep or not name or not items or not all("=" in item for item in items):
-        raise ConfigError(f"--variant {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], "
-                          "e.g. noinner=model.scheme=keel,model.keel_inner_norm=false")
+        raise ConfigError(
+            f"--variant {text!r}: expected NAME=KEY=VALUE[,KEY=VALUE...], "
+            "e.g. noinner=model.scheme=keel,model.keel_inner_norm=false"
+        )
     return slug(name), items
 
 
-# model.* keys that leave the model's shape alone: given, the miniature still applies (make paper ARGS=model.init=normal)
+# model.* keys that leave the model's shape alone: given, the miniature still applies
+# (make paper ARGS=model.init=normal)
 NOT_SHAPE = ("model.init", "model.init_std")
 
 
@@ -110,15 +120,21 @@ def uses_miniature(overrides: list[str]) -> bool:
 
 def build_grid(args: argparse.Namespace) -> list[GridCell]:
     """One GridCell per (depth, seed, row); rows are the schemes (keel once per alpha) and the variants."""
-    depths = args.depths or [MINIATURE_DEPTH if uses_miniature(args.overrides)
-                             else load_config(args.config, args.overrides).model.depth]
+    depths = args.depths or [
+        MINIATURE_DEPTH if uses_miniature(args.overrides) else load_config(args.config, args.overrides).model.depth
+    ]
     rows: list[tuple[str, dict, list[str]]] = []
     for scheme in args.schemes:
         alpha_field = scheme_named(scheme).alpha_field
-        for alpha in (args.alphas if alpha_field and args.alphas else [None]):
+        for alpha in args.alphas if alpha_field and args.alphas else [None]:
             name = scheme + (f"-a{slug(alpha)}" if alpha is not None else "")
-            rows.append((name, {"scheme": scheme, **({"alpha": alpha} if alpha is not None else {})},
-                         [f"model.scheme={scheme}"]))
+            rows.append(
+                (
+                    name,
+                    {"scheme": scheme, **({"alpha": alpha} if alpha is not None else {})},
+                    [f"model.scheme={scheme}"],
+                )
+            )
     rows += [(name, {"variant": name}, overrides) for name, overrides in map(parse_variant, args.variants)]
     runs = []
     for depth in depths:  # seed before row: an interrupted grid leaves whole seeds, every row compared
@@ -128,8 +144,13 @@ def build_grid(args: argparse.Namespace) -> list[GridCell]:
                 if "alpha" in axes:
                     field = scheme_named(axes["scheme"]).alpha_field
                     run_overrides.append(f"model.{field}={resolve_alpha(axes['alpha'], n_sublayers=2 * depth)!r}")
-                runs.append(GridCell(f"{name}-d{depth}-s{seed}", {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
-                                run_overrides))
+                runs.append(
+                    GridCell(
+                        f"{name}-d{depth}-s{seed}",
+                        {"row": name, **axes, "depth": str(depth), "seed": str(seed)},
+                        run_overrides,
+                    )
+                )
     if len({run.name for run in runs}) < len(runs):
         raise ConfigError("keel maxlr: two runs of the grid have the same name (a variant named like a scheme?)")
     return runs
@@ -142,13 +163,18 @@ def protocol(args: argparse.Namespace, run_dir: Path) -> list[str]:
     else:
         schedule = ["optim.schedule=linear_warmup"]
     return [
-        f"optim.lr={args.peak_lr}", *schedule, f"optim.warmup_steps={args.steps}",
-        f"trainer.max_steps={args.steps}", f"trainer.val_every_n_steps={args.eval_every}",
+        f"optim.lr={args.peak_lr}",
+        *schedule,
+        f"optim.warmup_steps={args.steps}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_every_n_steps={args.eval_every}",
         f"trainer.checkpoint_every_n_steps={args.checkpoint_every}",
-        "callbacks.stability.enabled=true", "callbacks.stability.stop_on_failure=true",
+        "callbacks.stability.enabled=true",
+        "callbacks.stability.stop_on_failure=true",
         "callbacks.stability.rewind=false",  # the failure is the measurement: a probe never rewinds past it
         "callbacks.stability.stagnation_window=0",  # the paper's criterion: divergence only, a plateau is no failure
-        f"run.dir={run_dir}", "resume=auto",  # an interrupted probe continues; a finished one is skipped
+        f"run.dir={run_dir}",
+        "resume=auto",  # an interrupted probe continues; a finished one is skipped
     ]
 
 
@@ -160,38 +186,63 @@ def step_reaching(cfg: Config, lr: float) -> int:
 
 def run_configs(args: argparse.Namespace, runs: list[GridCell], out: Path) -> list:
     base = MINIATURE if uses_miniature(args.overrides) else []
-    return [load_config(args.config, [*base, *CRITERION, *args.overrides, *run.overrides,
-                                      *protocol(args, out / run.name)]) for run in runs]
+    return [
+        load_config(args.config, [*base, *CRITERION, *args.overrides, *run.overrides, *protocol(args, out / run.name)])
+        for run in runs
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------ main
 
 
 def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(prog="keel maxlr", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schemes", type=comma_list(str), default=list(PAPER_SCHEMES),
-                        help="comma-separated (default: Keel and the paper's five baselines)")
-    parser.add_argument("--depths", type=comma_list(int), default=[],
-                        help=f"blocks, comma-separated (default: {MINIATURE_DEPTH} for the miniature, else the "
-                             "model's)")
+    parser = OneLineErrorParser(
+        prog="keel maxlr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--schemes",
+        type=comma_list(str),
+        default=list(PAPER_SCHEMES),
+        help="comma-separated (default: Keel and the paper's five baselines)",
+    )
+    parser.add_argument(
+        "--depths",
+        type=comma_list(int),
+        default=[],
+        help=f"blocks, comma-separated (default: {MINIATURE_DEPTH} for the miniature, else the model's)",
+    )
     parser.add_argument("--seeds", type=comma_list(int), default=[1337], help="run.seed values: init and data order")
     parser.add_argument("--alphas", type=comma_list(str), default=[], help="Keel alphas: numbers or expressions in L")
-    parser.add_argument("--variant", dest="variants", action="append", default=[],
-                        help="NAME=KEY=VALUE[,KEY=VALUE...]: one more row (repeatable)")
+    parser.add_argument(
+        "--variant",
+        dest="variants",
+        action="append",
+        default=[],
+        help="NAME=KEY=VALUE[,KEY=VALUE...]: one more row (repeatable)",
+    )
     parser.add_argument("--peak-lr", type=float, default=3.0, help="where the ramp ends")
-    parser.add_argument("--start-lr", type=float, help=f"where the exponential ramp starts (default {EXP_START_LR:g}; "
-                        "a linear ramp starts at 0)")
+    parser.add_argument(
+        "--start-lr",
+        type=float,
+        help=f"where the exponential ramp starts (default {EXP_START_LR:g}; a linear ramp starts at 0)",
+    )
     parser.add_argument("--ramp", choices=("exp", "linear"), default="exp")
     parser.add_argument("--steps", type=int, default=560, help="steps of the ramp (= the whole run)")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (resume)")
-    parser.add_argument("--learn-by-lr", type=float,
-                        help="stop a probe that has not learned (held-out loss --margin below the unigram loss) by "
-                             "the step the ramp reaches this LR: it is never judged, so the rest of its ramp is spent "
-                             "for nothing (default: climb the whole ramp)")
-    parser.add_argument("--margin", type=float, default=MARGIN,
-                        help="nats below the unigram loss that count as learned (the report's criterion)")
+    parser.add_argument(
+        "--learn-by-lr",
+        type=float,
+        help="stop a probe that has not learned (held-out loss --margin below the unigram loss) by "
+        "the step the ramp reaches this LR: it is never judged, so the rest of its ramp is spent "
+        "for nothing (default: climb the whole ramp)",
+    )
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN,
+        help="nats below the unigram loss that count as learned (the report's criterion)",
+    )
     parser.add_argument("--out", default="runs/maxlr")
     parser.add_argument("--emit", choices=("run", "commands", "slurm"), default="run")
     parser.add_argument("--sbatch", action="append", default=[], help="an extra #SBATCH option (repeatable)")
@@ -207,8 +258,9 @@ def check_protocol(args: argparse.Namespace) -> None:
     if not args.peak_lr > 0:
         raise ConfigError(f"--peak-lr {args.peak_lr}: must be > 0")
     if args.ramp == "linear" and args.start_lr is not None:
-        raise ConfigError(f"--start-lr {args.start_lr}: a linear ramp starts at 0; drop --start-lr (it sets where "
-                          "--ramp exp starts)")
+        raise ConfigError(
+            f"--start-lr {args.start_lr}: a linear ramp starts at 0; drop --start-lr (it sets where --ramp exp starts)"
+        )
     if args.ramp == "exp":
         args.start_lr = EXP_START_LR if args.start_lr is None else args.start_lr
         if not 0 < args.start_lr < args.peak_lr:
@@ -217,33 +269,50 @@ def check_protocol(args: argparse.Namespace) -> None:
         if getattr(args, key) < 1:
             raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
     if args.steps < args.eval_every:  # no held-out evaluation would ever score the ramp
-        raise ConfigError(f"--steps {args.steps}: must be at least --eval-every {args.eval_every}, or no held-out "
-                          "loss is measured")
+        raise ConfigError(
+            f"--steps {args.steps}: must be at least --eval-every {args.eval_every}, or no held-out loss is measured"
+        )
     if stagnation := [item for item in args.overrides if item.startswith("callbacks.stability.stagnation")]:
-        raise ConfigError(f"{stagnation[0]}: keel maxlr judges divergence only (the paper's criterion: a model "
-                          "that stops improving has not failed); drop the override")
+        raise ConfigError(
+            f"{stagnation[0]}: keel maxlr judges divergence only (the paper's criterion: a model "
+            "that stops improving has not failed); drop the override"
+        )
     if args.learn_by_lr is not None and not 0 < args.learn_by_lr <= args.peak_lr:
-        raise ConfigError(f"--learn-by-lr {args.learn_by_lr}: must be > 0 and at most --peak-lr {args.peak_lr}, an "
-                          "LR the ramp reaches")
+        raise ConfigError(
+            f"--learn-by-lr {args.learn_by_lr}: must be > 0 and at most --peak-lr {args.peak_lr}, an "
+            "LR the ramp reaches"
+        )
 
 
 def write_manifest(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
     """The grid's MANIFEST: its protocol in words, its peak LR and its runs."""
-    ramp = (f"{args.start_lr:g} -> {args.peak_lr:g} geometrically" if args.ramp == "exp"
-            else f"0 -> {args.peak_lr:g} linearly")
+    ramp = (
+        f"{args.start_lr:g} -> {args.peak_lr:g} geometrically"
+        if args.ramp == "exp"
+        else f"0 -> {args.peak_lr:g} linearly"
+    )
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).write_text(json.dumps({
-        "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps"
-                    + (f", a probe not learned by LR {args.learn_by_lr:g} stopped" if args.learn_by_lr else ""),
-        "peak_lr": args.peak_lr, "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
+    (out / MANIFEST).write_text(
+        json.dumps(
+            {
+                "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps"
+                + (f", a probe not learned by LR {args.learn_by_lr:g} stopped" if args.learn_by_lr else ""),
+                "peak_lr": args.peak_lr,
+                "runs": [asdict(run) for run in runs],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def emit(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
     """One `keel maxlr --only RUN` per run, as a script of commands or a SLURM array."""
     commands = [shlex.join(["keel", "maxlr", *grid_argv(args), "--only", run.name]) for run in runs]
     path = out / (COMMANDS if args.emit == "commands" else SBATCH_SCRIPT)
-    path.write_text("".join(c + "\n" for c in commands) if args.emit == "commands"
-                    else slurm_script(commands, out, args.sbatch))
+    path.write_text(
+        "".join(c + "\n" for c in commands) if args.emit == "commands" else slurm_script(commands, out, args.sbatch)
+    )
     print(f"keel maxlr: {len(runs)} runs -> {path}; afterwards: keel maxlr collect {out}")
 
 
@@ -257,8 +326,11 @@ def probe(cfg: Config, args: argparse.Namespace, unigram: float) -> str:
     run_dir = Path(cfg.run.dir)
     total = train_timed(cfg, run_dir / MAXLR_TIME, [LossByLR(cfg.run.dir)])
     state = read_stability(run_dir)
-    verdict = (f"stopped at step {state['detected_step']} ({state['kind']})" if state["failed"]
-               else f"ran the ramp to {state['max_lr_seen']:.3g}")
+    verdict = (
+        f"stopped at step {state['detected_step']} ({state['kind']})"
+        if state["failed"]
+        else f"ran the ramp to {state['max_lr_seen']:.3g}"
+    )
     return f"{verdict} ({state['steps']} steps, {total['wall_s']:.0f} s wall, {total['cpu_s']:.0f} s CPU)"
 
 
@@ -308,8 +380,18 @@ def grid_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--depths", ",".join(map(str, args.depths))] if args.depths else []
     argv += ["--alphas", ",".join(args.alphas)] if args.alphas else []
     argv += [f"--variant={variant}" for variant in args.variants]
-    for key in ("peak_lr", "start_lr", "ramp", "steps", "eval_every", "checkpoint_every", "learn_by_lr", "margin",
-                "out", "config"):
+    for key in (
+        "peak_lr",
+        "start_lr",
+        "ramp",
+        "steps",
+        "eval_every",
+        "checkpoint_every",
+        "learn_by_lr",
+        "margin",
+        "out",
+        "config",
+    ):
         if getattr(args, key) is not None:
             argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return [*argv, *args.overrides]

@@ -21,13 +21,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from keel.artifacts import CONFIG, read_stability
+from keel.cli_args import comma_list
 from keel.config import Config
 from keel.divergence import DivergenceJudge
 from keel.errors import ConfigError
-from keel.cli_args import comma_list
 from keel.experiments.plots import pyplot
-from keel.experiments.records import (MANIFEST, MAXLR_PLOT, MAXLR_SEEDS_PLOT, MAXLR_SUMMARY, MAXLR_TABLE, MAXLR_TIME,
-                                      finished, load_run_config, run_row)
+from keel.experiments.records import (
+    MANIFEST,
+    MAXLR_PLOT,
+    MAXLR_SEEDS_PLOT,
+    MAXLR_SUMMARY,
+    MAXLR_TABLE,
+    MAXLR_TIME,
+    finished,
+    load_run_config,
+    run_row,
+)
 from keel.experiments.stats import median_range, sign_test
 from keel.experiments.tables import markdown_table, write_table
 
@@ -61,8 +70,15 @@ class Verdict:
     leaves_unigram_lr: float | None  # LR from which the held-out loss stays above the unigram loss (having been below)
 
 
-def judge(heldout: list, unigram: float, margin: float, spike_margin: float, patience: int,
-          nonfinite: tuple[int, float | None] | None = None, relative_only: bool = False) -> Verdict:
+def judge(
+    heldout: list,
+    unigram: float,
+    margin: float,
+    spike_margin: float,
+    patience: int,
+    nonfinite: tuple[int, float | None] | None = None,
+    relative_only: bool = False,
+) -> Verdict:
     """The verdict on one held-out curve [(step, lr, loss), ...]; nonfinite: (step, LR of the step before) of the
     run's non-finite stop, if any. relative_only: the bar is best + spike_margin throughout (the criterion that
     misses the collapse of a model that learned little; reported for comparison)."""
@@ -94,10 +110,22 @@ def judge(heldout: list, unigram: float, margin: float, spike_margin: float, pat
     below = [i for i, (_, _, loss) in enumerate(points) if math.isfinite(loss) and loss < unigram]
     leaves = points[below[-1] + 1][1] if below and below[-1] + 1 < len(points) else None
     at_max_lr = good[2] if failure and good else None
-    above_best = None if at_max_lr is None else at_max_lr - min(
-        loss for step, _, loss in points if step <= good[0] and math.isfinite(loss))
-    return Verdict(failure, onset[0] if failure else None, max_lr, at_max_lr, above_best,
-                   bool(judged) and min(judged) <= unigram - margin, best_lr, best_loss, leaves)
+    above_best = (
+        None
+        if at_max_lr is None
+        else at_max_lr - min(loss for step, _, loss in points if step <= good[0] and math.isfinite(loss))
+    )
+    return Verdict(
+        failure,
+        onset[0] if failure else None,
+        max_lr,
+        at_max_lr,
+        above_best,
+        bool(judged) and min(judged) <= unigram - margin,
+        best_lr,
+        best_loss,
+        leaves,
+    )
 
 
 def rows_at(rows: list[dict], depth: int, width: int, scheme: str | None = None) -> list[dict]:
@@ -118,13 +146,26 @@ def max_lr_value(row: dict) -> float | None:
     return row["max_tolerable_lr"] if row["failure"] else row["max_lr_seen"]
 
 
-def probe_verdict(state: dict, cfg: Config, unigram: float, margin: float, spike_margin: float | None = None,
-                  relative_only: bool = False) -> Verdict:
+def probe_verdict(
+    state: dict,
+    cfg: Config,
+    unigram: float,
+    margin: float,
+    spike_margin: float | None = None,
+    relative_only: bool = False,
+) -> Verdict:
     """The verdict on a probe's stability.json `state` under its own patience and (by default) spike margin."""
     nonfinite = (state["step"], state["max_tolerable_lr"]) if state["kind"] == "nonfinite" else None
     stability = cfg.callbacks.stability
-    return judge(state.get("heldout", []), unigram, margin, spike_margin or stability.spike_margin,
-                 stability.spike_patience, nonfinite, relative_only)
+    return judge(
+        state.get("heldout", []),
+        unigram,
+        margin,
+        spike_margin or stability.spike_margin,
+        stability.spike_patience,
+        nonfinite,
+        relative_only,
+    )
 
 
 def ramp_name(optim) -> str:
@@ -164,6 +205,7 @@ def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: fl
 def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None = None) -> dict | None:
     """The sign test of a's max LR against b's, seed by seed, under the report's criterion or under one of
     VARIANTS (criterion: its name)."""
+
     def value(row: dict) -> float | None:
         return max_lr_value(row) if criterion is None else row[f"max LR, {criterion}"]
 
@@ -182,11 +224,18 @@ def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None 
             wins += 1
         else:
             losses += 1
-    return {"depth": depth, "comparison": f"{a} vs {b}" + (f" ({criterion})" if criterion else ""),
-            "seeds": len(seeds), "first higher": wins,
-            "second higher": losses, "ties": ties, "not resolved": unresolved, "sign test p": sign_test(wins, losses),
-            "verdict": f"{a} higher in {wins} of {wins + losses + ties} seeds"
-                       + (f" ({unresolved} more not resolved)" if unresolved else "")}
+    return {
+        "depth": depth,
+        "comparison": f"{a} vs {b}" + (f" ({criterion})" if criterion else ""),
+        "seeds": len(seeds),
+        "first higher": wins,
+        "second higher": losses,
+        "ties": ties,
+        "not resolved": unresolved,
+        "sign test p": sign_test(wins, losses),
+        "verdict": f"{a} higher in {wins} of {wins + losses + ties} seeds"
+        + (f" ({unresolved} more not resolved)" if unresolved else ""),
+    }
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -196,15 +245,26 @@ def summarize(rows: list[dict]) -> list[dict]:
         median, low, high = median_range([v for v in map(max_lr_value, runs) if v is not None])
         best_lr = median_range([r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None])
         kinds = [r["failure"] for r in runs if r["failure"]]
-        table.append({
-            "row": label, "depth": depth, "width": runs[0]["width"], "seeds": len(runs),
-            "resolved": sum(r["resolved"] for r in runs),
-            "median max LR": median, "min": low, "max": high,
-            ">= peak (no failure)": sum(1 for r in runs if r["resolved"] and not r["failure"]),
-            "failures": ", ".join(f"{kind} {kinds.count(kind)}" for kind in dict.fromkeys(kinds)),
-            "median loss-optimal LR": best_lr[0], "loss-optimal min": best_lr[1], "loss-optimal max": best_lr[2],
-            "median best held-out": median_range([r["best_heldout"] for r in runs if r["best_heldout"] is not None])[0],
-        })
+        table.append(
+            {
+                "row": label,
+                "depth": depth,
+                "width": runs[0]["width"],
+                "seeds": len(runs),
+                "resolved": sum(r["resolved"] for r in runs),
+                "median max LR": median,
+                "min": low,
+                "max": high,
+                ">= peak (no failure)": sum(1 for r in runs if r["resolved"] and not r["failure"]),
+                "failures": ", ".join(f"{kind} {kinds.count(kind)}" for kind in dict.fromkeys(kinds)),
+                "median loss-optimal LR": best_lr[0],
+                "loss-optimal min": best_lr[1],
+                "loss-optimal max": best_lr[2],
+                "median best held-out": median_range(
+                    [r["best_heldout"] for r in runs if r["best_heldout"] is not None]
+                )[0],
+            }
+        )
     return table
 
 
@@ -216,7 +276,8 @@ def sensitivity(rows: list[dict]) -> list[dict]:
         runs = [r for r in rows if (r["row"], r["depth"]) == (label, depth)]
         entry = {"row": label, "depth": depth}
         for name, values in [("criterion", list(map(max_lr_value, runs)))] + [
-                (name, [r[f"max LR, {name}"] for r in runs]) for name in VARIANTS]:
+            (name, [r[f"max LR, {name}"] for r in runs]) for name in VARIANTS
+        ]:
             values = [v for v in values if v is not None]
             entry[name] = f"{statistics.median(values):.3g} ({len(values)}/{len(runs)})" if values else "-"
         table.append(entry)
@@ -246,27 +307,57 @@ def collect(out: Path, margin: float = MARGIN, pairs: list[tuple[str, str]] | No
     summary = summarize(rows)
     labels = list(dict.fromkeys(r["row"] for r in rows))
     pairs = pairs if pairs is not None else [p for p in DEFAULT_PAIRS if p[0] in labels and p[1] in labels]
-    tests = [t for depth in dict.fromkeys(r["depth"] for r in rows) for a, b in pairs
-             if (t := compare(rows, a, b, depth)) is not None]
-    columns = ["run", "failure", "onset_step", "max_tolerable_lr", "heldout_at_max_lr", "above_best_at_max_lr",
-               "hold_steps", "loss_optimal_lr", "best_heldout", "leaves_unigram_lr", "resolved", "stop", "steps", "cpu_s"]
+    tests = [
+        t
+        for depth in dict.fromkeys(r["depth"] for r in rows)
+        for a, b in pairs
+        if (t := compare(rows, a, b, depth)) is not None
+    ]
+    columns = [
+        "run",
+        "failure",
+        "onset_step",
+        "max_tolerable_lr",
+        "heldout_at_max_lr",
+        "above_best_at_max_lr",
+        "hold_steps",
+        "loss_optimal_lr",
+        "best_heldout",
+        "leaves_unigram_lr",
+        "resolved",
+        "stop",
+        "steps",
+        "cpu_s",
+    ]
     timed = [r["cpu_s"] for r in rows if "cpu_s" in r]
-    text = [f"# Max tolerable LR: {manifest.get('protocol', '')}", "",
-            f"Unigram loss of the held-out batches: {', '.join(f'{u:.3f}' for u in unigrams.values())}; the "
-            f"criterion is divergence (keel.experiments.maxlr_report); a max LR is resolved when the best held-out "
-            f"loss up to it is <= unigram - {margin:g}. {len(rows)} runs finished"
-            + (f", {len(pending)} not (yet): {', '.join(pending)}" if pending else "") + "."
-            + (f" CPU time of the finished runs: {sum(timed) / 60:.1f} min ({len(timed)} runs timed)." if timed else ""),
-            "", markdown_table(summary, list(summary[0])), "",
-            "The same curves judged otherwise (median max LR, resolved seeds / seeds): the bar never above the "
-            f"unigram loss once the model is 0.25 or 1 nat below it (criterion: {margin:g}); a bar of best + 0.5 "
-            "nat; the bar relative to the best alone (no unigram cap). The looser two (learned 1, relative only) "
-            "are lower bounds where a probe stopped by the criterion:", "",
-            markdown_table(sensitivity(rows), ["row", "depth", "criterion", *VARIANTS]), ""]
+    text = [
+        f"# Max tolerable LR: {manifest.get('protocol', '')}",
+        "",
+        f"Unigram loss of the held-out batches: {', '.join(f'{u:.3f}' for u in unigrams.values())}; the "
+        f"criterion is divergence (keel.experiments.maxlr_report); a max LR is resolved when the best held-out "
+        f"loss up to it is <= unigram - {margin:g}. {len(rows)} runs finished"
+        + (f", {len(pending)} not (yet): {', '.join(pending)}" if pending else "")
+        + "."
+        + (f" CPU time of the finished runs: {sum(timed) / 60:.1f} min ({len(timed)} runs timed)." if timed else ""),
+        "",
+        markdown_table(summary, list(summary[0])),
+        "",
+        "The same curves judged otherwise (median max LR, resolved seeds / seeds): the bar never above the "
+        f"unigram loss once the model is 0.25 or 1 nat below it (criterion: {margin:g}); a bar of best + 0.5 "
+        "nat; the bar relative to the best alone (no unigram cap). The looser two (learned 1, relative only) "
+        "are lower bounds where a probe stopped by the criterion:",
+        "",
+        markdown_table(sensitivity(rows), ["row", "depth", "criterion", *VARIANTS]),
+        "",
+    ]
     if tests:
-        text += ["Sign tests (max LR per seed; a run with no failure counts as the peak; ties and unresolved "
-                 "seeds are left out of the test):", "", markdown_table(tests, list(dict.fromkeys(
-                     k for t in tests for k in t))), ""]
+        text += [
+            "Sign tests (max LR per seed; a run with no failure counts as the peak; ties and unresolved "
+            "seeds are left out of the test):",
+            "",
+            markdown_table(tests, list(dict.fromkeys(k for t in tests for k in t))),
+            "",
+        ]
     text += ["Runs:", "", markdown_table(rows, columns), ""]
     (out / MAXLR_SUMMARY).write_text("\n".join(text))
     plot(rows, out, unigrams, margin)
@@ -320,8 +411,14 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
                 continue
             label = r["row"] if r["row"] not in seen else None
             seen.add(r["row"])
-            ax.plot([p[0] for p in points], [p[1] for p in points], color=colors[r["row"]], linewidth=1, alpha=0.7,
-                    label=label)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                color=colors[r["row"]],
+                linewidth=1,
+                alpha=0.7,
+                label=label,
+            )
             if r["resolved"] and r["failure"] and r["heldout_at_max_lr"] is not None:
                 ax.plot([r["max_tolerable_lr"]], [r["heldout_at_max_lr"]], "o", color=colors[r["row"]], markersize=4)
             ax.plot([r["loss_optimal_lr"]], [r["best_heldout"]], "x", color=colors[r["row"]], markersize=5)
@@ -334,8 +431,11 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
         width = next(r["width"] for r in rows if r["depth"] == depth)
         ax.set_xlabel("learning rate (ramp)")
         ax.set_ylabel("held-out loss")
-        ax.set_title(f"{depth} blocks x {width}: dot = max tolerable LR, x = loss-optimal LR; grey = unigram loss, "
-                     f"dashed = -{margin:g} nat", fontsize=8)
+        ax.set_title(
+            f"{depth} blocks x {width}: dot = max tolerable LR, x = loss-optimal LR; grey = unigram loss, "
+            f"dashed = -{margin:g} nat",
+            fontsize=8,
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -357,8 +457,11 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
     if ax.lines:
         ax.set_yscale("log")
     ax.set_ylabel("learning rate")
-    ax.set_title(f"{out.name}: max LR per seed (o: divergence onset; ^: none up to the peak; x: not resolved); "
-                 "squares: loss-optimal LR", fontsize=8)
+    ax.set_title(
+        f"{out.name}: max LR per seed (o: divergence onset; ^: none up to the peak; x: not resolved); "
+        "squares: loss-optimal LR",
+        fontsize=8,
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / MAXLR_SEEDS_PLOT, dpi=120)
@@ -366,10 +469,13 @@ def plot(rows: list[dict], out: Path, unigrams: dict, margin: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel maxlr collect", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="keel maxlr collect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("dir")
-    parser.add_argument("--margin", type=float, default=MARGIN, help="nats below the unigram loss that count as learned")
+    parser.add_argument(
+        "--margin", type=float, default=MARGIN, help="nats below the unigram loss that count as learned"
+    )
     parser.add_argument("--pairs", type=comma_list(str), default=None, help="A:B,... rows to sign-test")
     args = parser.parse_args(argv)
     pairs = None if args.pairs is None else [tuple(p.split(":", 1)) for p in args.pairs]

@@ -6,9 +6,9 @@ side in the roles keel.experiments.roles gives them: Table 1's seed tables and s
 the Keel / Pre-LN max-LR ratio against depth and width with the batch point, and LR transfer under muP
 (keel.experiments.trends), the hold map (keel.experiments.hold), the two-ramp check, Keel without its outer norms'
 gains and the 1,024-block runs (held-out loss, non-finite steps, per-block gradient norms); then the trained-model
-claims (keel.experiments.trained). Every table names the init in force. --shared-init DIR2 adds what depends on the init: each scheme whose init differs between
-DIR (by default each scheme's own recipe) and DIR2 (the grids run with one init for all), side by side. A grid not
-run yet is listed as missing; the rest is reported.
+claims (keel.experiments.trained). Every table names the init in force. --shared-init DIR2 adds what depends on the
+init: each scheme whose init differs between DIR (by default each scheme's own recipe) and DIR2 (the grids run with one
+init for all), side by side. A grid not run yet is listed as missing; the rest is reported.
 """
 
 from __future__ import annotations
@@ -18,23 +18,34 @@ import json
 import math
 from pathlib import Path
 
-from keel.errors import ConfigError
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
+from keel.config.model import scheme_of
+from keel.errors import ConfigError
 from keel.experiments.grids import GRIDS
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, inits, max_lr_value
 from keel.experiments.plots import pyplot, save_figure
-from keel.experiments.records import (DEEP_PLOT, HOLD_PLOT, MANIFEST, RATIO_PLOT, REPORT, TRANSFER_PLOT,
-                                      load_run_config)
-from keel.experiments.roles import (BATCH_POINT, DEEP_RUNS, DEPTH_TREND, LINEAR_DEPTH_TREND, LINEAR_SLOW_DEPTH_TREND,
-                                    LINEAR_WIDTH_TREND, MAXLR_GRIDS, MUP_WIDTH_TREND, NOGAIN_PAIRS, RAMP_CHECK, TABLE1,
-                                    WIDTH_TREND)
+from keel.experiments.records import DEEP_PLOT, HOLD_PLOT, MANIFEST, RATIO_PLOT, REPORT, TRANSFER_PLOT, load_run_config
+from keel.experiments.roles import (
+    BATCH_POINT,
+    DEEP_RUNS,
+    DEPTH_TREND,
+    LINEAR_DEPTH_TREND,
+    LINEAR_SLOW_DEPTH_TREND,
+    LINEAR_WIDTH_TREND,
+    MAXLR_GRIDS,
+    MUP_WIDTH_TREND,
+    NOGAIN_PAIRS,
+    RAMP_CHECK,
+    TABLE1,
+    WIDTH_TREND,
+)
 from keel.experiments.stats import fmt, median
-from keel.experiments.tables import markdown_table
 from keel.experiments.table1 import STRICT, seed_table, sign_tests
-from keel.experiments.trained import load_trained, sections as trained_sections
+from keel.experiments.tables import markdown_table
+from keel.experiments.trained import load_trained
+from keel.experiments.trained import sections as trained_sections
 from keel.experiments.trends import hold_pairs, plot_ratios, plot_transfer, transfer, trend
-from keel.config.model import scheme_of
 
 
 def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
@@ -45,20 +56,29 @@ def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
     for r in long:
         if (r["row"], r["seed"]) in by:
             s = by[r["row"], r["seed"]]
-            table.append({"scheme": r["row"], "seed": r["seed"], "max LR, 560 steps": fmt(max_lr_value(s)),
-                          "its onset step": s["onset_step"], "max LR, 1,120 steps": fmt(max_lr_value(r)),
-                          "its onset step, 1,120": r["onset_step"],
-                          "ratio": fmt(max_lr_value(r) / max_lr_value(s))
-                          if max_lr_value(r) and max_lr_value(s) else "-",
-                          "loss-optimal LR, 560 / 1,120": f"{fmt(s['loss_optimal_lr'])} / {fmt(r['loss_optimal_lr'])}"})
+            table.append(
+                {
+                    "scheme": r["row"],
+                    "seed": r["seed"],
+                    "max LR, 560 steps": fmt(max_lr_value(s)),
+                    "its onset step": s["onset_step"],
+                    "max LR, 1,120 steps": fmt(max_lr_value(r)),
+                    "its onset step, 1,120": r["onset_step"],
+                    "ratio": fmt(max_lr_value(r) / max_lr_value(s)) if max_lr_value(r) and max_lr_value(s) else "-",
+                    "loss-optimal LR, 560 / 1,120": f"{fmt(s['loss_optimal_lr'])} / {fmt(r['loss_optimal_lr'])}",
+                }
+            )
     return table
 
 
 def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     """The 1,024-block runs of each (sweep dir, label suffix): held-out loss, non-finite steps, and each block's
     gradient norm at three steps."""
-    runs = [(out / run["name"], run["name"] + suffix) for out, suffix in sweeps
-            for run in json.loads((out / MANIFEST).read_text())["runs"]]
+    runs = [
+        (out / run["name"], run["name"] + suffix)
+        for out, suffix in sweeps
+        for run in json.loads((out / MANIFEST).read_text())["runs"]
+    ]
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     table = []
@@ -68,8 +88,12 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
         scalars = read_scalars(run_dir)
         stability = read_stability(run_dir) or {}
         val = scalars.get("val/loss", [])
-        entry = {"run": name, "steps": stability.get("steps"), "non-finite steps": stability.get("nonfinite_steps"),
-                 "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val)}
+        entry = {
+            "run": name,
+            "steps": stability.get("steps"),
+            "non-finite steps": stability.get("nonfinite_steps"),
+            "held-out loss (step: value)": ", ".join(f"{s + 1}: {v:.2f}" for s, v in val),
+        }
         model = load_run_config(run_dir).model
         bottom = scheme_of(model).bottom_block(model)  # Keel's alpha = 1 block 0 gets ~L times the rest, by design
         numbered = sorted((int(tag.rsplit("_", 1)[1]), tag) for tag in scalars if tag.startswith("grad/ffn/block_"))
@@ -80,9 +104,14 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
             norms = [dict(scalars[tag]).get(step) for tag in blocks]
             finite = [n for n in norms if n is not None and math.isfinite(n) and n > 0]
             if finite:
-                entry[f"ffn grad norm max / smallest non-zero over blocks (Keel: from block 1), step {step + 1}"] = \
-                    f"{max(finite) / min(finite):.3g}" + (f" ({len(norms) - len(finite)} of {len(norms)} logged blocks at 0)"
-                                                           if len(finite) < len(norms) else "")
+                entry[f"ffn grad norm max / smallest non-zero over blocks (Keel: from block 1), step {step + 1}"] = (
+                    f"{max(finite) / min(finite):.3g}"
+                    + (
+                        f" ({len(norms) - len(finite)} of {len(norms)} logged blocks at 0)"
+                        if len(finite) < len(norms)
+                        else ""
+                    )
+                )
         if steps:
             last = [dict(scalars[tag]).get(steps[-1]) for tag in blocks]
             axes[0].plot([block for block, _ in numbered if block >= bottom], last, label=name)
@@ -125,10 +154,14 @@ def init_sensitivity(grids: dict[str, list[dict]], shared: dict[str, list[dict]]
             entry = {"grid": grid, "blocks x width": f"{own[0]['depth']} x {own[0]['width']}", "scheme": label}
             for name, runs in (("own", own), ("shared", other)):
                 values = [v for v in map(max_lr_value, runs) if v is not None]
-                entry |= {f"{name} init": inits(runs), f"{name}: learned": f"{len(values)}/{len(runs)}",
-                          f"{name}: max LR median": fmt(median(values)),
-                          f"{name}: best held-out median": fmt(median([r["best_heldout"] for r in runs
-                                                                         if r["best_heldout"] is not None]))}
+                entry |= {
+                    f"{name} init": inits(runs),
+                    f"{name}: learned": f"{len(values)}/{len(runs)}",
+                    f"{name}: max LR median": fmt(median(values)),
+                    f"{name}: best held-out median": fmt(
+                        median([r["best_heldout"] for r in runs if r["best_heldout"] is not None])
+                    ),
+                }
             table.append(entry)
     return table
 
@@ -140,8 +173,11 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
     if missing:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
-    text += ["Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
-             "loss-optimal LR (best held-out loss).", ""]
+    text += [
+        "Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
+        "loss-optimal LR (best held-out loss).",
+        "",
+    ]
     for grid, title in TABLE1.items():
         if grid in grids:
             ramps = ", ".join(dict.fromkeys(r["ramp"] for r in grids[grid]))
@@ -159,11 +195,12 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             text += [markdown_table(fits), ""]
         plot_hold_map(grids, out / HOLD_PLOT)
         text += [f"![max LR against the hold at the limit]({HOLD_PLOT})", ""]
-    for axis, title, prefix in ((LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
-                                (LINEAR_SLOW_DEPTH_TREND, "Depth at width 32, the paper's protocol at half the slope",
-                                 "blocks"),
-                                (LINEAR_WIDTH_TREND, "Width at 16 blocks, the paper's protocol", "width")):
-        if (table := trend(grids, axis, prefix)[0]):
+    for axis, title, prefix in (
+        (LINEAR_DEPTH_TREND, "Depth at width 32, the paper's protocol", "blocks"),
+        (LINEAR_SLOW_DEPTH_TREND, "Depth at width 32, the paper's protocol at half the slope", "blocks"),
+        (LINEAR_WIDTH_TREND, "Width at 16 blocks, the paper's protocol", "width"),
+    ):
+        if table := trend(grids, axis, prefix)[0]:
             text += [f"## {title}", "", markdown_table(table), ""]
     depth_table, depth_points = trend(grids, DEPTH_TREND, "blocks")
     width_table, width_points = trend(grids, WIDTH_TREND, "width")
@@ -172,16 +209,20 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         if table:
             text += [f"## {title}", "", markdown_table(table), ""]
     if batch_table:
-        text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "",
-                 markdown_table(batch_table), ""]
+        text += ["## 8x the tokens per step (16 x 64, 64 sequences of 128)", "", markdown_table(batch_table), ""]
     if any(depth_points.values()) or any(width_points.values()):
         plot_ratios(depth_points, width_points, batch_points.get(64, []), out / RATIO_PLOT)
         text += [f"![Keel / Pre-LN max LR against depth and width]({RATIO_PLOT})", ""]
     if any(grid in grids for names, _, _ in MUP_WIDTH_TREND.values() for grid in names):
         table, points = transfer(grids)
-        text += ["## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp", "",
-                 markdown_table(table), "",
-                 f"![the loss-optimal LR against width under sp and mup]({TRANSFER_PLOT})", ""]
+        text += [
+            "## LR transfer across width: sp and mup (base width 64), 16 blocks, the geometric ramp",
+            "",
+            markdown_table(table),
+            "",
+            f"![the loss-optimal LR against width under sp and mup]({TRANSFER_PLOT})",
+            "",
+        ]
         plot_transfer(points, out / TRANSFER_PLOT)
     short, long = RAMP_CHECK
     if short in grids and long in grids and (table := ramp_check(grids[short], grids[long])):
@@ -191,38 +232,56 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             title = "{} x {}".format(*GRIDS[nogain].point)
             rows = [r for r in grids[table1] if r["row"] == "keel"] + grids[nogain]
             tests = sign_tests(rows, [("keel-nogain", "keel")])
-            text += [f"## Keel without its outer norms' gains, {title} ({nogain} beside {table1}'s keel rows)", "",
-                     markdown_table(seed_table(rows)), ""]
+            text += [
+                f"## Keel without its outer norms' gains, {title} ({nogain} beside {table1}'s keel rows)",
+                "",
+                markdown_table(seed_table(rows)),
+                "",
+            ]
             if tests:
                 text += [markdown_table(tests), ""]
     sweeps = [(out / grid, suffix) for grid, suffix in DEEP_RUNS.items() if (out / grid / MANIFEST).is_file()]
     if sweeps:
         table = deep_runs(sweeps, out / DEEP_PLOT)
         if table:
-            text += ["## 1,024 blocks", "", markdown_table(table),
-                     "", f"![1,024 blocks]({DEEP_PLOT})", ""]
+            text += ["## 1,024 blocks", "", markdown_table(table), "", f"![1,024 blocks]({DEEP_PLOT})", ""]
     text += trained_sections(out, trained)
     if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
-        text += [f"## What depends on the init: each scheme's own recipe ({out}) against one init for all "
-                 f"({shared_init})", "", "Learned: seeds whose max LR is resolved.", "", markdown_table(table), ""]
+        text += [
+            f"## What depends on the init: each scheme's own recipe ({out}) against one init for all ({shared_init})",
+            "",
+            "Learned: seeds whose max LR is resolved.",
+            "",
+            markdown_table(table),
+            "",
+        ]
     return "\n".join(text)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel paper-report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="keel paper-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("dir", nargs="?", default="runs/paper")
-    parser.add_argument("--shared-init", type=Path, help="the same grids run with one init for every scheme "
-                        "(make paper ARGS=model.init=normal PAPER_OUT=DIR): adds the init-sensitivity table")
+    parser.add_argument(
+        "--shared-init",
+        type=Path,
+        help="the same grids run with one init for every scheme "
+        "(make paper ARGS=model.init=normal PAPER_OUT=DIR): adds the init-sensitivity table",
+    )
     args = parser.parse_args(argv)
     out = Path(args.dir)
     for tree in (out, args.shared_init):
         if tree is not None and not tree.is_dir():
-            raise ConfigError(f"paper-report: {tree} is not a directory; give the DIR `make paper` wrote (PAPER_OUT, "
-                              "by default runs/paper)")
+            raise ConfigError(
+                f"paper-report: {tree} is not a directory; give the DIR `make paper` wrote (PAPER_OUT, "
+                "by default runs/paper)"
+            )
         if tree is not None and not any(tree.glob(f"*/*/{CONFIG}")):  # a report would list every grid as not run
-            raise ConfigError(f"paper-report: no grid has run under {tree} (no run directory {tree}/GRID/RUN); run "
-                              f"them first (make paper PAPER_OUT={tree}); nothing was written")
+            raise ConfigError(
+                f"paper-report: no grid has run under {tree} (no run directory {tree}/GRID/RUN); run "
+                f"them first (make paper PAPER_OUT={tree}); nothing was written"
+            )
     text = report(out, args.shared_init)
     (out / REPORT).write_text(text)
     print(text)

@@ -15,9 +15,9 @@ import importlib
 import shlex
 from pathlib import Path
 
+from keel.artifacts import CONFIG
 from keel.errors import ConfigError
 from keel.experiments.grids import CHECKPOINTS, GRIDS, SBATCH, SETS, SETTINGS, Scaled
-from keel.artifacts import CONFIG
 from keel.experiments.records import REDUNDANCY, checkpoint_run, finished, load_run_config, read_redundancy_rows
 
 
@@ -31,12 +31,20 @@ def unmeasured_checkpoints(grid_dir: str) -> list[str]:
     except ConfigError as error:
         raise ConfigError(f"{error}; move it aside and measure the grid again") from None
     runs = [(path, Path(path).parents[1]) for path in sorted(glob.glob(f"{grid_dir}/*/checkpoints/last.ckpt"))]
-    return [path for path, run in runs if run.name not in measured and (run / CONFIG).is_file()
-            and finished(run, load_run_config(run))]
+    return [
+        path
+        for path, run in runs
+        if run.name not in measured and (run / CONFIG).is_file() and finished(run, load_run_config(run))
+    ]
 
 
-def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch: tuple[str, ...] = (),
-            checkpoints=unmeasured_checkpoints) -> list[str] | None:
+def command(
+    name: str,
+    values: dict[str, str],
+    paper_scale: bool = False,
+    sbatch: tuple[str, ...] = (),
+    checkpoints=unmeasured_checkpoints,
+) -> list[str] | None:
     """The grid's keel command line (after `keel`); values: each setting's, OUT's and PAPER_OUT's. None for a
     redundancy grid with no checkpoint to measure."""
     grid = GRIDS[name]
@@ -53,8 +61,12 @@ def command(name: str, values: dict[str, str], paper_scale: bool = False, sbatch
             else:  # split as the shell splits the Makefile's words
                 argv += token.format_map(values).split()
     for schemes, seeds in grid.only:
-        argv += [word for scheme in schemes for seed in values[seeds].replace(",", " ").split()
-                 for word in ("--only", f"{scheme}-d{grid.point[0]}-s{seed}")]
+        argv += [
+            word
+            for scheme in schemes
+            for seed in values[seeds].replace(",", " ").split()
+            for word in ("--only", f"{scheme}-d{grid.point[0]}-s{seed}")
+        ]
     return argv
 
 
@@ -70,8 +82,9 @@ def table() -> str:
     for name, grid in GRIDS.items():
         scales = (False, True) if any(isinstance(part, Scaled) for part in grid.args) else (False,)
         for paper_scale in scales:
-            argv = command(name, values, paper_scale, ("$PAPER_SBATCH",),
-                           lambda grid_dir: [f"{grid_dir}/*/checkpoints/last.ckpt"])
+            argv = command(
+                name, values, paper_scale, ("$PAPER_SBATCH",), lambda grid_dir: [f"{grid_dir}/*/checkpoints/last.ckpt"]
+            )
             target = f"`paper-{name}`" + (" PAPER_SCALE=1" if paper_scale else "")
             lines.append(f"| {target} | {', '.join(f'`{s}`' for s in grid.sets)} | `keel {' '.join(argv)}` |")
     lines += ["", "| setting | default |", "|---|---|"]
@@ -80,14 +93,23 @@ def table() -> str:
 
 
 def main(argv: list[str]) -> int:
-    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="keel paper-run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="keel paper-run GRID... [options] [-- ARGS...] | --list SET | --table")
+    argv, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(
+        prog="keel paper-run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="keel paper-run GRID... [options] [-- ARGS...] | --list SET | --table",
+    )
     parser.add_argument("grids", nargs="*", metavar="GRID", help="run these, in order (`--list paper` names them)")
     parser.add_argument("--out", default="runs/paper", help="PAPER_OUT: each grid goes to OUT/GRID")
-    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
-                        help=f"a setting instead of its default (repeatable): {', '.join(SETTINGS)}")
+    parser.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"a setting instead of its default (repeatable): {', '.join(SETTINGS)}",
+    )
     parser.add_argument("--paper-scale", action="store_true", help="PAPER_SCALE=1: the paper's model")
     parser.add_argument("--sbatch", action="append", default=[], help="at paper scale, an #SBATCH option (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print each grid's command, run nothing")
@@ -115,8 +137,11 @@ def main(argv: list[str]) -> int:
     for grid in args.grids:
         if (grid_command := command(grid, values, args.paper_scale, tuple(args.sbatch))) is None:
             over = f"{args.out}/{GRIDS[grid].over}"
-            print(f"keel paper-run {grid}: nothing to measure: every finished run of {over} has its rows in "
-                  f"{over}/{REDUNDANCY} (`make paper-{GRIDS[grid].over}` trains the others)", flush=True)
+            print(
+                f"keel paper-run {grid}: nothing to measure: every finished run of {over} has its rows in "
+                f"{over}/{REDUNDANCY} (`make paper-{GRIDS[grid].over}` trains the others)",
+                flush=True,
+            )
             continue
         command_line = [*grid_command, *extra]
         print(f"keel {shlex.join(command_line)}", flush=True)

@@ -34,8 +34,15 @@ HOLD_PLOT, RATIO_PLOT, TRANSFER_PLOT, DEEP_PLOT = "hold.png", "ratio.png", "tran
 LOSS_VS_TASKS_PLOT, LAYER_USE_PLOT = "loss_vs_tasks_{grid}.png", "layer_use_{grid}.png"  # per trained grid
 
 
-REDUNDANCY_NUMBERS = {"depth": int, "block": int, "val_tokens": int, "ppl_base": float, "ppl_removed": float,
-           "ppl_increase": float, "loss_increase": float}  # a row's numbers, by column
+REDUNDANCY_NUMBERS = {
+    "depth": int,
+    "block": int,
+    "val_tokens": int,
+    "ppl_base": float,
+    "ppl_removed": float,
+    "ppl_increase": float,
+    "loss_increase": float,
+}  # a row's numbers, by column
 REDUNDANCY_COLUMNS = ("checkpoint", "path", "scheme", *REDUNDANCY_NUMBERS)
 
 
@@ -47,8 +54,10 @@ def read_redundancy_rows(table: Path) -> list[dict]:
     with open(table, newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is not None and set(reader.fieldnames) != set(REDUNDANCY_COLUMNS):
-            raise ConfigError(f"{table} is not a redundancy.csv (columns {', '.join(reader.fieldnames)}; expected "
-                              f"{', '.join(sorted(REDUNDANCY_COLUMNS))})")
+            raise ConfigError(
+                f"{table} is not a redundancy.csv (columns {', '.join(reader.fieldnames)}; expected "
+                f"{', '.join(sorted(REDUNDANCY_COLUMNS))})"
+            )
         return [{key: REDUNDANCY_NUMBERS.get(key, str)(value) for key, value in row.items()} for row in reader]
 
 
@@ -63,8 +72,11 @@ def _eval_scores(run_dir: Path) -> dict[str, float]:
     if not history or not history.get("evaluations"):
         return {}
     last = history["evaluations"][-1]["scores"]
-    return {f"eval/{task}/{info['metric']}": last[task][info["metric"]] for task, info in history["tasks"].items()
-            if task in last and info["metric"] in last[task]}
+    return {
+        f"eval/{task}/{info['metric']}": last[task][info["metric"]]
+        for task, info in history["tasks"].items()
+        if task in last and info["metric"] in last[task]
+    }
 
 
 def load_run_config(run_dir: str | Path) -> Config:
@@ -75,8 +87,9 @@ def finished(run_dir: str | Path, cfg: Config) -> bool:
     """A run (a sweep's or a max-LR probe) is over once its stability monitor recorded every step, or a failure that
     stopped it: told from its records alone, checkpoints gone or not, wherever the run directory now lies."""
     state = read_stability(run_dir)
-    return state is not None and (state["steps"] >= cfg.trainer.max_steps
-                                  or (state["failed"] and cfg.callbacks.stability.stop_on_failure))
+    return state is not None and (
+        state["steps"] >= cfg.trainer.max_steps or (state["failed"] and cfg.callbacks.stability.stop_on_failure)
+    )
 
 
 def already_trained(run_dir: str | Path, cfg: Config) -> bool:
@@ -104,14 +117,28 @@ def run_row(run_dir: str | Path) -> dict[str, Any]:
     cfg = load_run_config(run_dir)
     m = cfg.model
     row: dict[str, Any] = {
-        "run": run_dir.name, "scheme": m.scheme, "depth": m.depth, "L": m.n_sublayers, "width": m.width,
+        "run": run_dir.name,
+        "scheme": m.scheme,
+        "depth": m.depth,
+        "L": m.n_sublayers,
+        "width": m.width,
         "alpha": alpha(m) if (alpha := scheme_of(m).alpha) is not None else None,
-        "init": m.init_kind, "params_nonemb": non_embedding_params(m), "lr": cfg.optim.lr,
-        "schedule": cfg.optim.schedule, "max_steps": cfg.trainer.max_steps, "seed": cfg.run.seed,
+        "init": m.init_kind,
+        "params_nonemb": non_embedding_params(m),
+        "lr": cfg.optim.lr,
+        "schedule": cfg.optim.schedule,
+        "max_steps": cfg.trainer.max_steps,
+        "seed": cfg.run.seed,
     }
     if (s := read_stability(run_dir)) is not None:
-        row |= {"steps": s["steps"], "failed": s["failed"], "failure": s["kind"], "onset_step": s["step"],
-                "max_tolerable_lr": s["max_tolerable_lr"], "max_lr_seen": s["max_lr_seen"]}
+        row |= {
+            "steps": s["steps"],
+            "failed": s["failed"],
+            "failure": s["kind"],
+            "onset_step": s["step"],
+            "max_tolerable_lr": s["max_tolerable_lr"],
+            "max_lr_seen": s["max_lr_seen"],
+        }
     if val := read_scalars(run_dir, ["val/loss"]).get("val/loss"):
         row |= {"val_step": val[-1][0], "val_loss": val[-1][1]}
     return row | _eval_scores(run_dir)

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from keel.layer_skip import skip_losses
 from keel.checkpoint.read import load_model
 from keel.data.loading import token_loader
-from keel.errors import ConfigError
 from keel.devices import set_threads
+from keel.errors import ConfigError
 from keel.experiments.plots import plot_lines
 from keel.experiments.records import REDUNDANCY_PLOT, REDUNDANCY_SUMMARY, REDUNDANCY_TABLE, read_redundancy_rows
 from keel.experiments.tables import write_table
+from keel.layer_skip import skip_losses
 from keel.model import KeelLM
 
 
@@ -54,11 +54,21 @@ def measure(path: str, batches: int, batch_size: int | None, data_dir: str | Non
     data = [b.to(device) for b in islice(token_loader(cfg, "val", shuffle=False), batches)]
     base, removed = removal_losses(model, data)
     label = f"{Path(cfg.run.dir).name}/{Path(path).stem} ({cfg.model.scheme}, depth {cfg.model.depth})"
-    return [{"checkpoint": label, "path": path, "scheme": cfg.model.scheme, "depth": cfg.model.depth, "block": b,
-             "val_tokens": sum(x[:, 1:].numel() for x in data), "ppl_base": math.exp(base),
-             "ppl_removed": math.exp(loss), "ppl_increase": math.exp(loss) - math.exp(base),
-             "loss_increase": loss - base}
-            for b, loss in enumerate(removed)]
+    return [
+        {
+            "checkpoint": label,
+            "path": path,
+            "scheme": cfg.model.scheme,
+            "depth": cfg.model.depth,
+            "block": b,
+            "val_tokens": sum(x[:, 1:].numel() for x in data),
+            "ppl_base": math.exp(base),
+            "ppl_removed": math.exp(loss),
+            "ppl_increase": math.exp(loss) - math.exp(base),
+            "loss_increase": loss - base,
+        }
+        for b, loss in enumerate(removed)
+    ]
 
 
 def earlier_rows(table: Path, measured: list[str]) -> list[dict]:
@@ -78,9 +88,14 @@ def plot(rows: list[dict], path: Path) -> None:
         blocks.append(r["block"])
         increases.append(r["ppl_increase"])
     # symlog: removing block 0 can cost orders of magnitude more perplexity than a middle block, some even help
-    plot_lines([(label, xs, ys) for label, (xs, ys) in curves.items()], path, "removed block (0 = first)",
-               "validation perplexity increase", "Layer redundancy: perplexity increase when one block is skipped",
-               yscale="symlog")
+    plot_lines(
+        [(label, xs, ys) for label, (xs, ys) in curves.items()],
+        path,
+        "removed block (0 = first)",
+        "validation perplexity increase",
+        "Layer redundancy: perplexity increase when one block is skipped",
+        yscale="symlog",
+    )
 
 
 def checkpoint_paths(positional: list[str], options: list[str]) -> list[str]:
@@ -91,8 +106,9 @@ def checkpoint_paths(positional: list[str], options: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="keel redundancy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="keel redundancy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoints", nargs="*", help="checkpoint=PATH or PATH")
     parser.add_argument("--checkpoint", action="append", default=[], help="another checkpoint (repeatable)")
     parser.add_argument("--batches", type=int, default=16, help="validation batches evaluated per removal")
@@ -100,17 +116,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data-dir", help="shards to evaluate on (default: each run's data.dir)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="runs/redundancy")
-    parser.add_argument("--append", action="store_true",
-                        help="keep the rows of other checkpoints already in --out's redundancy.csv")
+    parser.add_argument(
+        "--append", action="store_true", help="keep the rows of other checkpoints already in --out's redundancy.csv"
+    )
     args = parser.parse_args(argv)
     paths = checkpoint_paths(args.checkpoints, args.checkpoint)
     out = Path(args.out)
     kept = earlier_rows(out / REDUNDANCY_TABLE, paths) if args.append else []
-    rows = kept + [row for path in paths for row in measure(path, args.batches, args.batch_size, args.data_dir,
-                                                             args.device)]
+    rows = kept + [
+        row for path in paths for row in measure(path, args.batches, args.batch_size, args.data_dir, args.device)
+    ]
     columns = write_table(rows, out / REDUNDANCY_TABLE, out / REDUNDANCY_SUMMARY)
     plot(rows, out / REDUNDANCY_PLOT)
     kept_note = f" ({len(kept)} of them kept from before)" if kept else ""
-    print(f"keel redundancy: {len(rows)} blocks{kept_note} -> {out}/redundancy.csv ({', '.join(columns)}), "
-          "redundancy.md, redundancy.png")
+    print(
+        f"keel redundancy: {len(rows)} blocks{kept_note} -> {out}/redundancy.csv ({', '.join(columns)}), "
+        "redundancy.md, redundancy.png"
+    )
     return 0

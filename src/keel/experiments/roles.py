@@ -20,24 +20,34 @@ def axis(index: int, *points: str | tuple[str, ...]) -> dict[int, tuple[tuple[st
 
 
 TABLE1 = {  # grid -> the title of its seed table, in report order
-    "linear-d16": "Table 1, 16 blocks x 64", "linear-d64": "Table 1, 64 blocks x 32",
+    "linear-d16": "Table 1, 16 blocks x 64",
+    "linear-d64": "Table 1, 64 blocks x 32",
     "linear-gentle-d16": "Table 1's Post-LN family, 16 blocks x 64, a 4x gentler slope",
     "linear-gentle-d64": "Table 1's Post-LN family, 64 blocks x 32, a 4x gentler slope",
-    "table1-d16": "Table 1, 16 blocks x 64", "table1-d64": "Table 1, 64 blocks x 32",
+    "table1-d16": "Table 1, 16 blocks x 64",
+    "table1-d64": "Table 1, 64 blocks x 32",
     "hybridnorm": "HybridNorm, ramp from 1e-4 over 720 steps",
 }
 DEPTH_TREND = axis(0, "depth-d16", "table1-d64", "depth-d256")
 WIDTH_TREND = axis(1, "depth-d16", "table1-d16", "width-w128", "width-w256")
 BATCH_POINT = axis(1, "batch-8x")  # 8x the tokens per step, plotted on the width panel
-LINEAR_DEPTH_TREND = axis(0, ("linear-depth-d16", "linear-gentle-depth-d16"), ("linear-d64", "linear-gentle-d64"),
-                          ("linear-depth-d256", "linear-gentle-depth-d256"))
+LINEAR_DEPTH_TREND = axis(
+    0,
+    ("linear-depth-d16", "linear-gentle-depth-d16"),
+    ("linear-d64", "linear-gentle-d64"),
+    ("linear-depth-d256", "linear-gentle-depth-d256"),
+)
 LINEAR_SLOW_DEPTH_TREND = axis(0, "linear-slow-depth-d16", "hold-d64-slow", "linear-slow-depth-d256")
 LINEAR_WIDTH_TREND = axis(1, "linear-depth-d16", "linear-d16", "linear-width-w128", "linear-width-w256")
 MUP_WIDTH_TREND = axis(1, *(f"mup-width-w{width}" for width in MUP_WIDTHS))  # against WIDTH_TREND's sp grids
 # the hold map, per point: the grids whose ramps it compares, slowest hold last
-HOLD_GRIDS = {GRIDS[names[0]].point: names for names in (
-    ("table1-d16", "ramp-2x", "hold-d16-fast", "linear-d16", "hold-d16-slow"),
-    ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"))}
+HOLD_GRIDS = {
+    GRIDS[names[0]].point: names
+    for names in (
+        ("table1-d16", "ramp-2x", "hold-d16-fast", "linear-d16", "hold-d16-slow"),
+        ("table1-d64", "hold-d64-fast", "linear-d64", "hold-d64-slow"),
+    )
+}
 RAMP_CHECK = ("table1-d16", "ramp-2x")  # the same seeds on the ramp and on one twice as slow
 NOGAIN_PAIRS = (("table1-d16", "nogain-d16"), ("table1-d64", "nogain-d64"), ("depth-d256", "nogain-d256"))
 DEEP_RUNS = {"deep1024": "", "deep1024-nogain": " (out_norm_gain=false)"}  # grid -> its runs' label suffix

@@ -68,7 +68,7 @@ def sign_test(wins: int, losses: int) -> float:
     n = wins + losses
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, k) for k in range(0, min(wins, losses) + 1)) / 2 ** n
+    tail = sum(math.comb(n, k) for k in range(0, min(wins, losses) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -93,7 +93,13 @@ def log_line_fit(points: list[tuple[float, float]], at: float) -> dict:
     slope_half = t * math.sqrt(cov[1, 1])
     x0 = np.array([1.0, math.log(at)])
     mean, mean_half = float(x0 @ coef), t * math.sqrt(float(x0 @ cov @ x0))
-    return {"exponent": float(coef[1]), "exponent low": float(coef[1]) - slope_half,
-            "exponent high": float(coef[1]) + slope_half, "at": at, "value": math.exp(mean),
-            "value low": math.exp(mean - mean_half), "value high": math.exp(mean + mean_half),
-            "points": len(points)}
+    return {
+        "exponent": float(coef[1]),
+        "exponent low": float(coef[1]) - slope_half,
+        "exponent high": float(coef[1]) + slope_half,
+        "at": at,
+        "value": math.exp(mean),
+        "value low": math.exp(mean - mean_half),
+        "value high": math.exp(mean + mean_half),
+        "points": len(points),
+    }

@@ -19,21 +19,35 @@ from dataclasses import asdict
 from pathlib import Path
 
 from keel.artifacts import CONFIG
-from keel.config import load_config
 from keel.cli_args import OneLineErrorParser, comma_list
+from keel.config import load_config
+from keel.config.model import scheme_named
+from keel.errors import ConfigError
 from keel.experiments.axes import non_embedding_params, resolve_alpha, slug, width_for_budget
 from keel.experiments.launch import GridCell, slurm_script
 from keel.experiments.plots import plot_lines
-from keel.experiments.records import (COMMANDS, MANIFEST, SBATCH_SCRIPT, SWEEP_PLOT, SWEEP_SUMMARY, SWEEP_TABLE,
-                                      SWEEP_TIME, already_trained, run_row)
+from keel.experiments.records import (
+    COMMANDS,
+    MANIFEST,
+    SBATCH_SCRIPT,
+    SWEEP_PLOT,
+    SWEEP_SUMMARY,
+    SWEEP_TABLE,
+    SWEEP_TIME,
+    already_trained,
+    run_row,
+)
 from keel.experiments.tables import write_table
-from keel.errors import ConfigError
-from keel.config.model import scheme_named
 
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
 PLOT_METRICS = {"val_loss": "validation loss", "max_tolerable_lr": "max tolerable LR"}
-AXIS_KEYS = {"scheme": "model.scheme", "depth": "model.depth", "width": "model.width", "lr": "optim.lr",
-             "seed": "run.seed"}
+AXIS_KEYS = {
+    "scheme": "model.scheme",
+    "depth": "model.depth",
+    "width": "model.width",
+    "lr": "optim.lr",
+    "seed": "run.seed",
+}
 AXIS_PREFIX = {"scheme": "", "depth": "d", "width": "w", "lr": "lr", "alpha": "a", "seed": "s"}
 IDENTITY = ("scheme", "depth", "lr", "alpha_expr", "seed")  # what tells the curves of one plot apart
 
@@ -47,13 +61,20 @@ def build_grid(args: argparse.Namespace) -> list[GridCell]:
         budget = non_embedding_params(base)
         widths = {d: width_for_budget(base, d, budget) for d in args.depths}
     runs = []
-    for scheme, depth, lr, seed in itertools.product(args.schemes or [None], args.depths or [None],
-                                                     args.lrs or [None], args.seeds or [None]):
+    for scheme, depth, lr, seed in itertools.product(
+        args.schemes or [None], args.depths or [None], args.lrs or [None], args.seeds or [None]
+    ):
         alpha_field = scheme_named(scheme or base.scheme).alpha_field
         alphas = args.alphas if args.alphas and alpha_field else [None]
         for alpha in alphas:
-            values = {"scheme": scheme, "depth": depth, "width": widths.get(depth), "lr": lr,
-                      "alpha": alpha, "seed": seed}
+            values = {
+                "scheme": scheme,
+                "depth": depth,
+                "width": widths.get(depth),
+                "lr": lr,
+                "alpha": alpha,
+                "seed": seed,
+            }
             axes = {axis: str(value) for axis, value in values.items() if value is not None}
             overrides = [f"{AXIS_KEYS[axis]}={value}" for axis, value in axes.items() if axis != "alpha"]
             if alpha is not None:
@@ -110,8 +131,14 @@ def plot_sweep(rows: list[dict], out: Path) -> None:
             members.sort(key=lambda r: r[axis])
             label = " ".join(f"{k}={v}" for k, v in zip(keys, group)) or metric
             curves.append((label, [r[axis] for r in members], [r[metric] for r in members]))
-        plot_lines(curves, out / SWEEP_PLOT.format(metric=metric, axis=axis), xlabel, ylabel,
-                   f"{out.name}: {ylabel} against {xlabel}", xscale="log" if axis in ("lr", "alpha") else "linear")
+        plot_lines(
+            curves,
+            out / SWEEP_PLOT.format(metric=metric, axis=axis),
+            xlabel,
+            ylabel,
+            f"{out.name}: {ylabel} against {xlabel}",
+            xscale="log" if axis in ("lr", "alpha") else "linear",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -125,15 +152,17 @@ def main(argv: list[str]) -> int:
         rows = collect(out)
         print(f"keel sweep collect: {len(rows)} runs -> {out}/sweep.csv, sweep.md, plots")
         return 0
-    parser = OneLineErrorParser(prog="keel sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(
+        prog="keel sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--schemes", type=comma_list(str), default=[])
     parser.add_argument("--depths", type=comma_list(int), default=[])
     parser.add_argument("--lrs", type=comma_list(str), default=[])
     parser.add_argument("--alphas", type=comma_list(str), default=[], help="Keel alpha: numbers or expressions in L")
     parser.add_argument("--seeds", type=comma_list(int), default=[])
-    parser.add_argument("--fixed-params", action="store_true",
-                        help="width per depth at the configured model's parameter count")
+    parser.add_argument(
+        "--fixed-params", action="store_true", help="width per depth at the configured model's parameter count"
+    )
     parser.add_argument("--out", default="runs/sweep")
     parser.add_argument("--emit", choices=("run", "commands", "slurm"), default="run")
     parser.add_argument("--sbatch", action="append", default=[], help="an extra #SBATCH option (repeatable)")
@@ -145,8 +174,12 @@ def main(argv: list[str]) -> int:
     # every run's config is checked before anything is written, emitted or trained
     configs = [load_config(args.config, [*args.overrides, *run.overrides, f"run.dir={out / run.name}"]) for run in runs]
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).write_text(json.dumps({"config": args.config, "overrides": args.overrides,
-                                            "runs": [asdict(run) for run in runs]}, indent=1) + "\n")
+    (out / MANIFEST).write_text(
+        json.dumps(
+            {"config": args.config, "overrides": args.overrides, "runs": [asdict(run) for run in runs]}, indent=1
+        )
+        + "\n"
+    )
     if args.emit == "run":
         from keel.experiments.timing import train_timed  # lightning: imported only when training
 
@@ -156,8 +189,11 @@ def main(argv: list[str]) -> int:
                 continue
             print(f"keel sweep: run {i}/{len(runs)}: {run.name}", flush=True)
             total = train_timed(cfg, Path(cfg.run.dir) / SWEEP_TIME)
-            print(f"keel sweep: run {i}/{len(runs)}: {run.name}: done ({total['wall_s']:.0f} s wall, "
-                  f"{total['cpu_s']:.0f} s CPU)", flush=True)
+            print(
+                f"keel sweep: run {i}/{len(runs)}: {run.name}: done ({total['wall_s']:.0f} s wall, "
+                f"{total['cpu_s']:.0f} s CPU)",
+                flush=True,
+            )
         collect(out)
         print(f"keel sweep: {len(runs)} runs -> {out}/sweep.csv, sweep.md, plots")
         return 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
@@ -26,8 +26,10 @@ class RunTime(Callback):
         return "ProbeCost"  # the key the probes' checkpoints hold it under since before sweeps were timed too
 
     def state_dict(self) -> dict:
-        return {"cpu_s": self.earlier["cpu_s"] + time.process_time() - self._cpu,
-                "wall_s": self.earlier["wall_s"] + time.perf_counter() - self._wall}
+        return {
+            "cpu_s": self.earlier["cpu_s"] + time.process_time() - self._cpu,
+            "wall_s": self.earlier["wall_s"] + time.perf_counter() - self._wall,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.earlier = {"cpu_s": float(state["cpu_s"]), "wall_s": float(state["wall_s"])}

@@ -25,8 +25,16 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.plots import pyplot, save_figure
-from keel.experiments.records import (LAYER_USE_PLOT, LOSS_VS_TASKS_PLOT, MANIFEST, REDUNDANCY, SWEEP_TIME,
-                                      checkpoint_run, load_run_config, read_redundancy_rows)
+from keel.experiments.records import (
+    LAYER_USE_PLOT,
+    LOSS_VS_TASKS_PLOT,
+    MANIFEST,
+    REDUNDANCY,
+    SWEEP_TIME,
+    checkpoint_run,
+    load_run_config,
+    read_redundancy_rows,
+)
 from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
 from keel.experiments.stats import apart, direction, fmt, fmt_sd, spread
 from keel.experiments.tables import markdown_table
@@ -38,8 +46,12 @@ VERDICT_SEEDS = 3  # a depth joins Table 3's trend once every cell of its sweep 
 # The metrics reported of the generated tasks (the task's name, then the metric), with their chance level: next-line
 # picks among 4 choices; last-token must decode an identifier exactly (open vocabulary: ~0). Other tasks: the
 # primary metric eval_history.json names, chance not stated.
-CHANCE = {"keel_next_line acc_mutual_info": 0.25, "keel_next_line acc": 0.25, "keel_next_line acc_norm": 0.25,
-          "keel_last_token acc": 0.0}
+CHANCE = {
+    "keel_next_line acc_mutual_info": 0.25,
+    "keel_next_line acc": 0.25,
+    "keel_next_line acc_norm": 0.25,
+    "keel_last_token acc": 0.0,
+}
 
 
 @dataclass
@@ -85,14 +97,24 @@ def read_run(run_dir: Path) -> TrainedRun | None:
     metrics = _metrics(history)
     evaluations = []
     for entry in history["evaluations"]:
-        scores = {f"{task} {metric}": value for task, values in entry["scores"].items()
-                  for metric, value in values.items()}
+        scores = {
+            f"{task} {metric}": value for task, values in entry["scores"].items() for metric, value in values.items()
+        }
         evaluations.append({LOSS: entry["val_loss"], **{m: scores[m] for m in metrics if m in scores}})
     stability = read_stability(run_dir) or {}
     time_record = run_dir / SWEEP_TIME
     cpu_s = json.loads(time_record.read_text())["cpu_s"] if time_record.is_file() else None
-    return TrainedRun(run_dir.name, cfg.model.scheme, cfg.model.depth, cfg.model.width, cfg.optim.lr, cfg.model.init_kind,
-               bool(stability.get("failed")), evaluations, cpu_s)
+    return TrainedRun(
+        run_dir.name,
+        cfg.model.scheme,
+        cfg.model.depth,
+        cfg.model.width,
+        cfg.optim.lr,
+        cfg.model.init_kind,
+        bool(stability.get("failed")),
+        evaluations,
+        cpu_s,
+    )
 
 
 def cpu_hours(runs: list[TrainedRun]) -> str:
@@ -156,8 +178,12 @@ def lr_table(runs: list[TrainedRun]) -> tuple[list[dict], list[dict]]:
         means = {m: [] for m in columns}
         for lr in _lrs(runs, scheme):
             cell = _cell_runs(runs, scheme, lr)
-            entry = {"scheme": scheme, "init": _inits(cell), "peak LR": fmt(lr),
-                     "stability failures": f"{sum(r.failed for r in cell)}/{len(cell)}"}
+            entry = {
+                "scheme": scheme,
+                "init": _inits(cell),
+                "peak LR": fmt(lr),
+                "stability failures": f"{sum(r.failed for r in cell)}/{len(cell)}",
+            }
             for metric in columns:
                 values = _values(cell, metric)
                 entry[metric] = spread(values)
@@ -206,14 +232,20 @@ def matched_gaps(runs: list[TrainedRun]) -> list[dict]:
     levels = {lr: loss_levels([r for r in runs if r.lr == lr and r.scheme in PAIR]) for lr in lrs}
     for metric in _columns(runs)[1:]:
         for lr in lrs:
-            entry = {"metric": metric, "chance": chance(metric), "peak LR": fmt(lr),
-                     f"{LOSS} levels": ", ".join(map(fmt, levels[lr]))}
+            entry = {
+                "metric": metric,
+                "chance": chance(metric),
+                "peak LR": fmt(lr),
+                f"{LOSS} levels": ", ".join(map(fmt, levels[lr])),
+            }
             for i, level in enumerate(levels[lr], 1):
-                at = [[v for r in _cell_runs(runs, s, lr) if (v := score_at(r, metric, level)) is not None]
-                      for s in PAIR]
+                at = [
+                    [v for r in _cell_runs(runs, s, lr) if (v := score_at(r, metric, level)) is not None] for s in PAIR
+                ]
                 gap = statistics.mean(at[0]) - statistics.mean(at[1]) if all(at) else None
                 entry[f"level {i}: {PAIR[0]} - {PAIR[1]} (sd {PAIR[0]} / {PAIR[1]}; seeds apart)"] = (
-                    f"{fmt(gap)} ({fmt_sd(at[0])} / {fmt_sd(at[1])}; {apart(*at)})")
+                    f"{fmt(gap)} ({fmt_sd(at[0])} / {fmt_sd(at[1])}; {apart(*at)})"
+                )
             table.append(entry)
     return table
 
@@ -230,8 +262,15 @@ def plot_loss_vs_tasks(runs: list[TrainedRun], path: Path, title: str) -> None:
             for scheme, color in zip(PAIR, ("tab:blue", "tab:orange")):
                 for i, r in enumerate(_cell_runs(runs, scheme, lr)):
                     points = [(e[LOSS], e[metric]) for e in r.evaluations if metric in e]
-                    ax.plot(*zip(*points), "o-", color=color, markersize=2, linewidth=1, alpha=0.7,
-                            label=scheme if i == 0 else None)
+                    ax.plot(
+                        *zip(*points),
+                        "o-",
+                        color=color,
+                        markersize=2,
+                        linewidth=1,
+                        alpha=0.7,
+                        label=scheme if i == 0 else None,
+                    )
             if metric in CHANCE:
                 ax.axhline(CHANCE[metric], color="grey", linestyle=":", linewidth=1)
             ax.set(xlabel=f"{LOSS} (LR {fmt(lr)})", ylabel=metric)
@@ -265,9 +304,15 @@ def layer_use(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list
             seeds = [increases[r.name] for r in cell]
             if seeds:
                 depth = cell[0].depth
-                table.append({"scheme": scheme, "peak LR": fmt(lr), "first block (0)": spread([s[0] for s in seeds]),
-                              f"middle blocks (1-{depth - 2}), mean": spread([statistics.mean(s[1:-1]) for s in seeds]),
-                              f"last block ({depth - 1})": spread([s[-1] for s in seeds])})
+                table.append(
+                    {
+                        "scheme": scheme,
+                        "peak LR": fmt(lr),
+                        "first block (0)": spread([s[0] for s in seeds]),
+                        f"middle blocks (1-{depth - 2}), mean": spread([statistics.mean(s[1:-1]) for s in seeds]),
+                        f"last block ({depth - 1})": spread([s[-1] for s in seeds]),
+                    }
+                )
     return table
 
 
@@ -281,9 +326,14 @@ def plot_layer_use(runs: list[TrainedRun], increases: dict[str, list[float]], pa
             seeds = [increases[r.name] for r in _cell_runs(runs, scheme, lr) if r.name in increases]
             if seeds:
                 blocks = range(len(seeds[0]))
-                line, = ax.plot(blocks, [statistics.mean(v) for v in zip(*seeds)], label=scheme)
-                ax.fill_between(blocks, [min(v) for v in zip(*seeds)], [max(v) for v in zip(*seeds)],
-                                color=line.get_color(), alpha=0.2)
+                (line,) = ax.plot(blocks, [statistics.mean(v) for v in zip(*seeds)], label=scheme)
+                ax.fill_between(
+                    blocks,
+                    [min(v) for v in zip(*seeds)],
+                    [max(v) for v in zip(*seeds)],
+                    color=line.get_color(),
+                    alpha=0.2,
+                )
         ax.set(xlabel=f"removed block (LR {fmt(lr)})", ylabel="held-out loss increase")
         ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost far more than a middle one; some removals help
         ax.grid(alpha=0.3)
@@ -322,13 +372,20 @@ def tuned_depth(grids: dict[str, list[TrainedRun]]) -> tuple[list[dict], list[di
             if not (lrs := _lrs(runs, scheme)):
                 continue
             at_best = _cell_runs(runs, scheme, best[scheme])
-            sweeps.append({"blocks": depth, "grid": grid, "scheme": scheme,
-                           "init": _inits([r for r in runs if r.scheme == scheme]),
-                           "mean final held-out loss per LR": ", ".join(
-                               f"{fmt(lr)}: {fmt(_mean_loss(runs, scheme, lr))}" for lr in lrs),
-                           "best LR": fmt(best[scheme]),
-                           "best at the sweep's edge": "yes" if best[scheme] in (lrs[0], lrs[-1]) else "no",
-                           "stability failures at it": f"{sum(r.failed for r in at_best)}/{len(at_best)}"})
+            sweeps.append(
+                {
+                    "blocks": depth,
+                    "grid": grid,
+                    "scheme": scheme,
+                    "init": _inits([r for r in runs if r.scheme == scheme]),
+                    "mean final held-out loss per LR": ", ".join(
+                        f"{fmt(lr)}: {fmt(_mean_loss(runs, scheme, lr))}" for lr in lrs
+                    ),
+                    "best LR": fmt(best[scheme]),
+                    "best at the sweep's edge": "yes" if best[scheme] in (lrs[0], lrs[-1]) else "no",
+                    "stability failures at it": f"{sum(r.failed for r in at_best)}/{len(at_best)}",
+                }
+            )
         if None in best.values():
             continue
         complete = sweep_complete(runs)
@@ -337,18 +394,32 @@ def tuned_depth(grids: dict[str, list[TrainedRun]]) -> tuple[list[dict], list[di
             gap = statistics.mean(values[PAIR[0]]) - statistics.mean(values[PAIR[1]]) if all(values.values()) else None
             if gap is not None and complete:
                 moves.setdefault(metric, []).append((depth, gap))
-            gaps.append({"blocks": depth, "metric": metric, "chance": chance(metric) if metric != LOSS else "",
-                         f"{PAIR[0]} LR": fmt(best[PAIR[0]]), PAIR[0]: spread(values[PAIR[0]]),
-                         f"{PAIR[1]} LR": fmt(best[PAIR[1]]), PAIR[1]: spread(values[PAIR[1]]),
-                         f"{PAIR[0]} - {PAIR[1]}": fmt(gap), "seeds apart": apart(*values.values())})
+            gaps.append(
+                {
+                    "blocks": depth,
+                    "metric": metric,
+                    "chance": chance(metric) if metric != LOSS else "",
+                    f"{PAIR[0]} LR": fmt(best[PAIR[0]]),
+                    PAIR[0]: spread(values[PAIR[0]]),
+                    f"{PAIR[1]} LR": fmt(best[PAIR[1]]),
+                    PAIR[1]: spread(values[PAIR[1]]),
+                    f"{PAIR[0]} - {PAIR[1]}": fmt(gap),
+                    "seeds apart": apart(*values.values()),
+                }
+            )
     trend = []
     for metric, points in moves.items():
         points.sort()
         sizes = [abs(gap) for _, gap in points]
         one_sign = len({gap > 0 for _, gap in points}) == 1
         verdict = direction(sizes) if one_sign else "the sign changes"
-        trend.append({"metric": metric, "gap by depth": ", ".join(f"{d}: {fmt(g)}" for d, g in points),
-                      "its size with depth": {"rises": "grows", "falls": "shrinks"}.get(verdict, verdict)})
+        trend.append(
+            {
+                "metric": metric,
+                "gap by depth": ", ".join(f"{d}: {fmt(g)}" for d, g in points),
+                "its size with depth": {"rises": "grows", "falls": "shrinks"}.get(verdict, verdict),
+            }
+        )
     return sweeps, gaps, trend
 
 
@@ -358,49 +429,87 @@ def tuned_depth(grids: dict[str, list[TrainedRun]]) -> tuple[list[dict], list[di
 def sections(out: Path, grids: dict[str, TrainedGrid]) -> list[str]:
     """The report's sections for the grids present (plots written under out)."""
     text = []
-    note = ("Cells: mean ± sample sd [min, max] n=seeds, of finished runs only (last in-loop evaluation at the last "
-            "step); the final held-out loss is that evaluation's. Seeds apart: the two schemes' seed ranges do not "
-            "overlap. Stability failures: runs whose stability.json records one (they trained on).")
+    note = (
+        "Cells: mean ± sample sd [min, max] n=seeds, of finished runs only (last in-loop evaluation at the last "
+        "step); the final held-out loss is that evaluation's. Seeds apart: the two schemes' seed ranges do not "
+        "overlap. Stability failures: runs whose stability.json records one (they trained on)."
+    )
     for grid in LR_GRIDS:
         if grid not in grids:
             continue
         runs, listed = grids[grid].runs, grids[grid].listed
         size = _sizes(runs)
         table, verdicts = lr_table(runs)
-        text += [f"## Table 2, the LR sweep at {size} ({grid}; {len(runs)} of {listed} runs finished, {cpu_hours(runs)})",
-                 "", note, "",
-                 markdown_table(table), "", "Monotone in LR? (the means, in LR order)", "", markdown_table(verdicts), ""]
+        text += [
+            f"## Table 2, the LR sweep at {size} ({grid}; {len(runs)} of {listed} runs finished, {cpu_hours(runs)})",
+            "",
+            note,
+            "",
+            markdown_table(table),
+            "",
+            "Monotone in LR? (the means, in LR order)",
+            "",
+            markdown_table(verdicts),
+            "",
+        ]
         if gaps := matched_gaps(runs):
             figure = LOSS_VS_TASKS_PLOT.format(grid=grid)
             plot_loss_vs_tasks(runs, out / figure, f"Task scores against held-out loss ({grid})")
-            text += [f"## Section 9, loss against tasks at {size} ({grid})", "",
-                     f"At {LEVELS} held-out-loss levels every run of the LR passes through (highest first), each "
-                     "run's score interpolated along its own evaluations; a row without levels: no loss is passed "
-                     "through by every run of that LR.", "", markdown_table(gaps), "",
-                     f"![task scores against held-out loss, {grid}]({figure})", ""]
+            text += [
+                f"## Section 9, loss against tasks at {size} ({grid})",
+                "",
+                f"At {LEVELS} held-out-loss levels every run of the LR passes through (highest first), each "
+                "run's score interpolated along its own evaluations; a row without levels: no loss is passed "
+                "through by every run of that LR.",
+                "",
+                markdown_table(gaps),
+                "",
+                f"![task scores against held-out loss, {grid}]({figure})",
+                "",
+            ]
         if (out / grid / REDUNDANCY).is_file():
             increases, unknown = read_redundancy(out / grid / REDUNDANCY, runs)
             if table := layer_use(runs, increases):
                 figure = LAYER_USE_PLOT.format(grid=grid)
-                plot_layer_use(runs, increases, out / figure, f"Held-out loss increase when one block is removed "
-                               f"({grid})")
+                plot_layer_use(
+                    runs, increases, out / figure, f"Held-out loss increase when one block is removed ({grid})"
+                )
                 skipped = f" ({unknown} checkpoints of unfinished or unknown runs left out)" if unknown else ""
-                text += [f"## Section 8, layer use at {size} ({grid}){skipped}", "",
-                         "Held-out loss increase when one block is removed (keel redundancy, final checkpoints).", "",
-                         markdown_table(table), "", f"![loss increase per removed block, {grid}]({figure})", ""]
+                text += [
+                    f"## Section 8, layer use at {size} ({grid}){skipped}",
+                    "",
+                    "Held-out loss increase when one block is removed (keel redundancy, final checkpoints).",
+                    "",
+                    markdown_table(table),
+                    "",
+                    f"![loss increase per removed block, {grid}]({figure})",
+                    "",
+                ]
         else:
             text += [f"Section 8 at {size}: no {grid}/{REDUNDANCY} yet (make paper-redundancy-{grid}).", ""]
     tuned = {grid: grids[grid].runs for grid in DEPTH_GRIDS if grid in grids}
     if tuned:
         sweeps, gaps, trend = tuned_depth(tuned)
         widths = ", ".join(dict.fromkeys(str(r.width) for runs in tuned.values() for r in runs))
-        costs = "; ".join(f"{grid}: {len(runs)} of {grids[grid].listed} runs finished, {cpu_hours(runs)}"
-                          for grid, runs in tuned.items())
-        text += [f"## Table 3, depth at width {widths}, each scheme at its own best LR", "", f"{note} {costs}.", "",
-                 markdown_table(sweeps), ""]
+        costs = "; ".join(
+            f"{grid}: {len(runs)} of {grids[grid].listed} runs finished, {cpu_hours(runs)}"
+            for grid, runs in tuned.items()
+        )
+        text += [
+            f"## Table 3, depth at width {widths}, each scheme at its own best LR",
+            "",
+            f"{note} {costs}.",
+            "",
+            markdown_table(sweeps),
+            "",
+        ]
         if gaps:  # a depth where both schemes have a finished run
             text += [markdown_table(gaps), ""]
         if trend:
-            text += [f"The gap against depth (the depths whose sweeps have {VERDICT_SEEDS} finished seeds in every "
-                     "cell):", "", markdown_table(trend), ""]
+            text += [
+                f"The gap against depth (the depths whose sweeps have {VERDICT_SEEDS} finished seeds in every cell):",
+                "",
+                markdown_table(trend),
+                "",
+            ]
     return text

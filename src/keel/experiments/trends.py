@@ -32,13 +32,22 @@ def ratios(rows: list[dict]) -> list[float | None]:
 def _ratio_cell(rows: list[dict]) -> str:
     """Keel / Pre-LN per seed where both resolved (">=" / "<=" where one ran the whole ramp unbroken, its peak a
     lower bound), then the seeds with no ratio: only one resolved, neither did, or both ran the ramp unbroken."""
-    known, counts = [], dict.fromkeys(("Pre-LN unresolved", "Keel unresolved", "neither resolved",
-                                       "neither broke by the ramp's end"), 0)
+    known, counts = (
+        [],
+        dict.fromkeys(
+            ("Pre-LN unresolved", "Keel unresolved", "neither resolved", "neither broke by the ramp's end"), 0
+        ),
+    )
     for keel, preln in seed_pairs(rows):
         x, y = max_lr_value(keel), max_lr_value(preln)
         if x is None or y is None:
-            counts["Pre-LN unresolved" if y is None and x is not None else
-                   "Keel unresolved" if x is None and y is not None else "neither resolved"] += 1
+            counts[
+                "Pre-LN unresolved"
+                if y is None and x is not None
+                else "Keel unresolved"
+                if x is None and y is not None
+                else "neither resolved"
+            ] += 1
         elif not keel["failure"] and not preln["failure"]:
             counts["neither broke by the ramp's end"] += 1
         else:
@@ -54,9 +63,16 @@ def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
         for grid in names:
             rows = rows_at(grids.get(grid, []), *point)
             if (test := compare(rows, "keel", "preln", point[0])) is not None:
-                table.append({"blocks x width": f"{point[0]} x {point[1]}", "grid": grid, "ramp": rows[0]["ramp"],
-                              "keel / preln (per seed)": _ratio_cell(rows), "verdict": test["verdict"],
-                              "sign test p": test["sign test p"]})
+                table.append(
+                    {
+                        "blocks x width": f"{point[0]} x {point[1]}",
+                        "grid": grid,
+                        "ramp": rows[0]["ramp"],
+                        "keel / preln (per seed)": _ratio_cell(rows),
+                        "verdict": test["verdict"],
+                        "sign test p": test["sign test p"],
+                    }
+                )
     return table
 
 
@@ -74,10 +90,12 @@ def trend(grids: dict[str, list[dict]], axis: dict[int, tuple[str, int, int]], n
                 entry[f"{scheme} init"] = inits(runs)
                 values = [v for v in map(max_lr_value, runs) if v is not None]
                 unbroken = sum(max_lr_value(r) is not None and not r["failure"] for r in runs)  # the peak: a bound
-                entry[f"{scheme} max LR"] = (f"{fmt(median(values))} ({len(values)}/{len(runs)}"
-                                             + (f", {unbroken} unbroken by the ramp's end)" if unbroken else ")"))
-                entry[f"{scheme} loss-optimal"] = fmt(median([r["loss_optimal_lr"] for r in runs
-                                                                if r["loss_optimal_lr"] is not None]))
+                entry[f"{scheme} max LR"] = f"{fmt(median(values))} ({len(values)}/{len(runs)}" + (
+                    f", {unbroken} unbroken by the ramp's end)" if unbroken else ")"
+                )
+                entry[f"{scheme} loss-optimal"] = fmt(
+                    median([r["loss_optimal_lr"] for r in runs if r["loss_optimal_lr"] is not None])
+                )
         points[value] = ratios(rows)
         entry["keel / preln (per seed)"] = _ratio_cell(rows)
         table.append(entry)
@@ -99,8 +117,9 @@ def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
                 values = [v for v in map(max_lr_value, runs) if v is not None]
                 points.setdefault((scheme, name), {})[width] = optimal
                 for column, seeds, cell in (
-                        (f"{scheme} {name} loss-optimal LR", optimal, f"({len(optimal)} seeds)"),
-                        (f"{scheme} {name} max LR", values, f"({len(values)}/{len(runs)} resolved)")):
+                    (f"{scheme} {name} loss-optimal LR", optimal, f"({len(optimal)} seeds)"),
+                    (f"{scheme} {name} max LR", values, f"({len(values)}/{len(runs)} resolved)"),
+                ):
                     entry[column] = f"{fmt_median_range(seeds)} {cell}" if runs else "-"
                     if seeds:
                         medians.setdefault(column, []).append(median(seeds))
@@ -144,8 +163,14 @@ def plot_ratios(depth: dict, width: dict, batch: list[float | None], path: Path)
         # seeds where Keel learned and Pre-LN did not: no ratio, marked along the top edge with their count
         unresolved = {x: sum(v is None for v in values) for x, values in points.items() if None in values}
         top = ax.get_xaxis_transform()  # x in data, y in axes fractions
-        ax.plot(list(unresolved), [0.95] * len(unresolved), "^", color="tab:orange", transform=top,
-                label="Keel learned, Pre-LN did not (seeds)" if unresolved else None)
+        ax.plot(
+            list(unresolved),
+            [0.95] * len(unresolved),
+            "^",
+            color="tab:orange",
+            transform=top,
+            label="Keel learned, Pre-LN did not (seeds)" if unresolved else None,
+        )
         for x, count in unresolved.items():
             ax.annotate(str(count), (x, 0.95), xycoords=top, xytext=(7, -4), textcoords="offset points", fontsize=8)
         if unresolved:

@@ -14,8 +14,21 @@ def bench(device: str, sizes: Sizes, out: Path) -> dict:
     configs = {}
     for label, options in sizes.bench.items():
         path = out / f"bench-{len(configs)}.json"
-        done = keel("bench", "--device", device, "--dtype", "bf16", "--compile", sizes.bench_compile,
-                    "--schemes", "keel,preln", *options, "--json", str(path), timeout=300)
+        done = keel(
+            "bench",
+            "--device",
+            device,
+            "--dtype",
+            "bf16",
+            "--compile",
+            sizes.bench_compile,
+            "--schemes",
+            "keel,preln",
+            *options,
+            "--json",
+            str(path),
+            timeout=300,
+        )
         if error := failed(done):
             configs[label] = {"ok": False, "error": error}
             continue
@@ -23,9 +36,12 @@ def bench(device: str, sizes: Sizes, out: Path) -> dict:
         rows = {row["scheme"]: row for row in result["rows"]}
         configs[label] = {
             "ok": all(row["tokens_per_s"] > 0 for row in rows.values()),
-            "peak_flops": result["peak_flops"], "peak_flops_source": result["peak_flops_source"],
-            **{scheme: {key: row[key] for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "ratio")}
-               for scheme, row in rows.items()},
+            "peak_flops": result["peak_flops"],
+            "peak_flops_source": result["peak_flops_source"],
+            **{
+                scheme: {key: row[key] for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "ratio")}
+                for scheme, row in rows.items()
+            },
             "table": done.stdout.strip(),
         }
     return {"ok": all(c["ok"] for c in configs.values()), "configs": configs}

@@ -53,23 +53,35 @@ def callbacks(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
     if error := failed(keel("data", *data, timeout=600)):
         return {"ok": False, "error": f"keel data: {error}"}
     steps = sizes.paper_steps
-    common = [*paper_overrides(device, sizes), *data, f"trainer.max_steps={steps}", "eval.enabled=false",
-              "trainer.val_batches=2", f"trainer.val_every_n_steps={steps + 1}",
-              f"trainer.checkpoint_every_n_steps={steps + 1}",
-              f"callbacks.layer_importance.every_n_steps={CALLBACKS_EVERY}",
-              f"callbacks.grad_norms.every_n_steps={CALLBACKS_EVERY}"]
+    common = [
+        *paper_overrides(device, sizes),
+        *data,
+        f"trainer.max_steps={steps}",
+        "eval.enabled=false",
+        "trainer.val_batches=2",
+        f"trainer.val_every_n_steps={steps + 1}",
+        f"trainer.checkpoint_every_n_steps={steps + 1}",
+        f"callbacks.layer_importance.every_n_steps={CALLBACKS_EVERY}",
+        f"callbacks.grad_norms.every_n_steps={CALLBACKS_EVERY}",
+    ]
     names = [c.name for c in CALLBACKS]
-    variants = {"all on": [], **{f"{name} off": [f"callbacks.{name}.enabled=false"] for name in names},
-                "progress bar off": ["trainer.progress_bar=false"],
-                "all off": [*(f"callbacks.{name}.enabled=false" for name in names), "trainer.progress_bar=false"]}
+    variants = {
+        "all on": [],
+        **{f"{name} off": [f"callbacks.{name}.enabled=false"] for name in names},
+        "progress bar off": ["trainer.progress_bar=false"],
+        "all off": [*(f"callbacks.{name}.enabled=false" for name in names), "trainer.progress_bar=false"],
+    }
     runs = {}
     for index, (label, overrides) in enumerate(variants.items()):
         run_dir = out / f"callbacks-{index}"
         clock = StepClock(PAPER_WARMUP)
         try:
             train(load_config(overrides=[*common, *overrides, f"run.dir={run_dir}"]), [clock])
-            runs[label] = ({"ok": True, "step_ms": 1e3 * clock.seconds_per_step} if clock.seconds_per_step
-                           else {"ok": False, "error": "stopped before its last step: not timed"})
+            runs[label] = (
+                {"ok": True, "step_ms": 1e3 * clock.seconds_per_step}
+                if clock.seconds_per_step
+                else {"ok": False, "error": "stopped before its last step: not timed"}
+            )
         except torch.OutOfMemoryError as err:
             runs[label] = {"ok": False, "error": f"out of memory: {err}"}
         finally:

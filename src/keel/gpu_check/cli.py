@@ -32,8 +32,17 @@ def torch_floor() -> str | None:
     return next((r.removeprefix("torch>=") for r in requires("keel") or () if r.startswith("torch>=")), None)
 
 
-SECTIONS = {"bench": bench, "pretrain": pretrain, "depth": depth, "paper": paper, "callbacks": callbacks,
-            "multi": multi, "fsdp": fsdp, "checkpoint": checkpoint, "precision": precision}
+SECTIONS = {
+    "bench": bench,
+    "pretrain": pretrain,
+    "depth": depth,
+    "paper": paper,
+    "callbacks": callbacks,
+    "multi": multi,
+    "fsdp": fsdp,
+    "checkpoint": checkpoint,
+    "precision": precision,
+}
 WITH_DATA = ("pretrain", "callbacks", "multi", "fsdp", "checkpoint")  # the sections that train on the data
 
 
@@ -41,9 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keel gpu-check", description=keel.gpu_check.__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", default="out/gpu-check", help="where gpu_check.json and the runs go")
-    parser.add_argument("--sections", type=comma_list(str), default=list(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
-    parser.add_argument("data", nargs="*", help="data.* overrides for the pretrain runs (default: data=stdlib on "
-                        "cuda, a few standard-library files on cpu; built under --out)")
+    parser.add_argument(
+        "--sections", type=comma_list(str), default=list(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}"
+    )
+    parser.add_argument(
+        "data",
+        nargs="*",
+        help="data.* overrides for the pretrain runs (default: data=stdlib on "
+        "cuda, a few standard-library files on cpu; built under --out)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA GPU is visible; run `make gpu-check DEVICE=cpu` for the CPU version")
@@ -65,11 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         sections[name]["seconds"] = time.perf_counter() - section_start
         print(f"keel gpu-check: {name} {'ok' if sections[name]['ok'] else 'FAILED'}", file=sys.stderr)
     floor = torch_floor()
-    result = {"device": args.device, "device_name": device_name(torch.device(args.device)), "torch": torch.__version__,
-              # a torch below keel's floor (installed without its dependencies): a failure may be that torch's
-              "torch_below_floor": floor if floor and torch.__version__ < floor else None,
-              "seconds": time.perf_counter() - start, "ok": all(s["ok"] for s in sections.values()),
-              "sections": sections}
+    result = {
+        "device": args.device,
+        "device_name": device_name(torch.device(args.device)),
+        "torch": torch.__version__,
+        # a torch below keel's floor (installed without its dependencies): a failure may be that torch's
+        "torch_below_floor": floor if floor and torch.__version__ < floor else None,
+        "seconds": time.perf_counter() - start,
+        "ok": all(s["ok"] for s in sections.values()),
+        "sections": sections,
+    }
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return 0 if result["ok"] else 1

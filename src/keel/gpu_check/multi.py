@@ -18,11 +18,19 @@ from keel.gpu_check.common import Sizes, failed, keel
 MULTI_STEPS = 10
 # fp32 (so that the strategies can be held to each other), a checkpoint and a validation halfway, no compile
 # the global gradient norm of each step (the same global batch whatever the split: train/loss is rank 0's share)
-MULTI_RECIPE = ["trainer.precision=32-true", "trainer.compile=false", "eval.enabled=false", "optim.warmup_steps=2",
-                "optim.schedule=linear_warmup",  # a run stopped halfway has the same LRs as one straight through
-                "callbacks.grad_norms.every_n_steps=1",
-                "trainer.log_every_n_steps=1", "trainer.progress_bar=false", "trainer.val_batches=2",
-                f"trainer.val_every_n_steps={MULTI_STEPS // 2}", f"trainer.checkpoint_every_n_steps={MULTI_STEPS // 2}"]
+MULTI_RECIPE = [
+    "trainer.precision=32-true",
+    "trainer.compile=false",
+    "eval.enabled=false",
+    "optim.warmup_steps=2",
+    "optim.schedule=linear_warmup",  # a run stopped halfway has the same LRs as one straight through
+    "callbacks.grad_norms.every_n_steps=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+    "trainer.val_batches=2",
+    f"trainer.val_every_n_steps={MULTI_STEPS // 2}",
+    f"trainer.checkpoint_every_n_steps={MULTI_STEPS // 2}",
+]
 
 
 def _global_grad_norms(run_dir: Path) -> list[float]:
@@ -47,8 +55,17 @@ def multi(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
 
     def pretrain(name: str, *overrides: str, steps: int = MULTI_STEPS) -> tuple[Path, subprocess.CompletedProcess]:
         run_dir = out / f"multi-{name}"
-        done = keel("pretrain", *sizes.multi, *MULTI_RECIPE, *data, *overrides, f"trainer.max_steps={steps}",
-                    f"run.dir={run_dir}", "resume=auto", timeout=900)
+        done = keel(
+            "pretrain",
+            *sizes.multi,
+            *MULTI_RECIPE,
+            *data,
+            *overrides,
+            f"trainer.max_steps={steps}",
+            f"run.dir={run_dir}",
+            "resume=auto",
+            timeout=900,
+        )
         return run_dir, done
 
     ddp, fsdp = ["trainer=ddp", f"trainer.devices={n}"], ["trainer=fsdp", f"trainer.devices={n}"]
@@ -59,8 +76,10 @@ def multi(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
     # Stopped at step MULTI_STEPS / 2, then resumed: DDP's checkpoint on one device (the global batch split over
     # gradient accumulation: the data stream continues where the n devices left it), FSDP's sharded one on the same
     # devices and, on GPUs, on half of them (on CPU FSDP needs 2 processes: no half of 2)
-    resumes = {"1 device": (ddp, ["trainer=ddp", "trainer.devices=1", f"trainer.grad_accum={n}"], f"ddp x {n}", 1e-4),
-               "fsdp resumed": (fsdp, fsdp, f"fsdp x {n}", 1e-5)}
+    resumes = {
+        "1 device": (ddp, ["trainer=ddp", "trainer.devices=1", f"trainer.grad_accum={n}"], f"ddp x {n}", 1e-4),
+        "fsdp resumed": (fsdp, fsdp, f"fsdp x {n}", 1e-5),
+    }
     if device == "cuda":
         half = ["trainer=fsdp", f"trainer.devices={n // 2}", f"trainer.grad_accum={n // (n // 2)}"]
         resumes[f"fsdp resumed on {n // 2}"] = (fsdp, half, f"fsdp x {n}", 1e-4)
@@ -72,8 +91,16 @@ def multi(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
         errors[f"{label}: second half"] = failed(done)
         runs[label] = _global_grad_norms(run_dir)
         resumed[f"{label} = {straight} (rel {rel:.0e})"] = _close(runs[label], runs[straight], rel)
-    evaluated, done = pretrain("eval", "trainer=ddp", f"trainer.devices={n}", "eval=generated", "eval.enabled=true",
-                               "eval.limit=20", f"eval.every_n_steps={MULTI_STEPS}", steps=MULTI_STEPS)
+    evaluated, done = pretrain(
+        "eval",
+        "trainer=ddp",
+        f"trainer.devices={n}",
+        "eval=generated",
+        "eval.enabled=true",
+        "eval.limit=20",
+        f"eval.every_n_steps={MULTI_STEPS}",
+        steps=MULTI_STEPS,
+    )
     errors["ddp evaluation"] = failed(done)
     history = evaluated / "eval_history.json"
     nonfinite_dir, nonfinite = pretrain("nonfinite", *fsdp, "optim.lr=1e38", "callbacks.stability.on_nonfinite=stop")
@@ -85,5 +112,10 @@ def multi(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
         "ddp in-loop evaluation written": history.is_file() and bool(json.loads(history.read_text())["evaluations"]),
         "non-finite: exit 1, every rank": nonfinite.returncode == 1 and stability.get("kind") == "nonfinite",
     }
-    return {"ok": all(checks.values()), "checks": checks, "devices": n, "global_grad_norms": runs,
-            "errors": {k: v for k, v in errors.items() if v}}
+    return {
+        "ok": all(checks.values()),
+        "checks": checks,
+        "devices": n,
+        "global_grad_norms": runs,
+        "errors": {k: v for k, v in errors.items() if v},
+    }

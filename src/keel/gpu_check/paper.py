@@ -33,8 +33,13 @@ def mfu_threshold(run: dict, dev: torch.device) -> dict:
         return skipped("cpu")
     if "mfu" not in run or run["mfu"] is None:
         return skipped(f"no spec-sheet peak for {device_name(dev)} (keel.flops)" if "mfu" in run else "did not run")
-    return threshold(run["mfu"], run["mfu"] >= MFU_FLOOR, f"{run['mfu']:.1%}", f">= {MFU_FLOOR:.0%}",
-                     "a floor, this project's choice (docs/distributed.md, \"Expected MFU\")")
+    return threshold(
+        run["mfu"],
+        run["mfu"] >= MFU_FLOOR,
+        f"{run['mfu']:.1%}",
+        f">= {MFU_FLOOR:.0%}",
+        'a floor, this project\'s choice (docs/distributed.md, "Expected MFU")',
+    )
 
 
 def memory_threshold(run: dict, dev: torch.device) -> dict:
@@ -47,9 +52,13 @@ def memory_threshold(run: dict, dev: torch.device) -> dict:
         return skipped("did not run")
     measured, estimate = run["peak_memory_bytes"], run["allocated_estimate_bytes"]
     ratio = measured / estimate
-    return threshold(ratio, abs(ratio - 1) <= MEMORY_TOLERANCE, f"{mb(measured)} = {ratio:.2f} x the estimate "
-                     f"{mb(estimate)}", f"within {MEMORY_TOLERANCE:.0%}, above or below",
-                     "issue #41; keel.memory's GPU estimate less its runtime allowance")
+    return threshold(
+        ratio,
+        abs(ratio - 1) <= MEMORY_TOLERANCE,
+        f"{mb(measured)} = {ratio:.2f} x the estimate {mb(estimate)}",
+        f"within {MEMORY_TOLERANCE:.0%}, above or below",
+        "issue #41; keel.memory's GPU estimate less its runtime allowance",
+    )
 
 
 def _training_step_memory(cfg: ModelConfig, device: torch.device) -> tuple[int, int]:
@@ -88,8 +97,12 @@ def depth(device: str, sizes: Sizes, out: Path) -> dict:
         fitted = {"depth": d, "fits": True, "peak_memory_bytes": memory, "params": params}
         tried.append(fitted)
         d *= 2
-    return {"ok": fitted is not None, "deepest": fitted, "tried": tried,
-            "capacity_bytes": torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None}
+    return {
+        "ok": fitted is not None,
+        "deepest": fitted,
+        "tried": tried,
+        "capacity_bytes": torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None,
+    }
 
 
 def _sdpa_kernels(step: TrainStep) -> list[str]:
@@ -100,8 +113,11 @@ def _sdpa_kernels(step: TrainStep) -> list[str]:
     with profile() as prof:
         step()
     names = {event.key for event in prof.key_averages()}
-    return sorted(name.removeprefix("aten::") for name in names
-                  if name.startswith("aten::_scaled_dot_product") and not name.endswith("backward"))
+    return sorted(
+        name.removeprefix("aten::")
+        for name in names
+        if name.startswith("aten::_scaled_dot_product") and not name.endswith("backward")
+    )
 
 
 def _paper_run(cfg: Config, dev: torch.device, steps: int, out: Path) -> dict:
@@ -119,8 +135,11 @@ def _paper_run(cfg: Config, dev: torch.device, steps: int, out: Path) -> dict:
     torch.manual_seed(0)
     with torch.device(dev):
         module = KeelLitModule(cfg)
-    step = TrainStep(module, torch.randint(cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.model.seq_len + 1),
-                                           device=dev), micro_batches=cfg.trainer.grad_accum)
+    step = TrainStep(
+        module,
+        torch.randint(cfg.model.vocab_size, (cfg.trainer.micro_batch_size, cfg.model.seq_len + 1), device=dev),
+        micro_batches=cfg.trainer.grad_accum,
+    )
     times, losses = [], []
     for index in range(steps):
         if dev.type == "cuda":
@@ -136,30 +155,47 @@ def _paper_run(cfg: Config, dev: torch.device, steps: int, out: Path) -> dict:
     terms = gpu_training_terms(cfg.model, cfg.trainer)
     estimate = sum(terms.values())
     kernels = _sdpa_kernels(step)
-    graphs = {"frames compiled": counters["frames"]["ok"], "unique graphs": counters["stats"]["unique_graphs"],
-              "graph breaks": sum(counters["graph_break"].values())}
+    graphs = {
+        "frames compiled": counters["frames"]["ok"],
+        "unique graphs": counters["stats"]["unique_graphs"],
+        "graph breaks": sum(counters["graph_break"].values()),
+    }
     path = out / "paper-checkpoint.ckpt"
     start = time.perf_counter()
-    AtomicCheckpointIO().save_checkpoint({"state_dict": module.model.state_dict(),
-                                          "optimizer": step.optimizer.state_dict()}, path)
+    AtomicCheckpointIO().save_checkpoint(
+        {"state_dict": module.model.state_dict(), "optimizer": step.optimizer.state_dict()}, path
+    )
     save_s, save_bytes = time.perf_counter() - start, path.stat().st_size
     path.unlink()
     learned = all(map(math.isfinite, losses)) and losses[-1] < losses[0]
     # graph breaks and the kernels are findings to report, not failures: the run itself must learn
-    return {"ok": learned, "loss_first": losses[0],
-            "loss_last": losses[-1], "step_ms": 1e3 * step_s, "tokens_per_s": tokens_per_s,
-            "mfu": None if peak_flops is None else flops_per_token(cfg.model) * tokens_per_s / peak_flops,
-            "peak_memory_bytes": measured, "estimated_memory_bytes": estimate,
-            "allocated_estimate_bytes": estimate - terms["runtime"],
-            "estimate_over_measured": None if measured is None else estimate / measured, "sdpa": kernels,
-            "compile": graphs, "checkpoint_save_s": save_s, "checkpoint_bytes": save_bytes}
+    return {
+        "ok": learned,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": None if peak_flops is None else flops_per_token(cfg.model) * tokens_per_s / peak_flops,
+        "peak_memory_bytes": measured,
+        "estimated_memory_bytes": estimate,
+        "allocated_estimate_bytes": estimate - terms["runtime"],
+        "estimate_over_measured": None if measured is None else estimate / measured,
+        "sdpa": kernels,
+        "compile": graphs,
+        "checkpoint_save_s": save_s,
+        "checkpoint_bytes": save_bytes,
+    }
 
 
 def paper_overrides(device: str, sizes: Sizes) -> list[str]:
     """The paper and callbacks sections' model, trainer and micro-batch (sizes.paper_* on CPU), bf16 autocast."""
     trainer = ["trainer=gpu", "trainer.compile=true"] if device == "cuda" else ["trainer=cpu", "trainer.compile=false"]
-    return [*sizes.paper_model, *trainer, f"trainer.micro_batch_size={sizes.paper_batch}",
-            "trainer.precision=bf16-mixed"]
+    return [
+        *sizes.paper_model,
+        *trainer,
+        f"trainer.micro_batch_size={sizes.paper_batch}",
+        "trainer.precision=bf16-mixed",
+    ]
 
 
 EAGER = "activation checkpointing off, eager"
@@ -195,20 +231,27 @@ def paper(device: str, sizes: Sizes, out: Path) -> dict:
         resolve_activation_checkpointing(cfg)  # auto: the fewest blocks that fit this GPU
         try:
             runs[label] = _paper_run(cfg, dev, sizes.paper_steps, out)
-            runs[label]["shape"] = (f"{cfg.trainer.micro_batch_size} sequences x {cfg.trainer.grad_accum} "
-                                    f"micro-batch(es), {cfg.trainer.checkpointed_blocks(cfg.model.depth)} of "
-                                    f"{cfg.model.depth} blocks checkpointed")
+            runs[label]["shape"] = (
+                f"{cfg.trainer.micro_batch_size} sequences x {cfg.trainer.grad_accum} "
+                f"micro-batch(es), {cfg.trainer.checkpointed_blocks(cfg.model.depth)} of "
+                f"{cfg.model.depth} blocks checkpointed"
+            )
         except torch.OutOfMemoryError as err:
             runs[label] = {"ok": False, "error": f"out of memory: {err}"}
         finally:
             free_memory(dev)
     off, on, recipe = runs["activation checkpointing off"], runs["activation checkpointing on"], runs[RECIPE]
     eager = runs.get(EAGER, {})
-    thresholds = {"MFU, compiled, checkpointing off": mfu_threshold(off, dev),
-                  "MFU, the recipe's shape": mfu_threshold(recipe, dev),
-                  "peak memory, compiled, checkpointing off": memory_threshold(off, dev),
-                  "peak memory, eager, checkpointing off": memory_threshold(eager, dev),
-                  "peak memory, compiled, checkpointing on": memory_threshold(on, dev),
-                  "peak memory, the recipe's shape": memory_threshold(recipe, dev)}
-    return {"ok": all(r["ok"] for r in (*runs.values(), *thresholds.values())), "paper_runs": runs,
-            "thresholds": thresholds}
+    thresholds = {
+        "MFU, compiled, checkpointing off": mfu_threshold(off, dev),
+        "MFU, the recipe's shape": mfu_threshold(recipe, dev),
+        "peak memory, compiled, checkpointing off": memory_threshold(off, dev),
+        "peak memory, eager, checkpointing off": memory_threshold(eager, dev),
+        "peak memory, compiled, checkpointing on": memory_threshold(on, dev),
+        "peak memory, the recipe's shape": memory_threshold(recipe, dev),
+    }
+    return {
+        "ok": all(r["ok"] for r in (*runs.values(), *thresholds.values())),
+        "paper_runs": runs,
+        "thresholds": thresholds,
+    }

@@ -56,8 +56,12 @@ def _residual_stream(dev: torch.device) -> dict:
     logits_err, update_err = sublayer_update_error(model, idx, bf16_stream=False)
     _, control_err = sublayer_update_error(model, idx, bf16_stream=True)
     # the CPU test's bounds (tests/test_precision.py): updates kept to < 2%, while a bf16 stream loses > 30% of them
-    return {"ok": update_err < 0.02 and logits_err < 0.01 and control_err > 0.3, "logits_error": logits_err,
-            "update_error": update_err, "bf16_stream_update_error": control_err}
+    return {
+        "ok": update_err < 0.02 and logits_err < 0.01 and control_err > 0.3,
+        "logits_error": logits_err,
+        "update_error": update_err,
+        "bf16_stream_update_error": control_err,
+    }
 
 
 def _rmsnorm(dev: torch.device) -> dict:
@@ -75,8 +79,11 @@ def _rmsnorm(dev: torch.device) -> dict:
     ref = F.rms_norm(exact[0] + 32.0 * exact[1], (1024,), exact[2], 1e-5)
     ref_grads = torch.autograd.grad(ref, exact, torch.ones_like(ref))
     errors = [_relative(out, ref), *(_relative(g, r) for g, r in zip(grads, ref_grads))]
-    return {"ok": out.dtype == torch.float32 and max(errors) < 1e-5, "dtype": str(out.dtype),
-            "max_relative_error": max(errors)}
+    return {
+        "ok": out.dtype == torch.float32 and max(errors) < 1e-5,
+        "dtype": str(out.dtype),
+        "max_relative_error": max(errors),
+    }
 
 
 def _loss_head(dev: torch.device, tokens: int, width: int, vocab: int) -> dict:
@@ -96,8 +103,12 @@ def _loss_head(dev: torch.device, tokens: int, width: int, vocab: int) -> dict:
     errors = [_relative(c, p) for c, p in zip(results[1], results[0])]
     dtypes = [str(t.dtype) for t in results[1]]
     # tests/test_ops.py's bound for bf16 products against the plain head
-    return {"ok": max(errors) < 2e-2 and dtypes == ["torch.float32"] * 3, "chunk": default_chunk(dev),
-            "relative_errors": errors, "dtypes": dtypes}
+    return {
+        "ok": max(errors) < 2e-2 and dtypes == ["torch.float32"] * 3,
+        "chunk": default_chunk(dev),
+        "relative_errors": errors,
+        "dtypes": dtypes,
+    }
 
 
 def _fsdp_policy(dev: torch.device) -> dict:
@@ -117,8 +128,16 @@ def _fsdp_policy(dev: torch.device) -> dict:
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh(dev.type, (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        cfg = load_config(overrides=["model.depth=2", "model.width=64", "model.n_heads=2", "model.seq_len=32",
-                                     "model.vocab_size=512", "trainer.precision=bf16-mixed"])
+        cfg = load_config(
+            overrides=[
+                "model.depth=2",
+                "model.width=64",
+                "model.n_heads=2",
+                "model.seq_len=32",
+                "model.vocab_size=512",
+                "trainer.precision=bf16-mixed",
+            ]
+        )
         torch.manual_seed(0)
         with torch.device(dev):
             module = KeelLitModule(cfg)
@@ -126,7 +145,8 @@ def _fsdp_policy(dev: torch.device) -> dict:
         parallelize(model, cfg.trainer, mesh)
         seen = []
         model.blocks[1].register_forward_pre_hook(
-            lambda block, args: seen.append((str(args[0].dtype), str(block.ffn.branch.up.weight.dtype))))
+            lambda block, args: seen.append((str(args[0].dtype), str(block.ffn.branch.up.weight.dtype)))
+        )
         step = TrainStep(module, torch.randint(512, (4, 33), device=dev))
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
         step()
@@ -136,12 +156,21 @@ def _fsdp_policy(dev: torch.device) -> dict:
     finally:
         dist.destroy_process_group()
     ok = seen == [("torch.float32", "torch.bfloat16")] and grad_dtypes == ["torch.float32"] and moved and finite
-    return {"ok": ok, "block_input_and_weight_dtypes": seen, "grad_dtypes": grad_dtypes,
-            "fused_adamw_updated_every_parameter": moved, "finite": finite}
+    return {
+        "ok": ok,
+        "block_input_and_weight_dtypes": seen,
+        "grad_dtypes": grad_dtypes,
+        "fused_adamw_updated_every_parameter": moved,
+        "finite": finite,
+    }
 
 
 def precision(device: str, sizes: Sizes, out: Path) -> dict:
     dev = torch.device(device)
-    checks = {"fp32 residual stream": _residual_stream(dev), "RMSNorm dispatch": _rmsnorm(dev),
-              "chunked loss head": _loss_head(dev, *sizes.head), "FSDP2 bf16 policy": _fsdp_policy(dev)}
+    checks = {
+        "fp32 residual stream": _residual_stream(dev),
+        "RMSNorm dispatch": _rmsnorm(dev),
+        "chunked loss head": _loss_head(dev, *sizes.head),
+        "FSDP2 bf16 policy": _fsdp_policy(dev),
+    }
     return {"ok": all(c["ok"] for c in checks.values()), "checks": checks}

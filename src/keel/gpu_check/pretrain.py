@@ -20,9 +20,17 @@ PRETRAIN_STEPS, RESUME_STEPS = 50, 5
 # choice, unmeasured (a GPU run gives the first figure)
 FSDP_LOSS_GAP = 0.05
 # constant LR after warm-up: the resumed run's longer trainer.max_steps leaves the schedule unchanged
-PRETRAIN_RECIPE = ["optim.schedule=linear_warmup", "optim.warmup_steps=10", "optim.lr=1e-3", "eval.enabled=false",
-                   "trainer.log_every_n_steps=1", "trainer.progress_bar=false", "trainer.val_every_n_steps=25",
-                   "trainer.val_batches=2", f"trainer.checkpoint_every_n_steps={PRETRAIN_STEPS}"]
+PRETRAIN_RECIPE = [
+    "optim.schedule=linear_warmup",
+    "optim.warmup_steps=10",
+    "optim.lr=1e-3",
+    "eval.enabled=false",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+    "trainer.val_every_n_steps=25",
+    "trainer.val_batches=2",
+    f"trainer.checkpoint_every_n_steps={PRETRAIN_STEPS}",
+]
 
 
 def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
@@ -36,8 +44,9 @@ def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
         start = time.perf_counter()
         error = failed(keel("pretrain", *common, f"trainer.max_steps={PRETRAIN_STEPS}", timeout=600))
         seconds = time.perf_counter() - start
-        error = error or failed(keel("pretrain", *common, f"trainer.max_steps={PRETRAIN_STEPS + RESUME_STEPS}",
-                                     timeout=300))
+        error = error or failed(
+            keel("pretrain", *common, f"trainer.max_steps={PRETRAIN_STEPS + RESUME_STEPS}", timeout=300)
+        )
         if error:
             runs[label] = {"ok": False, "error": error}
             continue
@@ -52,21 +61,34 @@ def pretrain(device: str, sizes: Sizes, out: Path, data: list[str]) -> dict:
             "resumed where it stopped": max(ordered[PRETRAIN_STEPS:]) < first,
         }
         speed = dict(read_scalars(run_dir, ["perf/tokens_per_s"]).get("perf/tokens_per_s", []))
-        runs[label] = {"ok": all(checks.values()), "checks": checks, "loss_first10": first, "loss_last10": last,
-                       "loss_resumed": ordered[PRETRAIN_STEPS:], "seconds_50_steps": seconds,
-                       "tokens_per_s": speed[max(speed)] if speed else None, "losses": ordered[:PRETRAIN_STEPS]}
+        runs[label] = {
+            "ok": all(checks.values()),
+            "checks": checks,
+            "loss_first10": first,
+            "loss_last10": last,
+            "loss_resumed": ordered[PRETRAIN_STEPS:],
+            "seconds_50_steps": seconds,
+            "tokens_per_s": speed[max(speed)] if speed else None,
+            "losses": ordered[:PRETRAIN_STEPS],
+        }
     gap = fsdp_loss_gap(device, *runs.values())
-    return {"ok": all(r["ok"] for r in runs.values()) and gap["ok"], "runs": runs,
-            "thresholds": {"bf16 FSDP against one process, mean |loss difference| over the last 10 steps": gap}}
+    return {
+        "ok": all(r["ok"] for r in runs.values()) and gap["ok"],
+        "runs": runs,
+        "thresholds": {"bf16 FSDP against one process, mean |loss difference| over the last 10 steps": gap},
+    }
 
 
 def fsdp_loss_gap(device: str, one: dict, sharded: dict) -> dict:
     """The one-process and FSDP runs' mean absolute loss difference over the last 10 of their PRETRAIN_STEPS."""
     if device != "cuda":
-        return skipped("cpu: FSDP needs 2 processes there, which see other batches than one "
-                       "(tests/test_fsdp_equivalence.py compares them on equal batches)")
+        return skipped(
+            "cpu: FSDP needs 2 processes there, which see other batches than one "
+            "(tests/test_fsdp_equivalence.py compares them on equal batches)"
+        )
     if "losses" not in one or "losses" not in sharded:
         return threshold(None, False, "a run failed", f"<= {FSDP_LOSS_GAP}", "this project's choice")
     gap = sum(abs(a - b) for a, b in zip(one["losses"][-10:], sharded["losses"][-10:], strict=True)) / 10
-    return threshold(gap, gap <= FSDP_LOSS_GAP, f"{gap:.4f} nat", f"<= {FSDP_LOSS_GAP}",
-                     "this project's choice, unmeasured")
+    return threshold(
+        gap, gap <= FSDP_LOSS_GAP, f"{gap:.4f} nat", f"<= {FSDP_LOSS_GAP}", "this project's choice, unmeasured"
+    )

@@ -66,8 +66,10 @@ class KeelConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"hidden_size {self.hidden_size}, num_attention_heads {self.num_attention_heads} and "
-                             f"num_key_value_heads {self.num_key_value_heads} must divide each other in that order")
+            raise ValueError(
+                f"hidden_size {self.hidden_size}, num_attention_heads {self.num_attention_heads} and "
+                f"num_key_value_heads {self.num_key_value_heads} must divide each other in that order"
+            )
         if len(self.sublayers) != self.num_hidden_layers or any(len(block) != 2 for block in self.sublayers):
             raise ValueError(f"sublayers must hold [attention, ffn] for each of the {self.num_hidden_layers} blocks")
         if self.hidden_act not in ("gelu", "swiglu"):

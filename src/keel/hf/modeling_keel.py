@@ -56,9 +56,16 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
-                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention as explicit matmuls, returning its weights (B, H, T, keys) too: attn_implementation="eager", for
     output_attentions. attention_mask is additive (transformers' eager mask)."""
     key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
@@ -76,8 +83,11 @@ class KeelAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.is_causal = True
-        self.n_heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                      config.head_dim)
+        self.n_heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.num_key_value_groups = self.n_heads // self.kv_heads
         self.scaling = self.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
         self.qkv = nn.Linear(config.hidden_size, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
@@ -87,13 +97,20 @@ class KeelAttention(nn.Module):
         if qkv_norm:
             self.q_norm, self.k_norm, self.v_norm = (KeelRMSNorm(self.head_dim, config.rms_norm_eps) for _ in range(3))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: Cache | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The branch's output (B, T, C) and, under eager attention, the attention weights (B, H, T, keys)."""
         B, T, _ = x.shape
         x = x.to(self.qkv.weight.dtype)
         q, k, v = self.qkv(x).split(
-            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -154,8 +171,14 @@ class KeelBlock(GradientCheckpointingLayer):
         self.attn = KeelSublayer(config, attn_spec, KeelAttention(config, layer_idx, attn_spec["qkv_norm"]))
         self.ffn = KeelSublayer(config, ffn_spec, KeelFeedForward(config))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: Cache | None = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         # cache by keyword: under gradient checkpointing (TRL's default) transformers drops it
         return self.ffn(self.attn(x, rope, mask, cache, **kwargs))
 
@@ -186,18 +209,25 @@ class KeelModel(KeelPreTrainedModel):
         # position_ids: (B, T) -> cos, sin: (B, 1, T, hd/2), in fp32 as keel.model.rope_tables (no buffer: nothing
         # for transformers' meta-device loading to leave uninitialized)
         hd = self.config.head_dim
-        inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32,
-                                                                 device=position_ids.device) / hd)
+        inv_freq = 1.0 / self.config.rope_theta ** (
+            torch.arange(0, hd, 2, dtype=torch.float32, device=position_ids.device) / hd
+        )
         angles = position_ids[:, None, :, None].float() * inv_freq
         return angles.cos(), angles.sin()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults  # use_cache: the config's, off under gradient checkpointing
     @capture_outputs
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
-                **kwargs) -> BaseModelOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         x = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).float()  # (B, T, C)
@@ -212,8 +242,9 @@ class KeelModel(KeelPreTrainedModel):
                 position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
         # causal, padded keys hidden, and (with neither a cache nor a 2D mask) packed sequences - position_ids
         # restarting at 0, as TRL's padding-free collator sends them - kept apart; None: plain causal attention
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+        )
         rope = self.rope(position_ids)
         for block in self.layers:
             x = block(x, rope, mask, cache=cache, **kwargs)
@@ -232,14 +263,29 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """Logits (B, T, vocab) in the head's dtype; with labels (B, T), also the mean next-token cross-entropy
         (labels shifted inside, -100 ignored), as Keel's next_token_loss on the same tokens."""
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         x = outputs.last_hidden_state[:, -logits_to_keep:] if logits_to_keep else outputs.last_hidden_state
         if self.config.logits_multiplier != 1.0:  # muP's readout multiplier, on the fp32 stream as Keel applies it
             x = x * self.config.logits_multiplier
@@ -247,8 +293,13 @@ class KeelForCausalLM(KeelPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache,
-                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
 
 
 __all__ = ["KeelForCausalLM", "KeelModel", "KeelPreTrainedModel"]

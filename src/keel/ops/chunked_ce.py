@@ -30,8 +30,9 @@ DEFAULT_CHUNK = {"cpu": 128, "cuda": 1024}
 
 # what computes one chunk (chunk_loss, or compiled_chunk_loss's): (x, weight, targets, dtype, want_grad) -> (the sum
 # of the chunk's losses, the gradient with respect to its logits or None)
-ChunkKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype, bool],
-                       tuple[torch.Tensor, torch.Tensor | None]]
+ChunkKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor | None]
+]
 
 
 def default_chunk(device: torch.device) -> int:
@@ -44,20 +45,23 @@ def compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                         kernel: ChunkKernel | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, kernel: ChunkKernel | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of the logits x @ weight.T against targets, in fp32. x: (N, C) hidden states, weight:
     (V, C) head weight, targets: (N,) token ids. chunk: tokens per chunk; 0 = the plain head (full logits).
     kernel: what computes each chunk, `chunk_loss` (eager, the default) or `compiled_chunk_loss`'s."""
     if chunk == 0 or under_vmap(x, weight):  # under vmap: the plain head (the Function has no vmap rule)
         return F.cross_entropy(F.linear(x.to(weight.dtype), weight).float(), targets)
     grad_x, grad_w = (torch.is_grad_enabled() and t.requires_grad for t in (x, weight))
-    return _LinearCrossEntropy.apply(x, weight, targets, chunk, compute_dtype(weight), grad_x, grad_w,
-                                     kernel or chunk_loss)
+    return _LinearCrossEntropy.apply(
+        x, weight, targets, chunk, compute_dtype(weight), grad_x, grad_w, kernel or chunk_loss
+    )
 
 
-def chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-               want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_loss(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, want_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk of the head: the sum of its tokens' losses (fp32) and, where wanted, its gradient with respect to
     the chunk's logits, in `dtype`. x: (n, C), weight: (V, C), both in `dtype`; targets: (n, 1)."""
     log_probs = torch.log_softmax((x @ weight.T).float(), dim=-1)  # (n, V) fp32
@@ -95,8 +99,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # dtypes are explicit here
             for start in range(0, n, chunk):
                 xc = x[start : start + chunk].to(dtype)
-                chunk_sum, grad_logits = kernel(xc, w, targets[start : start + chunk, None], dtype,
-                                                want_grad_x or want_grad_w)
+                chunk_sum, grad_logits = kernel(
+                    xc, w, targets[start : start + chunk, None], dtype, want_grad_x or want_grad_w
+                )
                 loss += chunk_sum
                 if grad_x is not None:
                     grad_x[start : start + chunk] = grad_logits @ w

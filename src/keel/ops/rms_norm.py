@@ -47,8 +47,9 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_s, grad_skip, None, grad_weight, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, skip: torch.Tensor | None = None,
-             alpha: float = 1.0) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, skip: torch.Tensor | None = None, alpha: float = 1.0
+) -> torch.Tensor:
     """RMSNorm(x + alpha * skip) * weight over the last dim, computed in fp32 (inputs are cast)."""
     x, weight = x.float(), None if weight is None else weight.float()
     if x.is_cpu and not torch.compiler.is_compiling() and not under_vmap(x, weight, skip):

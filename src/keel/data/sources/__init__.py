@@ -12,11 +12,14 @@ from keel.data.sources.hf import HuggingFace
 from keel.data.sources.stdlib import Stdlib
 from keel.data.sources.text_files import TextFiles
 
-SOURCES: dict[str, Source] = {source.name: source for source in (
-    Stdlib(),
-    TextFiles(),
-    HuggingFace(),
-)}
+SOURCES: dict[str, Source] = {
+    source.name: source
+    for source in (
+        Stdlib(),
+        TextFiles(),
+        HuggingFace(),
+    )
+}
 
 
 def read_documents(data: DataConfig, skipped: SkippedFiles | None = None) -> Iterator[tuple[str, str]]:

@@ -19,8 +19,10 @@ from keel.errors import ConfigError
 MAX_UNDECODABLE = 0.01
 SHOWN_SKIPPED = 5  # paths of skipped files printed and recorded in the manifest
 READ_BYTES = 1 << 20  # files are read this much at a time: memory holds a chunk, not a file, whatever its size
-BYTE_ORDER_MARKS = {"utf-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE),
-                    "utf-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)}
+BYTE_ORDER_MARKS = {
+    "utf-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE),
+    "utf-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE),
+}
 
 
 @dataclass

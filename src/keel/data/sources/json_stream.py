@@ -16,13 +16,16 @@ from keel.errors import ConfigError
 # with the low one after it (json joins the two into one character), and alone only where what follows shows it is
 # not followed by one: at the end of a chunk it waits for the next. Anything else (a bad escape, a raw control
 # character) is left to json's own string decoder to reject.
-STRING_UNITS = re.compile(r"""(?:
+STRING_UNITS = re.compile(
+    r"""(?:
       [^"\\]+
     | \\["\\/bfnrt]
     | \\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}
     | \\u[dD][89abAB][0-9a-fA-F]{2}(?=[^\\]|\\[^u]|\\u[0-9a-fA-F]{4})
     | \\u(?![dD][89abAB])[0-9a-fA-F]{4}
-)*""", re.VERBOSE)
+)*""",
+    re.VERBOSE,
+)
 LONGEST_UNIT = 12  # a surrogate pair's two escapes: a shorter tail of a chunk that is no unit may be one cut short
 SHOWN_KEYS = 20  # keys named when a record has no text field
 SPACE = re.compile(r"[ \t\n\r]*")
@@ -34,7 +37,7 @@ SCALAR_LOOKAHEAD = len("-Infinity")
 
 def line_chunks(head: bytes, lines: BinaryIO) -> Iterator[bytes]:
     """The bytes of a line whose first bytes, `head`, were read already, READ_BYTES at a time, to its end."""
-    yield from (head[start:start + READ_BYTES] for start in range(0, len(head), READ_BYTES))
+    yield from (head[start : start + READ_BYTES] for start in range(0, len(head), READ_BYTES))
     while not head.endswith(b"\n") and (head := lines.readline(READ_BYTES)):
         yield head
 
@@ -58,8 +61,9 @@ class LongRecord:
         if self._next() != "{":
             self._skip_value()
             self._refuse_remainder()
-            raise ConfigError(f"data.text_files.text_field: {self._where} has no field {field!r} (it is not a JSON "
-                              "object)")
+            raise ConfigError(
+                f"data.text_files.text_field: {self._where} has no field {field!r} (it is not a JSON object)"
+            )
         self._at += 1
         seen, found = False, []  # found: the first SHOWN_KEYS other keys, for a record without `field`
         if self._next() != "}":
@@ -68,7 +72,7 @@ class LongRecord:
                     raise self._malformed("a key in double quotes")
                 key = ""
                 for piece in self._string():
-                    key += piece[:len(field) + 100 - len(key)]
+                    key += piece[: len(field) + 100 - len(key)]
                 self._expect(":")
                 if key == field:
                     if seen:
@@ -77,22 +81,25 @@ class LongRecord:
                     yield from self._text_value(field)
                 else:
                     self._skip_value()
-                    found += [key][:SHOWN_KEYS - len(found)]
+                    found += [key][: SHOWN_KEYS - len(found)]
                 if self._next() != ",":
                     break
                 self._at += 1
         self._expect("}")
         self._refuse_remainder()
         if not seen:
-            raise ConfigError(f"data.text_files.text_field: {self._where} has no field {field!r} (found: "
-                              f"{', '.join(found)})")
+            raise ConfigError(
+                f"data.text_files.text_field: {self._where} has no field {field!r} (found: {', '.join(found)})"
+            )
 
     def _text_value(self, field: str) -> Iterator[str]:
         if (start := self._next()) == '"':
             yield from self._string()
         elif start != "n" or self._scalar() != "null":
-            raise ConfigError(f"data.text_files.text_field: {self._where}: {field!r} is not a string or null (a line "
-                              "this long is read as a stream, which takes the text field's string alone)")
+            raise ConfigError(
+                f"data.text_files.text_field: {self._where}: {field!r} is not a string or null (a line "
+                "this long is read as a stream, which takes the text field's string alone)"
+            )
 
     def _more(self) -> bool:
         """Decodes the next chunk onto the text not yet read; False at the end of the line."""
@@ -104,11 +111,11 @@ class LongRecord:
         try:
             decoded = self._decoder.decode(chunk or b"", final=self._ended)
         except UnicodeDecodeError as err:
-            undecodable = err.object[err.start:err.end]
+            undecodable = err.object[err.start : err.end]
             raise self._not_json(f"{undecodable!r}: {err.reason}", f"byte {self._bytes - held + err.start:,}") from None
         self._bytes += len(chunk or b"")
         self._dropped += self._at
-        self._text, self._at = self._text[self._at:] + decoded, 0
+        self._text, self._at = self._text[self._at :] + decoded, 0
         return True
 
     def _next(self) -> str:
@@ -116,7 +123,7 @@ class LongRecord:
         while True:
             self._at = SPACE.match(self._text, self._at).end()
             if self._at < len(self._text) or not self._more():
-                return self._text[self._at:self._at + 1]
+                return self._text[self._at : self._at + 1]
 
     def _expect(self, character: str) -> None:
         if self._next() != character:
@@ -130,11 +137,11 @@ class LongRecord:
             end = STRING_UNITS.match(self._text, self._at).end()
             if end > self._at:
                 try:
-                    yield json.decoder.scanstring(self._text[self._at:end] + '"', 0)[0]
+                    yield json.decoder.scanstring(self._text[self._at : end] + '"', 0)[0]
                 except ValueError as err:  # a raw control character
                     raise self._not_json(err.msg.removesuffix(" at"), self._character(self._at + err.pos)) from None
                 self._at = end
-            if self._text[end:end + 1] == '"':
+            if self._text[end : end + 1] == '"':
                 self._at = end + 1
                 return
             if len(self._text) - end >= LONGEST_UNIT or not self._more():
@@ -194,5 +201,7 @@ class LongRecord:
         return f"character {self._dropped + index:,}"
 
     def _not_json(self, what: str, position: str) -> ConfigError:
-        return ConfigError(f"data.text_files.paths: {self._where} is not {self._encoding} JSON ({what} at {position}); "
-                           "another encoding is read with data.encoding=CODEC")
+        return ConfigError(
+            f"data.text_files.paths: {self._where} is not {self._encoding} JSON ({what} at {position}); "
+            "another encoding is read with data.encoding=CODEC"
+        )

@@ -30,5 +30,7 @@ class Stdlib(Source):
                     yield Path(folder, name).relative_to(root).as_posix(), text
 
     def describe(self, data: DataConfig) -> str:
-        return (f"Python {sys.version.split()[0]} standard library .py files under {sysconfig.get_paths()['stdlib']}, "
-                f"except in directories named {', '.join(sorted(STDLIB_EXCLUDED_DIRS))}")
+        return (
+            f"Python {sys.version.split()[0]} standard library .py files under {sysconfig.get_paths()['stdlib']}, "
+            f"except in directories named {', '.join(sorted(STDLIB_EXCLUDED_DIRS))}"
+        )

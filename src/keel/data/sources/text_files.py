@@ -68,8 +68,10 @@ def _jsonl_documents(path: str, data: DataConfig) -> Iterator[tuple[str, str]]:
             try:  # json reads UTF-8 bytes itself, a byte-order mark too; a decoding error is a ValueError
                 record = json.loads(line if utf8 else line.decode(data.encoding))
             except ValueError as err:
-                raise ConfigError(f"data.text_files.paths: {where} is not {data.encoding} JSON ({err}); "
-                                  "another encoding is read with data.encoding=CODEC") from None
+                raise ConfigError(
+                    f"data.text_files.paths: {where} is not {data.encoding} JSON ({err}); "
+                    "another encoding is read with data.encoding=CODEC"
+                ) from None
             yield f"{path}:{number}", text_of(record, "data.text_files.text_field", data.text_files.text_field, where)
 
 
@@ -174,7 +176,12 @@ class TextFiles(Source):
 
     def describe(self, data: DataConfig) -> str:
         options, whole = data.text_files, "/".join(sorted(WHOLE_FILE_SUFFIXES))
-        plain = (f"other plain-text files cut into documents of about {options.doc_chars:,} characters"
-                 if options.doc_chars else "other plain-text files whole")
-        return (f"files matching {', '.join(options.paths)} (field {options.text_field!r} of .jsonl / .parquet, "
-                f"{whole} files whole, {plain})")
+        plain = (
+            f"other plain-text files cut into documents of about {options.doc_chars:,} characters"
+            if options.doc_chars
+            else "other plain-text files whole"
+        )
+        return (
+            f"files matching {', '.join(options.paths)} (field {options.text_field!r} of .jsonl / .parquet, "
+            f"{whole} files whole, {plain})"
+        )

@@ -80,3 +80,66 @@ def test_no_private_name_is_imported_across_modules():
         and module not in {m for m in known if Path(known[m]).parent == path.parent}
     ]
     assert not private, private
+
+
+# The house, bottom to top (docs/architecture.md): a module imports from its own floor or below, never from above.
+# A module is placed by its longest listed prefix; a new module must be placed here.
+FLOORS = [
+    # torch-free ground: the config (each callback's options with it), errors, and the small rules everyone shares
+    [
+        "keel",
+        "keel.errors",
+        "keel.config",
+        "keel.callbacks.options",
+        "keel.conf",
+        "keel.cli_args",
+        "keel.artifacts",
+        "keel.dirlock",
+        "keel.cadence",
+        "keel.divergence",
+    ],
+    # the model and what is computed from a config alone
+    [
+        "keel.ops",
+        "keel.model",
+        "keel.schedule",
+        "keel.flops",
+        "keel.devices",
+        "keel.memory",
+        "keel.estimate",
+        "keel.decoding",
+        "keel.layer_skip",
+        "keel.tensor_norms",
+        "keel.model_card",
+        "keel.trainer_checks",
+        "keel.loggers",
+        "keel.console",
+        "keel.hf",
+    ],
+    ["keel.data"],
+    ["keel.checkpoint", "keel.export_format", "keel.rundir", "keel.gradflow", "keel.summary"],
+    # the training step and what is applied to the model from outside; evaluation of a model
+    ["keel.parallel", "keel.strategy", "keel.attention", "keel.lit", "keel.evaluation"],
+    ["keel.callbacks"],
+    ["keel.training", "keel.pretrain", "keel.generate", "keel.export"],
+    # the commands built on training: experiments, bench, gpu-check, and the dispatcher
+    ["keel.experiments", "keel.bench", "keel.gpu_check", "keel.cli"],
+]
+
+
+def floor(module: str) -> int:
+    prefixes = [
+        (len(p), i) for i, names in enumerate(FLOORS) for p in names if module == p or module.startswith(p + ".")
+    ]
+    assert prefixes, f"{module} has no floor in tests/test_imports.py's FLOORS: place it"
+    return max(prefixes)[1]
+
+
+def test_no_import_runs_back_up_the_house():
+    upward = [
+        f"{name} (floor {floor(name)}) imports {dep} (floor {floor(dep)})"
+        for name, deps in graph().items()
+        for dep in sorted(deps)
+        if floor(dep) > floor(name)
+    ]
+    assert not upward, upward

@@ -184,7 +184,7 @@ def test_ctrl_c_stops_keel_data_at_once_removing_the_unfinished_build(built, tmp
     before = files_of(shards)
     tmp.mkdir()
     environment = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1"}
-    if stage == "BPE training":  # ~3 MB of 200,000 distinct words: about 20 s to train 250,000 tokens on one thread
+    if stage == "BPE training":  # ~3 MB of 200,000 distinct words: a long BPE training
         rng = random.Random(5)
         (tmp_path / "words").mkdir()
         for number in range(20):

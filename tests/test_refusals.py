@@ -102,7 +102,7 @@ def test_a_file_that_is_no_torch_zip_is_refused_in_keels_words_by_every_reader(t
         )
         for command, argv in READERS.items():
             assert refused(capsys, argv(path, out)) == f"keel {command}: config error: {said}"
-        if path == bare:  # keel eval, where it was seen (lm-eval's start-up takes ~15 s: once)
+        if path == bare:  # keel eval, where it was seen (lm-eval's start-up is slow: once)
             assert (
                 refused(
                     capsys,

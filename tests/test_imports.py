@@ -117,7 +117,7 @@ FLOORS = [
         "keel.hf",
     ],
     ["keel.data"],
-    ["keel.checkpoint", "keel.export_format", "keel.rundir", "keel.gradflow", "keel.summary"],
+    ["keel.checkpoint", "keel.rundir", "keel.gradflow", "keel.summary"],
     # the training step and what is applied to the model from outside; evaluation of a model
     ["keel.parallel", "keel.strategy", "keel.attention", "keel.lit", "keel.evaluation"],
     ["keel.callbacks"],

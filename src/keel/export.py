@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from keel.checkpoint.exported import to_hf_names
 from keel.checkpoint.payload import read_payload
 from keel.checkpoint.read import checked_config, model_state_dict, read_checkpoint
 from keel.config import from_dict, to_dict
 from keel.config.model import needs_final_norm, sublayer_specs
 from keel.data.tokenizer import eos_id_of
 from keel.errors import ConfigError, refuse_output
-from keel.export_format import to_hf_names
 from keel.model_card import model_card
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -10,6 +10,7 @@ back as a checkpoint of weights and payload only.
     layout        where checkpoints lie (last.ckpt, a sharded checkpoint's files, staging names)
     safe          reading files without running code they carry (torch_load, refuse_payloads)
     read          read_checkpoint, the weights checked against the config, load_model
+    exported      a directory `keel export` wrote, read back as a checkpoint (its parameter names, its payload)
     write         atomic writes (AtomicCheckpointIO, commit_dir, link_checkpoint)
     sharded       the FSDP strategy's sharded save and load, in the background too (AsyncShardedWriter)
     resume        which checkpoint `resume` names and every check that it can continue under a config

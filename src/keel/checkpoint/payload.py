@@ -1,5 +1,5 @@
 """What Keel keeps in a checkpoint beside Lightning's state: one payload type, written by the LightningModule into
-every checkpoint (keel.lit), built for a directory `keel export` wrote (keel.export_format), and read by every
+every checkpoint (keel.lit), built for a directory `keel export` wrote (keel.checkpoint.exported), and read by every
 consumer through read_payload. The only module that knows where in a checkpoint it lies."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def has_payload(checkpoint: dict) -> bool:
 
 
 def write_payload(checkpoint: dict, payload: KeelPayload) -> None:
-    """Put payload into checkpoint (Lightning's dict, or the one keel.export_format builds for an export)."""
+    """Put payload into checkpoint (Lightning's dict, or the one keel.checkpoint.exported builds for an export)."""
     checkpoint[PAYLOAD] = asdict(payload)
 
 

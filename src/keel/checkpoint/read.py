@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
+from keel.checkpoint.exported import read_export
 from keel.checkpoint.layout import DCP_METADATA, LAST, SHARDED_META
 from keel.checkpoint.payload import has_payload, read_payload
 from keel.checkpoint.safe import SafeFileSystemReader, load_in_this_process, refuse_payloads, torch_load
 from keel.config import Config, ModelConfig
 from keel.config.model import needs_final_norm
 from keel.errors import ConfigError, describe_error
-from keel.export_format import read_export
 from keel.memory import check_model_fits
 from keel.model import KeelLM, block_layouts
 

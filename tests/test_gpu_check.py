@@ -42,9 +42,8 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     runs = result["sections"]["pretrain"]["runs"]
     assert list(runs) == ["trainer=cpu", "trainer=fsdp devices=2"]
     assert all(all(run["checks"].values()) and len(run["loss_resumed"]) == 5 for run in runs.values())
-    (gap,) = result["sections"]["pretrain"][
-        "thresholds"
-    ].values()  # FSDP against one process: on equal batches, GPU only
+    # FSDP against one process: on equal batches, GPU only
+    (gap,) = result["sections"]["pretrain"]["thresholds"].values()
     assert gap["ok"] and gap["skipped"].startswith("cpu: FSDP needs 2 processes")
     assert [t["depth"] for t in result["sections"]["depth"]["tried"]] == [2, 4, 8]
     assert all(check["ok"] for check in result["sections"]["precision"]["checks"].values())
@@ -58,10 +57,10 @@ def test_gpu_check_passes_on_cpu(tmp_path, capsys):
     timed = result["sections"]["callbacks"]["callback_runs"]  # every variant trained and was timed
     assert list(timed) == [
         "all on",
-        "grad_norms off",
+        "grad_norms off",  # each configurable callback by its name (keel.config.callbacks.CALLBACKS)
+        "layer_importance off",
         "stability off",
         "throughput off",
-        "layer_importance off",
         "progress bar off",
         "all off",
     ]

@@ -38,6 +38,19 @@ def fresh_venv(venv: Path) -> Path:
     return site_packages
 
 
+def pip_install(venv: Path, *args: str | Path, **kwargs) -> str:
+    """pip install into venv, without dependencies (fresh_venv's come from this interpreter)."""
+    return run(
+        sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", *args, **kwargs
+    )
+
+
+def build_env() -> dict[str, str]:
+    """This environment, letting Python write bytecode: with PYTHONDONTWRITEBYTECODE set, building warns that it
+    cannot compile."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+
+
 def run(*command: str | Path, **kwargs) -> str:
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, **kwargs)
     assert result.returncode == 0, f"{command}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -49,8 +62,8 @@ def test_wheel_builds_without_warnings_and_runs_from_a_fresh_venv(tmp_path):
     pytest.importorskip("build", reason="python -m build is in the test extra: pip install -e '.[test]'")
     source, dist = tmp_path / "source", tmp_path / "dist"
     copy_source(source)
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}  # else distutils
-    log = run(sys.executable, "-m", "build", "--outdir", dist, source, env=env)  # warns it cannot compile
+    env = build_env()
+    log = run(sys.executable, "-m", "build", "--outdir", dist, source, env=env)
     assert [line for line in log.splitlines() if "warning" in line.lower()] == []
     [wheel], [sdist] = dist.glob("*.whl"), dist.glob("*.tar.gz")
     names = zipfile.ZipFile(wheel).namelist()
@@ -70,18 +83,7 @@ def test_wheel_builds_without_warnings_and_runs_from_a_fresh_venv(tmp_path):
 
     venv = tmp_path / "venv"  # with keel from the wheel only
     site_packages = fresh_venv(venv)
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "--python",
-        venv / "bin" / "python",
-        "install",
-        "--no-deps",
-        "--no-index",
-        "--quiet",
-        wheel,
-    )
+    pip_install(venv, "--no-index", "--quiet", wheel)
     here = {"cwd": tmp_path, "env": {**env, "OMP_NUM_THREADS": "1"}}
     location = run(venv / "bin" / "python", "-c", "import keel; print(keel.__file__)", **here)
     assert Path(location.strip()).is_relative_to(site_packages)
@@ -99,20 +101,8 @@ def test_an_editable_install_is_a_plain_src_layout(tmp_path):
     source, venv = tmp_path / "source", tmp_path / "venv"
     copy_source(source)
     fresh_venv(venv)
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
-    log = run(
-        sys.executable,
-        "-m",
-        "pip",
-        "--python",
-        venv / "bin" / "python",
-        "install",
-        "--no-deps",
-        "--verbose",
-        "--editable",
-        source,
-        env=env,
-    )
+    env = build_env()
+    log = pip_install(venv, "--verbose", "--editable", source, env=env)
     assert "Editable installation" not in log
     assert [line for line in log.splitlines() if "warning" in line.lower()] == []
     found = run(

@@ -84,14 +84,15 @@ redundancy: install
 # The paper's grids (docs/experiments.md), defined in src/keel/experiments/grids.py and run by `keel paper-run GRID`
 # (`--dry-run` prints the command): `make paper-<grid>` one, `make paper` all of the max-LR report, then `keel
 # paper-report`; `make paper-linear` those on the paper's protocol; `make paper-trained` the trained models' (LR
-# sweeps, layer use; `paper-redundancy-<grid>` after its grid). Every grid is resumable (rerun to continue; finished
+# sweeps, layer use; `paper-redundancy-<grid>` after its grid); `make paper-transfer` the width-transfer grids
+# (docs/lr-transfer.md). Every grid is resumable (rerun to continue; finished
 # runs are skipped); `make -j2 paper` runs two grids at once (each probe uses one thread). PAPER_SCALE=1 writes the two
 # Table 1 grids at paper scale as SLURM arrays instead (PAPER_SBATCH: #SBATCH options, space-separated); gather each
 # with `keel maxlr collect DIR`. ARGS (options or overrides) go to every training grid, e.g. data=fineweb_edu; the
 # grids' settings (SEEDS, TREND_SEEDS, ... in grids.py, given here) replace their defaults.
 PAPER_OUT ?= runs/paper
 PAPER_SETTINGS := SEEDS TREND_SEEDS WIDE_SEEDS TRAINED_SEEDS TRAINED_STEPS TRAINED_STEPS_D256 TRAINED_WARMUP LRS_D16 \
-	LRS_D64 TUNED_LRS
+	LRS_D64 TUNED_LRS TRANSFER_SEEDS TRANSFER_STEPS TRANSFER_LRS TRANSFER_LRS_SP256
 PAPER_RUN = $(strip $(KEEL) paper-run --out $(PAPER_OUT) $(foreach name,$(PAPER_SETTINGS),$(if $(filter-out \
 	undefined,$(origin $(name))),--set '$(name)=$($(name))')) $(if $(filter 1,$(PAPER_SCALE)),--paper-scale \
 	$(foreach option,$(PAPER_SBATCH),--sbatch=$(option))))
@@ -99,14 +100,14 @@ PAPER_RUN = $(strip $(KEEL) paper-run --out $(PAPER_OUT) $(foreach name,$(PAPER_
 # with one init for all, e.g. `make paper ARGS=model.init=normal PAPER_OUT=runs/paper-shared-init`; name that tree in
 # PAPER_SHARED_INIT and the report adds what depends on the init.
 PAPER_SHARED_INIT ?=
-.PHONY: paper-data paper-linear paper-trained
+.PHONY: paper-data paper-linear paper-trained paper-transfer
 # a set's grids' targets, listed once keel is installed; PAPER_SCALE=1: the two Table 1 grids only, and no report
 PAPER_SET = $(or $(addprefix paper-,$(shell $(PAPER_RUN) --list $(1))),$(error keel paper-run --list $(1): no grid))
 paper: install
 	$(MAKE) --no-print-directory $(call PAPER_SET,$@)
 	$(if $(filter 1,$(PAPER_SCALE)),,$(KEEL) paper-report $(PAPER_OUT) $(if $(PAPER_SHARED_INIT),--shared-init $(PAPER_SHARED_INIT)))
 
-paper-linear paper-trained: install
+paper-linear paper-trained paper-transfer: install
 	$(MAKE) --no-print-directory $(call PAPER_SET,$@)
 	$(KEEL) paper-report $(PAPER_OUT)
 

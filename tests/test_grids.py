@@ -53,8 +53,10 @@ def make_runs(*argv: str) -> list[str]:
 
 def test_make_runs_every_grid_and_the_report_reads_every_one():
     paper, trained = paper_run.grid_set("paper"), paper_run.grid_set("paper-trained")
+    transfer = paper_run.grid_set("paper-transfer")
     assert make_runs("paper", "paper-trained") == [*paper, "paper-report", *trained, "paper-report"]
-    assert [*paper, *trained] == list(GRIDS)  # each grid once, in the table's order
+    assert make_runs("paper-transfer") == [*transfer, "paper-report"]
+    assert [*paper, *trained, *transfer] == list(GRIDS)  # each grid once, in the table's order
     assert make_runs("paper-linear") == [*paper_run.grid_set("paper-linear"), "paper-report"]
     assert make_runs("paper", "PAPER_SCALE=1") == ["table1-d16", "table1-d64"]  # for a cluster, no report
     # what keel paper-report reads: every max-LR grid, the 1,024-block sweeps, the trained models and their layer use
@@ -64,6 +66,7 @@ def test_make_runs_every_grid_and_the_report_reads_every_one():
         *roles.LR_GRIDS,
         *roles.TUNED_GRIDS,
         *(f"redundancy-{grid}" for grid in roles.LR_GRIDS),
+        *roles.TRANSFER_GRIDS,
     }
     assert read == set(GRIDS)
     role_grids = [
@@ -253,8 +256,9 @@ def test_a_redundancy_grid_measures_its_grids_final_checkpoints(tmp_path, capsys
     table.write_text("run,loss\nkeel-lr0.01-s1,0.4\n")  # another tool's table in its place
     assert cli_main(["paper-run", "redundancy-lr-d16", "--out", str(tmp_path)]) == 2
     assert (
-        f"{table} is not a redundancy.csv (columns run, loss; expected block, checkpoint, depth, loss_increase, "
-        "path, ppl_base, ppl_increase, ppl_removed, scheme, val_tokens); move it aside"
+        f"{table} is not a redundancy.csv (columns run, loss; expected block, checkpoint, commit, cpu, depth, dirty, "
+        "keel, loss_increase, path, ppl_base, ppl_increase, ppl_removed, scheme, threads, torch, val_tokens); move it "
+        "aside"
     ) in capsys.readouterr().err
 
 

@@ -97,6 +97,7 @@ FLOORS = [
         "keel.dirlock",
         "keel.cadence",
         "keel.divergence",
+        "keel.provenance",
     ],
     # the model and what is computed from a config alone
     [

@@ -27,8 +27,16 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
     # at 64 x 32 one step lower than that rule gives: the first seed's optima lay at its bottom (docs/trained-models.md)
     "LRS_D64": "0.00625,0.0125,0.025,0.05",
     "TUNED_LRS": "0.01,0.02,0.04",
+    # LR transfer across width on complete runs (docs/lr-transfer.md): Keel at 8 blocks, widths 64 and 256, sp and mup
+    "TRANSFER_SEEDS": "1,2,3",
+    "TRANSFER_STEPS": "1000",
+    # 5 LRs a factor 2 apart around the optimum: 16 x 64's complete runs were best at 0.01 (lr-d16); under sp the
+    # width-256 optimum is expected about 4x lower (the hidden matrices' updates grow with width), hence its own set
+    "TRANSFER_LRS": "0.0025,0.005,0.01,0.02,0.04",
+    "TRANSFER_LRS_SP256": "0.000625,0.00125,0.0025,0.005,0.01",
 }
-SETS = ("paper", "paper-linear", "paper-trained")  # the make targets that run several grids, then the report
+# the make targets that run several grids, then the report
+SETS = ("paper", "paper-linear", "paper-trained", "paper-transfer")
 SBATCH = "{SBATCH}"  # at paper scale: one --sbatch=OPTION per #SBATCH option given
 CHECKPOINTS = "{CHECKPOINTS}"  # the final checkpoints of the grid a redundancy grid is over, of runs with no rows yet
 
@@ -148,6 +156,38 @@ def trained(point: tuple[int, int], lrs: str, *args: str) -> PaperGrid:
     )
 
 
+# Keel's complete runs at 8 blocks for the width-transfer grids: the trained models' schedule over TRANSFER_STEPS (a
+# tenth of warm-up), the held-out loss every 100 steps, the in-loop tasks twice (mid-way and at the last step: at
+# width 256 one evaluation costs about 45 CPU-s, as much as 75 training steps)
+TRANSFER = (
+    "--schemes",
+    "keel",
+    "--seeds",
+    "{TRANSFER_SEEDS}",
+    "--out",
+    "{OUT}",
+    *NARROW,
+    "model.depth=8",
+    "trainer.max_steps={TRANSFER_STEPS}",
+    "optim.warmup_steps=100",
+    "optim.schedule=cosine",
+    "optim.min_lr_ratio=0.1",
+    "trainer.val_every_n_steps=100",
+    "eval.every_n_steps=500",
+    "eval.limit=400",
+    "trainer.checkpoint_every_n_steps=250",
+    "trainer.progress_bar=false",
+    "callbacks.stability.stop_on_failure=false",
+)
+TRANSFER_WIDTHS = (64, 256)
+
+
+def transfer(width: int, parametrization: str) -> PaperGrid:
+    lrs = "{TRANSFER_LRS_SP256}" if (width, parametrization) == (256, "sp") else "{TRANSFER_LRS}"
+    mup = MUP if parametrization == "mup" else ()
+    return PaperGrid("sweep", (*TRANSFER, "--lrs", lrs, f"model.width={width}", *mup), (8, width), ("paper-transfer",))
+
+
 def redundancy(grid: str) -> PaperGrid:
     """keel redundancy over the final checkpoints of a grid's runs that have no rows yet, into <grid>/redundancy/
     beside the rows already there (those of committed records whose checkpoints are gone too)."""
@@ -251,4 +291,10 @@ GRIDS = {
     ),
     "redundancy-lr-d16": redundancy("lr-d16"),
     "redundancy-lr-d64": redundancy("lr-d64"),
+    # what carries across width on complete runs, sp against mup (base width 64, where the two compute alike)
+    **{
+        f"transfer-w{width}-{parametrization}": transfer(width, parametrization)
+        for width in TRANSFER_WIDTHS
+        for parametrization in ("sp", "mup")
+    },
 }

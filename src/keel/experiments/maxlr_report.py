@@ -35,10 +35,12 @@ from keel.experiments.records import (
     MAXLR_TIME,
     finished,
     load_run_config,
+    read_made_by,
     run_row,
 )
 from keel.experiments.stats import median_range, sign_test
 from keel.experiments.tables import markdown_table, write_table
+from keel.provenance import describe
 
 DEFAULT_PAIRS = (("keel", "preln"), ("keel", "postln"))
 MARGIN = 0.5  # nats below the unigram loss that count as "learned"
@@ -193,7 +195,9 @@ def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: fl
         row.pop(key, None)
     row["stop"] = row.pop("failure", None)
     if (run_dir / MAXLR_TIME).is_file():
-        row |= json.loads((run_dir / MAXLR_TIME).read_text())
+        record = json.loads((run_dir / MAXLR_TIME).read_text())
+        row |= {"cpu_s": record["cpu_s"], "wall_s": record["wall_s"]}
+    row["made_by"] = "; ".join(map(describe, read_made_by(run_dir))) or describe(None)
     state = read_stability(run_dir)
     row |= {**asdict(probe_verdict(state, cfg, unigram, margin)), "unigram_loss": unigram, "ramp": ramp_name(cfg.optim)}
     row["hold_steps"] = hold_steps(cfg.optim, max_lr_value(row))

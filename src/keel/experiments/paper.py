@@ -24,6 +24,7 @@ from keel.errors import ConfigError
 from keel.experiments.grids import GRIDS
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.maxlr_report import NotYetRun, collect, inits, max_lr_value
+from keel.experiments.origins import origins_table
 from keel.experiments.plots import pyplot, save_figure
 from keel.experiments.records import DEEP_PLOT, HOLD_PLOT, MANIFEST, RATIO_PLOT, REPORT, TRANSFER_PLOT, load_run_config
 from keel.experiments.roles import (
@@ -253,6 +254,16 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             "Learned: seeds whose max LR is resolved.",
             "",
             markdown_table(table),
+            "",
+        ]
+    if origins := origins_table(out):
+        text += [
+            "## What made the records",
+            "",
+            "Per grid, the commits its runs were made by (short; `dirty`: the code differed from the commit), torch "
+            "and the thread count; a run recorded before runs said what made them counts as unrecorded.",
+            "",
+            markdown_table(origins),
             "",
         ]
     return "\n".join(text)

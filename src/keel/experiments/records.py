@@ -5,6 +5,7 @@ Torch-free: `keel paper-run` and `keel paper-report` read them."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,22 +44,40 @@ REDUNDANCY_NUMBERS = {
     "ppl_increase": float,
     "loss_increase": float,
 }  # a row's numbers, by column
-REDUNDANCY_COLUMNS = ("checkpoint", "path", "scheme", *REDUNDANCY_NUMBERS)
+PROVENANCE_COLUMNS = ("commit", "dirty", "keel", "torch", "threads", "cpu")  # keel.provenance.made_by's keys
+REDUNDANCY_COLUMNS = ("checkpoint", "path", "scheme", *REDUNDANCY_NUMBERS, *PROVENANCE_COLUMNS)
+# what a row measured (its summary's columns): all a row held before rows said what made them
+REDUNDANCY_MEASURED = REDUNDANCY_COLUMNS[: -len(PROVENANCE_COLUMNS)]
 
 
 def read_redundancy_rows(table: Path) -> list[dict]:
     """The rows of a redundancy.csv, numbers parsed (none if there is no table, or an empty one); a table with
-    other columns is refused."""
+    other columns is refused. A row of a table written before rows carried their provenance has it empty."""
     if not table.is_file():
         return []
     with open(table, newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is not None and set(reader.fieldnames) != set(REDUNDANCY_COLUMNS):
+        if reader.fieldnames is not None and set(reader.fieldnames) not in (
+            set(REDUNDANCY_COLUMNS),
+            set(REDUNDANCY_MEASURED),
+        ):
             raise ConfigError(
                 f"{table} is not a redundancy.csv (columns {', '.join(reader.fieldnames)}; expected "
                 f"{', '.join(sorted(REDUNDANCY_COLUMNS))})"
             )
-        return [{key: REDUNDANCY_NUMBERS.get(key, str)(value) for key, value in row.items()} for row in reader]
+        return [
+            dict.fromkeys(PROVENANCE_COLUMNS, "") | {key: REDUNDANCY_NUMBERS.get(key, str)(v) for key, v in row.items()}
+            for row in reader
+        ]
+
+
+def read_made_by(run_dir: str | Path) -> list[dict]:
+    """What made a grid's run (keel.provenance.made_by, a record per distinct session) from its time record (
+    MAXLR_TIME or SWEEP_TIME); none for a run without one or recorded before runs said what made them."""
+    for name in (MAXLR_TIME, SWEEP_TIME):
+        if (Path(run_dir) / name).is_file():
+            return json.loads((Path(run_dir) / name).read_text()).get("made_by", [])
+    return []
 
 
 def checkpoint_run(path: str) -> str:

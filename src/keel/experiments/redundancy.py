@@ -28,10 +28,17 @@ from keel.data.loading import token_loader
 from keel.devices import set_threads
 from keel.errors import ConfigError
 from keel.experiments.plots import plot_lines
-from keel.experiments.records import REDUNDANCY_PLOT, REDUNDANCY_SUMMARY, REDUNDANCY_TABLE, read_redundancy_rows
-from keel.experiments.tables import write_table
+from keel.experiments.records import (
+    REDUNDANCY_MEASURED,
+    REDUNDANCY_PLOT,
+    REDUNDANCY_SUMMARY,
+    REDUNDANCY_TABLE,
+    read_redundancy_rows,
+)
+from keel.experiments.tables import markdown_table, write_table
 from keel.layer_skip import skip_losses
 from keel.model import KeelLM
+from keel.provenance import made_by
 
 
 @torch.no_grad()
@@ -54,6 +61,7 @@ def measure(path: str, batches: int, batch_size: int | None, data_dir: str | Non
     data = [b.to(device) for b in islice(token_loader(cfg, "val", shuffle=False), batches)]
     base, removed = removal_losses(model, data)
     label = f"{Path(cfg.run.dir).name}/{Path(path).stem} ({cfg.model.scheme}, depth {cfg.model.depth})"
+    provenance = made_by(torch.get_num_threads())
     return [
         {
             "checkpoint": label,
@@ -66,6 +74,7 @@ def measure(path: str, batches: int, batch_size: int | None, data_dir: str | Non
             "ppl_removed": math.exp(loss),
             "ppl_increase": math.exp(loss) - math.exp(base),
             "loss_increase": loss - base,
+            **provenance,
         }
         for b, loss in enumerate(removed)
     ]
@@ -126,7 +135,9 @@ def main(argv: list[str]) -> int:
     rows = kept + [
         row for path in paths for row in measure(path, args.batches, args.batch_size, args.data_dir, args.device)
     ]
-    columns = write_table(rows, out / REDUNDANCY_TABLE, out / REDUNDANCY_SUMMARY)
+    columns = write_table(rows, out / REDUNDANCY_TABLE)
+    # the summary without the provenance columns, the same on every row of one session
+    (out / REDUNDANCY_SUMMARY).write_text(markdown_table(rows, REDUNDANCY_MEASURED) + "\n")
     plot(rows, out / REDUNDANCY_PLOT)
     kept_note = f" ({len(kept)} of them kept from before)" if kept else ""
     print(

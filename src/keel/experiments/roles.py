@@ -55,3 +55,4 @@ MAXLR_GRIDS = tuple(name for name, grid in GRIDS.items() if grid.command == "max
 LR_GRIDS = ("lr-d16", "lr-d64")  # Table 2, Sections 8 and 9
 TUNED_GRIDS = ("tuned-depth-d16", "tuned-depth-d256")
 DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's depths at width 32
+TRANSFER_GRIDS = tuple(name for name in GRIDS if name.startswith("transfer-"))  # width transfer, complete runs

@@ -1,0 +1,66 @@
+"""Which code made a tree's records: per grid, the commits its runs (or redundancy rows) were made by, with torch's
+versions and the thread counts, and a flag where a grid mixes commits, has runs made on a tree whose code differed
+from its commit, or has runs that do not say (recorded before runs carried keel.provenance). `keel paper-report`
+prints it, so that a figure that moved can be traced to the code that made it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from keel.artifacts import CONFIG
+from keel.experiments.grids import GRIDS
+from keel.experiments.records import REDUNDANCY_DIR, REDUNDANCY_TABLE, read_made_by, read_redundancy_rows
+
+UNRECORDED = "unrecorded"
+
+
+def _count(counter: Counter) -> str:
+    return ", ".join(f"{key} ({n})" if len(counter) > 1 else str(key) for key, n in counter.most_common())
+
+
+def grid_sessions(grid_dir: Path) -> tuple[int, list[list[dict]]]:
+    """A grid's runs (or, for a redundancy grid, its checkpoints measured) and what made each: a list per run, of
+    the distinct sessions that made it (empty: it does not say)."""
+    if (grid_dir / REDUNDANCY_TABLE).is_file():
+        by_checkpoint: dict[str, list[dict]] = {}
+        for row in read_redundancy_rows(grid_dir / REDUNDANCY_TABLE):
+            session = {key: row[key] for key in ("commit", "dirty", "torch", "threads")} if row["torch"] else None
+            by_checkpoint.setdefault(row["path"], [session] if session else [])
+        return len(by_checkpoint), list(by_checkpoint.values())
+    runs = sorted(path.parent for path in grid_dir.glob(f"*/{CONFIG}"))
+    return len(runs), [read_made_by(run) for run in runs]
+
+
+def origins_row(grid: str, grid_dir: Path) -> dict | None:
+    count, made = grid_sessions(grid_dir)
+    if not count:
+        return None
+    sessions = [session for run in made for session in run]
+    commits = Counter(str(s["commit"] or f"keel {s.get('keel')}")[:10] for s in sessions)
+    unrecorded = sum(1 for run in made if not run)
+    if unrecorded:
+        commits[UNRECORDED] = unrecorded
+    dirty = sum(1 for run in made if any(s["dirty"] in (True, "True") for s in run))
+    resumed = sum(1 for run in made if len(run) > 1)
+    flags = ["mixes commits"] if len(commits) > 1 else []
+    flags += [f"{dirty} made on changed code"] if dirty else []
+    flags += [f"{resumed} resumed on other code or machine"] if resumed else []
+    return {
+        "grid": grid,
+        "runs": count,
+        "commits": _count(commits),
+        "torch": _count(Counter(str(s["torch"]) for s in sessions)) or "-",
+        "threads": _count(Counter(str(s["threads"]) for s in sessions)) or "-",
+        "flag": "; ".join(flags),
+    }
+
+
+def origins_table(out: Path) -> list[dict]:
+    """A row per grid of out that has run (each redundancy grid after the grid it measures)."""
+    rows = []
+    for grid in GRIDS:
+        for name, directory in ((grid, out / grid), (f"{grid}/{REDUNDANCY_DIR}", out / grid / REDUNDANCY_DIR)):
+            if directory.is_dir() and (row := origins_row(name, directory)) is not None:
+                rows.append(row)
+    return rows

@@ -22,7 +22,7 @@ from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name
 from keel.experiments.paper import init_sensitivity
 from keel.experiments.records import already_trained
-from keel.experiments.stats import sign_test
+from keel.experiments.stats import paired, sign_test
 from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 from keeltest import QUIET_TRAINER, TINY_MODEL
@@ -349,6 +349,23 @@ def test_maxlr_grid_variants_emit_and_paper_scale_config(tmp_path, capsys):
 def test_sign_test_is_the_exact_binomial():
     assert sign_test(5, 0) == pytest.approx(2 / 32) and sign_test(0, 5) == pytest.approx(2 / 32)
     assert sign_test(4, 1) == pytest.approx(2 * 6 / 32) and sign_test(3, 2) == 1.0 and sign_test(0, 0) == 1.0
+
+
+def test_a_paired_comparison_is_per_seed_and_gives_no_verdict_below_three_seeds():
+    a = {1: 0.12, 2: 0.10, 3: 0.09, 4: 0.2}
+    b = {1: 0.06, 2: 0.08, 3: 0.10, 5: 0.3}  # seed 4 and 5 have no partner
+    comparison = paired(a, b)
+    assert comparison.ratios == pytest.approx((2.0, 1.25, 0.9))
+    assert comparison.median_ratio == pytest.approx(1.25)  # the median of the ratios, not 0.10 / 0.08 by chance
+    assert (comparison.higher, comparison.lower, comparison.verdict) == (2, 1, "higher in 2, lower in 1 of 3")
+    # Wilcoxon's exact test: the log ratios' ranks 3 (+), 2 (+), 1 (-): W- = 1 of the 8 equally likely sign patterns
+    # give W- <= 1 twice (W- = 0, 1), two-sided 4/8
+    assert comparison.signed_rank_p == pytest.approx(0.5)
+    assert comparison.cells()["verdict"] == "higher in 2, lower in 1 of 3"
+    five = paired({seed: 2.0 + seed / 10 for seed in range(5)}, dict.fromkeys(range(5), 1.0))
+    assert five.verdict == "higher in 5 of 5" and five.sign_p == five.signed_rank_p == pytest.approx(2 / 32)
+    assert five.t_p < five.sign_p  # consistent ratios: the t-test on the logs is the sharper
+    assert paired({1: 2.0, 2: 0.5}, {1: 1.0, 2: 1.0}).verdict == "n = 2, no verdict"
 
 
 def test_sweep_emits_commands_and_slurm(tmp_path, capsys):

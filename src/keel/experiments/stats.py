@@ -1,11 +1,13 @@
 """The statistics every report of `keel paper-report` shares, and how a report prints them: median and range, mean
-and sd over seeds, the sign test, the direction of a sequence, a line through log-log points."""
+and sd over seeds, the sign test, the paired comparison of two schemes seed by seed, the direction of a sequence, a
+line through log-log points."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
@@ -70,6 +72,83 @@ def sign_test(wins: int, losses: int) -> float:
         return 1.0
     tail = sum(math.comb(n, k) for k in range(0, min(wins, losses) + 1)) / 2**n
     return min(1.0, 2 * tail)
+
+
+MIN_SEEDS = 3  # a comparison on fewer paired seeds gives its figures but no verdict
+
+
+@dataclass(frozen=True)
+class Paired:
+    """a against b over the seeds both have (each pair a / b > 0: an LR, a perplexity): the per-seed ratios and three
+    tests of "a and b are alike" that fit paired seeds: the sign test, Wilcoxon's exact signed-rank test on the log
+    ratios, and the one-sample t-test on the log ratios (all two-sided)."""
+
+    ratios: tuple[float, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def higher(self) -> int:
+        return sum(r > 1 for r in self.ratios)
+
+    @property
+    def lower(self) -> int:
+        return sum(r < 1 for r in self.ratios)
+
+    @property
+    def median_ratio(self) -> float:
+        """The median of the per-seed ratios (not the ratio of the medians)."""
+        return statistics.median(self.ratios)
+
+    @property
+    def sign_p(self) -> float:
+        return sign_test(self.higher, self.lower)
+
+    @property
+    def signed_rank_p(self) -> float | None:
+        from scipy import stats
+
+        logs = [math.log(r) for r in self.ratios if r != 1]
+        return float(stats.wilcoxon(logs, method="exact").pvalue) if logs else None
+
+    @property
+    def t_p(self) -> float | None:
+        from scipy import stats
+
+        logs = [math.log(r) for r in self.ratios]
+        if len(logs) < 2 or len(set(logs)) < 2:  # no spread: no t
+            return None
+        return float(stats.ttest_1samp(logs, 0.0).pvalue)
+
+    @property
+    def verdict(self) -> str:
+        """ "a higher in k of n" (or lower, or level), or "n = 2, no verdict" below MIN_SEEDS paired seeds."""
+        if self.n < MIN_SEEDS:
+            return f"n = {self.n}, no verdict"
+        if self.higher == self.n:
+            return f"higher in {self.n} of {self.n}"
+        if self.lower == self.n:
+            return f"lower in {self.n} of {self.n}"
+        return f"higher in {self.higher}, lower in {self.lower} of {self.n}"
+
+    def cells(self) -> dict[str, str]:
+        """The comparison as a report's cells."""
+        return {
+            "seeds": str(self.n),
+            "a / b per seed": ", ".join(fmt(r) for r in self.ratios),
+            "median ratio": fmt(self.median_ratio) if self.ratios else "-",
+            "verdict": self.verdict,
+            "sign p": fmt(self.sign_p),
+            "signed-rank p": fmt(self.signed_rank_p),
+            "t p (log ratio)": fmt(self.t_p),
+        }
+
+
+def paired(a: dict[int, float | None], b: dict[int, float | None]) -> Paired:
+    """a / b over the seeds both have a value for (seed -> value)."""
+    return Paired(tuple(a[seed] / b[seed] for seed in sorted(a.keys() & b.keys()) if a[seed] and b[seed]))
 
 
 def max_over_min(values: list[float]) -> float | None:

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,15 @@ from keel.experiments.axes import non_embedding_params, resolve_alpha, width_for
 from keel.experiments.hold import WARMUP_HOLD, fit
 from keel.experiments.maxlr import main as maxlr_main
 from keel.experiments.maxlr_report import hold_steps, judge, ramp_name
+from keel.experiments.origins import origins_table
 from keel.experiments.paper import init_sensitivity
 from keel.experiments.records import already_trained
 from keel.experiments.stats import paired, sign_test
 from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 from keeltest import QUIET_TRAINER, TINY_MODEL
+
+ROOT = Path(__file__).parents[1]
 
 QUICK = [
     *TINY_MODEL,
@@ -438,6 +442,39 @@ def test_sweep_runs_and_collects_a_grid(sweep_dir):
     assert read_csv(sweep_dir / "sweep.csv") == rows
 
 
+def test_every_run_record_says_what_made_it_and_the_report_flags_a_grid_that_mixes_commits(sweep_dir, tmp_path):
+    """keel.provenance in the time records and redundancy rows; keel paper-report's origins table per grid."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    made = json.loads((sweep_dir / "preln-lr1e-3" / "sweep_time.json").read_text())["made_by"]
+    assert len(made) == 1 and made[0]["commit"] == head and made[0]["threads"] == 1  # the tests' trainer.threads
+    assert made[0]["torch"] and made[0]["cpu"] and isinstance(made[0]["dirty"], bool)
+    out = tmp_path / "paper"
+    shutil.copytree(sweep_dir, out / "lr-d16", ignore=shutil.ignore_patterns("checkpoints"))
+    assert origins_table(out) == [
+        {"grid": "lr-d16", "runs": 2, "commits": head[:10], "torch": made[0]["torch"], "threads": "1", "flag": "-"}
+        | ({"flag": "2 made on changed code"} if made[0]["dirty"] else {})
+    ]
+    # one run made by other code, one that does not say (recorded before runs said what made them)
+    record = out / "lr-d16" / "preln-lr1e-3" / "sweep_time.json"
+    record.write_text(json.dumps({"cpu_s": 1.0, "wall_s": 1.0, "made_by": [{**made[0], "commit": "0" * 40}]}))
+    (out / "lr-d16" / "preln-lr3e-3" / "sweep_time.json").write_text(json.dumps({"cpu_s": 1.0, "wall_s": 1.0}))
+    (row,) = origins_table(out)
+    assert row["commits"] == "0000000000 (1), unrecorded (1)" and row["flag"].startswith("mixes commits")
+
+
+def test_a_run_resumed_on_other_code_keeps_both_sessions_provenance():
+    from keel.experiments.timing import RunTime
+    from keel.provenance import made_by
+
+    earlier = {**made_by(1), "commit": "0" * 40}
+    timer = RunTime()
+    timer.load_state_dict({"cpu_s": 1.0, "wall_s": 2.0, "made_by": [earlier]})
+    timer.on_fit_start(None, None)
+    assert timer.state_dict()["made_by"] == [earlier, made_by(torch.get_num_threads())]
+    timer.load_state_dict({"cpu_s": 1.0, "wall_s": 2.0})  # a checkpoint from before runs recorded it
+    assert timer.state_dict()["made_by"] == [made_by(torch.get_num_threads())]
+
+
 def test_a_rerun_sweep_trains_only_what_its_records_do_not_show_finished(sweep_dir, tiny_data, tmp_path, capsys):
     """The committed records of a grid (no checkpoints) are enough for a rerun to skip its finished runs; a run
     whose stability.json stops short of max_steps trains again. Each trained run leaves its cost."""
@@ -470,6 +507,9 @@ def test_redundancy_rows_per_block_and_zeroed_block_costs_nothing(sweep_dir, tmp
     argv = ["redundancy", f"checkpoint={zeroed}", "--checkpoint", str(other), "--batches", "2", "--out", str(out)]
     assert cli_main(argv) == 0
     rows = read_csv(out / "redundancy.csv")
+    assert {r["commit"] for r in rows} == {
+        json.loads((sweep_dir / "preln-lr1e-3" / "sweep_time.json").read_text())["made_by"][0]["commit"]
+    }  # what made the rows, as what made the runs
     assert [(r["path"], int(r["block"])) for r in rows] == [
         (str(zeroed), 0),
         (str(zeroed), 1),

@@ -21,10 +21,21 @@ from keel.callbacks.downstream_eval import DownstreamEval
 from keel.callbacks.stability import Failure, StabilityMonitor
 from keel.cli import main as cli_main
 from keel.config import load_config
+from keel.experiments.lr_transfer import optimum
+from keel.experiments.lr_transfer import sections as lr_transfer_sections
 from keel.experiments.records import SWEEP_TIME
 from keel.experiments.stats import apart, direction, fmt, spread
 from keel.experiments.tables import write_table
-from keel.experiments.trained import LOSS, layer_use, load_trained, lr_table, matched_gaps, read_redundancy, tuned_depth
+from keel.experiments.trained import (
+    LOSS,
+    PAIR,
+    layer_use,
+    load_trained,
+    lr_table,
+    matched_gaps,
+    read_redundancy,
+    tuned_depth,
+)
 from keel.rundir import write_config
 
 STEPS = 600  # evaluations every 200 steps: at steps 199, 399, 599 (0-based)
@@ -344,6 +355,21 @@ def test_paper_report_has_the_trained_sections_for_the_grids_present(paper):
     assert "tuned-depth-d256." in report.split("\n")[2]  # the "Not (yet) run" line ends with them
     for plot in ("loss_vs_tasks_lr-d16.png", "layer_use_lr-d16.png"):
         assert f"]({plot})" in report and (paper.out / plot).stat().st_size > 0
+
+
+def test_the_lr_optimum_against_depth_is_each_seeds_parabola_vertex(paper):
+    text = "\n".join(lr_transfer_sections(paper.out))
+    assert "## The LR optimum against depth, complete runs" in text
+    for depth, grid in DEPTH_GRID.items():
+        for scheme in PAIR:
+            seeds = {}
+            for name, evaluations in paper.histories[grid].items():
+                if name.startswith(f"{scheme}-"):
+                    lr, seed = name.split("-lr")[1].split("-s")
+                    seeds.setdefault(int(seed), []).append((float(lr), evaluations[-1]["val_loss"]))
+            cells = ", ".join(f"s{seed}: {optimum(points).cell()}" for seed, points in sorted(seeds.items()))
+            row = next(line for line in text.splitlines() if line.startswith(f"| {scheme}, {depth} x 32 ({grid})"))
+            assert f"| {cells} |" in row
 
 
 def test_a_truncated_eval_history_is_named(paper, capsys):

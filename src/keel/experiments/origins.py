@@ -52,7 +52,7 @@ def origins_row(grid: str, grid_dir: Path) -> dict | None:
         "commits": _count(commits),
         "torch": _count(Counter(str(s["torch"]) for s in sessions)) or "-",
         "threads": _count(Counter(str(s["threads"]) for s in sessions)) or "-",
-        "flag": "; ".join(flags),
+        "flag": "; ".join(flags) or "-",
     }
 
 

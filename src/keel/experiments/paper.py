@@ -23,6 +23,7 @@ from keel.config.model import scheme_of
 from keel.errors import ConfigError
 from keel.experiments.grids import GRIDS
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
+from keel.experiments.lr_transfer import sections as lr_transfer_sections
 from keel.experiments.maxlr_report import NotYetRun, collect, inits, max_lr_value
 from keel.experiments.origins import origins_table
 from keel.experiments.plots import pyplot, save_figure
@@ -46,7 +47,7 @@ from keel.experiments.table1 import STRICT, seed_table, sign_tests
 from keel.experiments.tables import markdown_table
 from keel.experiments.trained import load_trained
 from keel.experiments.trained import sections as trained_sections
-from keel.experiments.trends import hold_pairs, plot_ratios, plot_transfer, transfer, trend
+from keel.experiments.trends import base_width_floor, hold_pairs, plot_ratios, plot_transfer, transfer, trend
 
 
 def ramp_check(short: list[dict], long: list[dict]) -> list[dict]:
@@ -224,6 +225,14 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             f"![the loss-optimal LR against width under sp and mup]({TRANSFER_PLOT})",
             "",
         ]
+        if floor := base_width_floor(grids):
+            text += [
+                "The ramp's noise floor: the same seed at the base width, where sp and mup compute alike up to "
+                "float rounding:",
+                "",
+                markdown_table(floor),
+                "",
+            ]
         plot_transfer(points, out / TRANSFER_PLOT)
     short, long = RAMP_CHECK
     if short in grids and long in grids and (table := ramp_check(grids[short], grids[long])):
@@ -247,6 +256,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
         if table:
             text += ["## 1,024 blocks", "", markdown_table(table), "", f"![1,024 blocks]({DEEP_PLOT})", ""]
     text += trained_sections(out, trained)
+    text += lr_transfer_sections(out)
     if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
         text += [
             f"## What depends on the init: each scheme's own recipe ({out}) against one init for all ({shared_init})",

@@ -133,6 +133,26 @@ def transfer(grids: dict[str, list[dict]]) -> tuple[list[dict], dict]:
     return [*table, moves], points
 
 
+def base_width_floor(grids: dict[str, list[dict]], base: int = 64) -> list[dict]:
+    """The ramp's noise floor: at the base width mup computes what sp computes (up to float rounding), so the same
+    seed's probes under the two should agree; per scheme and seed, each quantity under sp and under mup and their
+    ratio (larger / smaller)."""
+    table = []
+    for scheme in ("keel", "preln"):
+        (sp_grid,), depth, _ = WIDTH_TREND[base]
+        (mup_grid,), _, _ = MUP_WIDTH_TREND[base]
+        sp = {r["seed"]: r for r in rows_at(grids.get(sp_grid, []), depth, base, scheme)}
+        mup = {r["seed"]: r for r in rows_at(grids.get(mup_grid, []), depth, base, scheme)}
+        for seed in sorted(sp.keys() & mup.keys()):
+            entry = {"scheme": scheme, "seed": seed}
+            for label, value in (("loss-optimal LR", lambda r: r["loss_optimal_lr"]), ("max LR", max_lr_value)):
+                a, b = value(sp[seed]), value(mup[seed])
+                entry |= {f"{label} sp": fmt(a), f"{label} mup": fmt(b)}
+                entry[f"{label} ratio"] = fmt(max(a, b) / min(a, b)) if a and b else "-"
+            table.append(entry)
+    return table
+
+
 def plot_transfer(points: dict, path: Path) -> None:
     """The loss-optimal LR against width, a point per seed and the medians' line, sp dashed and mup solid."""
     plt = pyplot()

@@ -1,0 +1,74 @@
+"""keel.experiments.lr_transfer's reading of complete-run LR sweeps: the optimum as the vertex of a parabola in log2 LR,
+the loss read off at another LR, the loss given up at another width's optimum; every expected value computed here
+from curves whose optimum is known by construction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from keel.experiments.lr_transfer import SweepRun, loss_at, loss_given_up, optimum, width_transfer
+
+LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]
+
+
+def curve(best: float, floor: float = 4.0, k: float = 0.1) -> list[tuple[float, float]]:
+    """A sweep whose loss is a parabola in log2 LR with its vertex at LR `best`."""
+    return [(lr, floor + k * math.log2(lr / best) ** 2) for lr in LRS]
+
+
+def runs(width: int, parametrization: str, bests: dict[int, float]) -> list[SweepRun]:
+    return [
+        SweepRun("keel", parametrization, 8, width, lr, seed, loss)
+        for seed, best in bests.items()
+        for lr, loss in curve(best)
+    ]
+
+
+def test_the_optimum_is_the_vertex_of_the_parabola_through_the_best_point_and_its_neighbours():
+    found = optimum(curve(0.013))
+    assert found.lr == pytest.approx(0.013) and found.loss == pytest.approx(4.0) and found.edge == ""
+    # only the three points around the best count: a far point off the parabola does not move the vertex
+    bent = curve(0.013)
+    bent[-1] = (bent[-1][0], 9.0)
+    assert optimum(bent).lr == pytest.approx(0.013)
+    # the best point at an edge: no vertex, the edge's LR, marked
+    falling = optimum(curve(0.1))
+    assert (falling.lr, falling.edge, falling.cell()) == (0.04, "highest", ">= 0.04")
+    assert optimum(curve(0.001)).cell() == "<= 0.0025"
+    assert optimum(curve(0.013)[:2]) is None  # two LRs: no parabola
+
+
+def test_the_loss_at_another_lr_is_read_off_the_local_parabola_and_never_extrapolated():
+    points = curve(0.013)
+    assert loss_at(points, 0.01) == pytest.approx(points[2][1])  # a grid point: its own loss
+    assert loss_at(points, 0.007) == pytest.approx(4.0 + 0.1 * math.log2(0.007 / 0.013) ** 2)
+    assert loss_at(points, 0.001) is None and loss_at(points, 0.05) is None
+
+
+def test_the_loss_given_up_at_the_base_widths_optimum_per_seed():
+    target = runs(256, "sp", {1: 0.005, 2: 0.0025 * 2**0.75})
+    given = loss_given_up(target, 0.01)
+    assert [row["seed"] for row in given] == [1, 2]
+    assert given[0]["given up (nats)"] == pytest.approx(0.1 * 1.0**2)  # one factor of 2 from its optimum
+    assert given[1]["given up (nats)"] == pytest.approx(0.1 * 1.25**2)
+
+
+def test_width_transfer_gives_the_move_and_the_loss_given_up_under_each_parametrization():
+    # sp: the optimum falls 4x from width 64 to 256; mup: it stays
+    sweeps = {
+        (64, "sp"): (runs(64, "sp", {1: 0.01, 2: 0.01}), [{}] * 10),
+        (256, "sp"): (runs(256, "sp", {1: 0.0025 * 2**0.75, 2: 0.0025 * 2**0.75}), [{}] * 10),
+        (64, "mup"): (runs(64, "mup", {1: 0.01, 2: 0.01}), [{}] * 10),
+        (256, "mup"): (runs(256, "mup", {1: 0.01, 2: 0.01}), [{}] * 10),
+    }
+    text = "\n".join(width_transfer(sweeps, 64, 256))
+    verdicts = {
+        line.split(" | ")[0].strip("| "): line
+        for line in text.splitlines()
+        if line.startswith("| sp") or line.startswith("| mup")
+    }
+    assert "| 0.42x |" in verdicts["sp"]  # 0.0025 * 2^0.75 / 0.01
+    assert "s1: 0.1562, s2: 0.1562" in verdicts["sp"]  # 1.25 factors of 2 from its own optimum: 0.1 * 1.25^2
+    assert "| 1x |" in verdicts["mup"] and "s1: 0.0000, s2: 0.0000" in verdicts["mup"]

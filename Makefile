@@ -6,7 +6,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-test data pretrain test test-extended test-fast test-lowest lint format tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
+.PHONY: install install-test data pretrain test test-extended test-fast test-lowest lint format tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper tune-lr clean
 
 # TORCH_INDEX: a PyTorch wheel index to take torch from, for a GPU driver older than PyPI's build needs (README,
 # "Scaling out"), e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu126` on a fresh venv. torchvision
@@ -110,6 +110,10 @@ paper: install
 paper-linear paper-trained paper-transfer: install
 	$(MAKE) --no-print-directory $(call PAPER_SET,$@)
 	$(KEEL) paper-report $(PAPER_OUT)
+
+# The LR tuning sweep of docs/lr-transfer.md's recipe (the transfer grid at the base width under mup, into PAPER_OUT):
+# it ends by printing the LR to pass to the large run (optim.lr, with model.parametrization=mup model.mup_base_width=64)
+tune-lr: paper-transfer-w64-mup
 
 paper-data: install
 	$(KEEL) data $(filter data=% data.%,$(ARGS))

@@ -25,6 +25,7 @@ from keel.experiments.origins import origins_table
 from keel.experiments.paper import init_sensitivity
 from keel.experiments.records import already_trained
 from keel.experiments.stats import paired, sign_test
+from keel.experiments.sweep import lr_optima
 from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
 from keel.model import KeelLM
 from keeltest import QUIET_TRAINER, TINY_MODEL
@@ -370,6 +371,24 @@ def test_a_paired_comparison_is_per_seed_and_gives_no_verdict_below_three_seeds(
     assert five.verdict == "higher in 5 of 5" and five.sign_p == five.signed_rank_p == pytest.approx(2 / 32)
     assert five.t_p < five.sign_p  # consistent ratios: the t-test on the logs is the sharper
     assert paired({1: 2.0, 2: 0.5}, {1: 1.0, 2: 1.0}).verdict == "n = 2, no verdict"
+
+
+def test_an_lr_sweep_names_the_lr_to_train_with_from_the_seeds_mean_curve():
+    def row(lr: float, seed: int, width: int = 64, best: float = 0.013, steps: int = 1000) -> dict:
+        loss = 4.0 + 0.1 * math.log2(lr / best) ** 2 + 0.01 * seed  # a parabola in log2 LR, its vertex at `best`
+        return {"scheme": "keel", "depth": 8, "width": width, "alpha": 16.0, "seed": seed, "lr": lr,
+                "val_loss": loss, "val_step": steps - 1, "max_steps": steps}  # fmt: skip
+
+    lrs = (0.0025, 0.005, 0.01, 0.02, 0.04)
+    rows = [row(lr, seed) for lr in lrs for seed in (1, 2, 3)]
+    rows += [row(lr, 1, width=256, best=0.1) for lr in lrs]  # another group: best at the sweep's top
+    rows.append(row(0.08, 1, steps=2000) | {"val_step": 499})  # unfinished: left out
+    assert lr_optima(rows) == [
+        "keel 8 x 64: optimum LR 0.013, over 5 LRs x 3 seed(s): train with optim.lr=0.013",
+        "keel 8 x 256: optimum LR >= 0.04 (its highest: extend above), over 5 LRs x 1 seed(s): train with "
+        "optim.lr=0.04",
+    ]
+    assert lr_optima([row(lr, 1) for lr in lrs[:2]]) == []  # two LRs: no optimum
 
 
 def test_sweep_emits_commands_and_slurm(tmp_path, capsys):

@@ -5,8 +5,9 @@ runs only, resolved per depth; --fixed-params gives each depth the width closest
 non-embedding parameter count. --emit run trains the runs here, then collects; commands|slurm write them out.
 Runs go to DIR/<name> and resume (resume=auto); a rerun skips the finished ones, and each run's CPU and wall
 seconds go to DIR/<name>/sweep_time.json. `collect` tabulates each run's last validation loss, task scores
-and stability verdict into DIR/sweep.csv and sweep.md and plots each metric against each axis that varies
-(docs/experiments.md, "Grids of complete runs").
+and stability verdict into DIR/sweep.csv and sweep.md, plots each metric against each axis that varies
+(docs/grids.md, "Grids of complete runs") and, for an LR sweep of 3 LRs or more, prints the LR to train with: the
+optimum of the seeds' mean final validation loss (docs/lr-transfer.md, "The recipe").
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from keel.config.model import scheme_named
 from keel.errors import ConfigError
 from keel.experiments.axes import non_embedding_params, resolve_alpha, slug, width_for_budget
 from keel.experiments.launch import GridCell, slurm_script
+from keel.experiments.lr_transfer import optimum
 from keel.experiments.plots import plot_lines
 from keel.experiments.records import (
     COMMANDS,
@@ -37,6 +39,7 @@ from keel.experiments.records import (
     already_trained,
     run_row,
 )
+from keel.experiments.stats import fmt
 from keel.experiments.tables import write_table
 
 PLOT_AXES = {"lr": "learning rate", "alpha": "Keel alpha", "depth": "depth (blocks)"}
@@ -116,6 +119,31 @@ def collect(out: Path) -> list[dict]:
     return rows
 
 
+def lr_optima(rows: list[dict]) -> list[str]:
+    """The LR to train with, per group of finished runs that differ only in LR and seed: the optimum of the seeds'
+    mean final validation loss over the LRs every seed finished (keel.experiments.lr_transfer.optimum: the vertex of
+    the parabola in log2 LR through the best LR and its neighbours), where there are three such LRs or more."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("val_loss") is not None and r.get("val_step") == r.get("max_steps", 0) - 1:
+            groups.setdefault((r["scheme"], r["depth"], r["width"], r.get("alpha")), []).append(r)
+    lines = []
+    for (scheme, depth, width, _), runs in groups.items():
+        seeds = {r["seed"] for r in runs}
+        losses: dict[float, list[float]] = {}
+        for r in runs:
+            losses.setdefault(r["lr"], []).append(r["val_loss"])
+        curve = [(lr, sum(v) / len(v)) for lr, v in losses.items() if len(v) == len(seeds)]
+        if (best := optimum(curve)) is None:
+            continue
+        where = {"lowest": " (the sweep's lowest LR: extend it below)", "highest": " (its highest: extend above)"}
+        lines.append(
+            f"{scheme} {depth} x {width}: optimum LR {best.cell()}{where.get(best.edge, '')}, over {len(curve)} LRs "
+            f"x {len(seeds)} seed(s): train with optim.lr={fmt(best.lr)}"
+        )
+    return lines
+
+
 def plot_sweep(rows: list[dict], out: Path) -> None:
     for (metric, ylabel), (axis, xlabel) in itertools.product(PLOT_METRICS.items(), PLOT_AXES.items()):
         have = [r for r in rows if r.get(metric) is not None and r.get(axis) is not None]
@@ -151,6 +179,8 @@ def main(argv: list[str]) -> int:
         out = Path(parser.parse_args(argv[1:]).dir)
         rows = collect(out)
         print(f"keel sweep collect: {len(rows)} runs -> {out}/sweep.csv, sweep.md, plots")
+        for line in lr_optima(rows):
+            print(f"keel sweep collect: {line}")
         return 0
     parser = OneLineErrorParser(
         prog="keel sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -194,8 +224,10 @@ def main(argv: list[str]) -> int:
                 f"{total['cpu_s']:.0f} s CPU)",
                 flush=True,
             )
-        collect(out)
+        rows = collect(out)
         print(f"keel sweep: {len(runs)} runs -> {out}/sweep.csv, sweep.md, plots")
+        for line in lr_optima(rows):
+            print(f"keel sweep: {line}")
         return 0
     commands = [pretrain_command(args, run, out) for run in runs]
     if args.emit == "commands":

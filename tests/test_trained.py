@@ -431,10 +431,12 @@ def test_section8_profile_gives_each_grids_verdicts_and_the_report_prints_them(p
         f"the paper's direction at LR {fmt(0.005)}; the reverse at LR {fmt(0.01)}; n = 1, no verdict at LR "
         f"{fmt(0.02)}; neither at LR {fmt(0.04)}"
     )
+    assert row["verdict, thirds"] == row["verdict"]  # blocks 1-4 against 11-14: the same design
     assert row["seeds paired per LR"] == ", ".join(f"{fmt(lr)}: {1 if lr == 0.02 else 3}" for lr in LRS)
     assert cli_main(["paper-report", str(profile.out)]) == 0
     report = (profile.out / "report.md").read_text()
     assert f"**Section 8's profile at 16 blocks x 64 (lr-d16): {row['verdict']}.**" in report
+    assert f"(shallow blocks (1-4) against deep blocks (11-14)): {row['verdict, thirds']}." in report
     assert "](layer_profile_lr-d16.png)" in report and (profile.out / "layer_profile_lr-d16.png").stat().st_size > 0
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from keel.experiments.records import (
     read_redundancy_rows,
 )
 from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
-from keel.experiments.stats import MIN_SEEDS, Paired, apart, direction, fmt, fmt_sd, paired, spread
+from keel.experiments.stats import MIN_SEEDS, Paired, apart, direction, fmt, fmt_sd, paired, sign_test, spread
 from keel.experiments.tables import markdown_table
 
 PAIR = ("keel", "preln")
@@ -309,29 +310,32 @@ def _middle(increases: list[float]) -> float:
     return statistics.mean(increases[1:-1])
 
 
-def _half(depth: int) -> int:
-    """How many interior blocks (1 to depth - 2) each of the shallow and the deep part has: half of them, the middle
-    one of an odd count in neither."""
-    return (depth - 2) // 2
+HALVES, THIRDS = 2, 3  # the profile compares the interior's first and last half; the thirds check the split
 
 
-def shallow_deep(increases: list[float]) -> tuple[float, float]:
-    """The mean loss increase of removing one block of the interior's shallow half (blocks 1 to half) and of its
-    deep half (depth - 1 - half to depth - 2)."""
-    half = _half(len(increases))
-    return statistics.mean(increases[1 : 1 + half]), statistics.mean(increases[-1 - half : -1])
+def _span(depth: int, parts: int) -> int:
+    """How many interior blocks (1 to depth - 2) each of the shallow and the deep part has: 1 / parts of them
+    (halves: all of them, the middle one of an odd count in neither)."""
+    return (depth - 2) // parts
 
 
-def profile_ratio(increases: list[float]) -> float | None:
+def shallow_deep(increases: list[float], parts: int = HALVES) -> tuple[float, float]:
+    """The mean loss increase of removing one block of the interior's shallow part (blocks 1 to span) and of its
+    deep part (depth - 1 - span to depth - 2)."""
+    span = _span(len(increases), parts)
+    return statistics.mean(increases[1 : 1 + span]), statistics.mean(increases[-1 - span : -1])
+
+
+def profile_ratio(increases: list[float], parts: int = HALVES) -> float | None:
     """shallow / deep (below 1: the shallow blocks cost less to remove, are the more redundant); None where either
     part's mean is not positive (a model whose blocks cost nothing has no profile to compare)."""
-    shallow, deep = shallow_deep(increases)
+    shallow, deep = shallow_deep(increases, parts)
     return shallow / deep if shallow > 0 and deep > 0 else None
 
 
-def _parts(depth: int) -> tuple[str, str]:
-    half = _half(depth)
-    return f"shallow blocks (1-{half})", f"deep blocks ({depth - 1 - half}-{depth - 2})"
+def _parts(depth: int, parts: int = HALVES) -> tuple[str, str]:
+    span = _span(depth, parts)
+    return f"shallow blocks (1-{span})", f"deep blocks ({depth - 1 - span}-{depth - 2})"
 
 
 def _by_seed(cell: list[TrainedRun], increases: dict[str, list[float]], measure) -> dict[int, float | None]:
@@ -440,7 +444,7 @@ def layer_profile(runs: list[TrainedRun], increases: dict[str, list[float]]) -> 
 PAPER, REVERSE, NEITHER = "the paper's direction", "the reverse", "neither"
 
 
-def profile_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
+def profile_pairs(runs: list[TrainedRun], increases: dict[str, list[float]], parts: int = HALVES) -> list[dict]:
     """Per peak LR both schemes ran, Section 8's verdict: Pre-LN's shallow / deep over its seeds, and Keel's
     shallow / deep over Pre-LN's seed by seed (above 1: Keel's shallow blocks the more used, relative to its deep
     ones), with how many paired seeds have Keel's profile the flatter (|log shallow / deep| the smaller). The
@@ -448,7 +452,7 @@ def profile_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> 
     paired seed; the reverse: both the other way in every seed; no verdict below MIN_SEEDS seeds in either."""
     table = []
     for lr in _matched_lrs(runs):
-        ratios = [_by_seed(_cell_runs(runs, s, lr), increases, profile_ratio) for s in PAIR]
+        ratios = [_by_seed(_cell_runs(runs, s, lr), increases, partial(profile_ratio, parts=parts)) for s in PAIR]
         if not all(ratios):
             continue
         own = Paired(tuple(v for _, v in sorted(ratios[1].items()) if v is not None))
@@ -624,21 +628,24 @@ def tuned_depth(grids: dict[str, list[TrainedRun]]) -> tuple[list[dict], list[di
 PAIRED_NOTE = (
     f"Seed by seed: {PAIR[0]}'s run of a seed against {PAIR[1]}'s of the same seed at the same LR; the tests, "
     "two-sided, of the per-seed log ratios against 0: the sign test, Wilcoxon's exact signed-rank test, the "
-    f"one-sample t-test; no verdict below {MIN_SEEDS} paired seeds."
+    f"one-sample t-test; no verdict below {MIN_SEEDS} paired seeds. With {MIN_SEEDS} seeds the sign and the "
+    f"signed-rank test cannot give a two-sided p below {fmt(sign_test(MIN_SEEDS, 0))}: a verdict counts seeds, "
+    "it does not claim significance."
 )
 
 
 def _profile_split(depth: int) -> str:
     shallow, deep = _parts(depth)
     return (
-        f"the interior blocks' halves, {shallow} against {deep}; block 0 and the last block ({depth - 1}) apart "
-        "(removing either measures where a norm sits)"
+        f"the interior blocks' halves, {shallow} against {deep}; block 0 (catastrophic to remove for every "
+        f"scheme) and the last block ({depth - 1}; Keel's ends in the norm the head reads) apart"
     )
 
 
 def section8_profile(out: Path, grids: dict[str, TrainedGrid]) -> list[dict]:
     """Section 8's verdict per LR grid that has redundancy rows (for a Summary): its size, the runs, the split,
-    the verdict at each LR both schemes ran (profile_verdict) and the seeds paired at each."""
+    the verdict at each LR both schemes ran (profile_verdict), the same with the interior's thirds, and the seeds
+    paired at each."""
     rows = []
     for grid in LR_GRIDS:
         if grid not in grids or not (out / grid / REDUNDANCY).is_file():
@@ -653,6 +660,7 @@ def section8_profile(out: Path, grids: dict[str, TrainedGrid]) -> list[dict]:
                     "runs": f"complete runs, final checkpoints, {PAIR[0]} and {PAIR[1]} each from its own init",
                     "split": _profile_split(runs[0].depth),
                     "verdict": profile_verdict(pairs),
+                    "verdict, thirds": profile_verdict(profile_pairs(runs, increases, THIRDS)),
                     "seeds paired per LR": ", ".join(f"{r['peak LR']}: {r['seeds paired']}" for r in pairs),
                 }
             )
@@ -695,6 +703,10 @@ def _section8_comparisons(out: Path, grid: str, runs: list[TrainedRun], increase
             markdown_table(pairs),
             "",
             f"**Section 8's profile at {_sizes(runs)} ({grid}): {profile_verdict(pairs)}.**",
+            "",
+            "The split checked: with the interior's first and last third instead ({} against {}): {}.".format(
+                *_parts(depth, THIRDS), profile_verdict(profile_pairs(runs, increases, THIRDS))
+            ),
             "",
         ]
     if profile:

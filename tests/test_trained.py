@@ -361,10 +361,10 @@ def test_the_profile_compares_the_interior_halves_per_run_and_scheme(profile):
         shallow, deep = PROFILE[lr][row["scheme"]]
         known = [v for v in ratios.values() if v is not None]
         if len(known) < 3:
-            assert row["shallow costs"] == f"n = {len(known)}, no verdict"
+            assert row["shallow cost vs deep"] == f"n = {len(known)}, no verdict"
         elif shallow != deep:
             assert all((v < 1) == (shallow < deep) for v in known)  # the design's direction in every seed
-            assert row["shallow costs"] == ("less in 3 of 3" if shallow < deep else "more in 3 of 3")
+            assert row["shallow cost vs deep"] == ("lower in 3 of 3" if shallow < deep else "higher in 3 of 3")
             assert (row["sign p"], row["signed-rank p"], row["t p (log ratio)"]) == two_sided_tests(known)
     (keel_0_02,) = [r for r in table if (r["scheme"], r["peak LR"]) == ("keel", fmt(0.02))]
     assert "s1: -" in keel_0_02["shallow / deep per seed"]  # a run whose blocks cost nothing has no ratio

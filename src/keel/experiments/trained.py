@@ -6,7 +6,9 @@ redundancy.csv `keel redundancy` wrote over a grid's final checkpoints (<grid>/r
     Table 2      lr-d16, lr-d64: per scheme and peak LR, the final held-out loss and task scores; monotone in LR?
     Section 9    the same runs: each task's score against held-out loss along training (every in-loop evaluation),
                  Keel minus Pre-LN at common loss levels, each run's score interpolated along its own trajectory
-    Section 8    the loss increase when one block is removed (first, middle, last), from <grid>/redundancy/
+    Section 8    the loss increase when one block is removed (first, middle, last), from <grid>/redundancy/; Keel
+                 against Pre-LN seed by seed; the profile the claim is about: each run's shallow / deep removal
+                 cost, per scheme and Keel against Pre-LN (section8_profile: the verdicts, for a Summary)
     Table 3      tuned-depth-d16, lr-d64, tuned-depth-d256 (width 32): each scheme at its own best LR (lowest mean
                  final held-out loss) of its sweep; the Keel - Pre-LN gap at those LRs against depth, over the
                  depths whose sweeps have VERDICT_SEEDS finished seeds in every cell
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
@@ -338,13 +341,20 @@ def _parts(depth: int, parts: int = HALVES) -> tuple[str, str]:
     return f"shallow blocks (1-{span})", f"deep blocks ({depth - 1 - span}-{depth - 2})"
 
 
-def _by_seed(cell: list[TrainedRun], increases: dict[str, list[float]], measure) -> dict[int, float | None]:
+def _by_seed(
+    cell: list[TrainedRun], increases: dict[str, list[float]], measure: Callable[[list[float]], float | None]
+) -> dict[int, float | None]:
     """seed -> the measure of its run's loss increases, over the runs of a cell that have rows."""
     return {r.seed: measure(increases[r.name]) for r in cell if r.name in increases}
 
 
 def _positive(value: float) -> float | None:
     return value if value > 0 else None  # a ratio of costs needs both positive
+
+
+def _of_seeds(ratios: dict[int, float | None]) -> Paired:
+    """The seeds' ratios (those that have one) against 1: a scheme's shallow / deep alone."""
+    return Paired(tuple(v for _, v in sorted(ratios.items()) if v is not None))
 
 
 def _per_seed(values: dict[int, float | None]) -> str:
@@ -402,17 +412,6 @@ def middle_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> l
     return table
 
 
-def _costs_less(comparison: Paired) -> str:
-    """A shallow / deep comparison in words: where the shallow blocks cost less to remove, seed by seed."""
-    if comparison.n < MIN_SEEDS:
-        return f"n = {comparison.n}, no verdict"
-    if comparison.lower == comparison.n:
-        return f"less in {comparison.n} of {comparison.n}"
-    if comparison.higher == comparison.n:
-        return f"more in {comparison.n} of {comparison.n}"
-    return f"less in {comparison.lower}, more in {comparison.higher} of {comparison.n}"
-
-
 def layer_profile(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
     """Per scheme and peak LR: the shallow and the deep half's mean removal cost over the seeds, each seed's
     shallow / deep, and whether the shallow blocks cost less (the tests of the log ratios against 0)."""
@@ -424,7 +423,7 @@ def layer_profile(runs: list[TrainedRun], increases: dict[str, list[float]]) -> 
                 continue
             parts = [shallow_deep(increases[r.name]) for r in cell]
             ratios = _by_seed(cell, increases, profile_ratio)
-            comparison = Paired(tuple(v for _, v in sorted(ratios.items()) if v is not None))
+            comparison = _of_seeds(ratios)
             shallow, deep = _parts(cell[0].depth)
             table.append(
                 {
@@ -434,7 +433,7 @@ def layer_profile(runs: list[TrainedRun], increases: dict[str, list[float]]) -> 
                     f"{deep}, mean": spread([d for _, d in parts]),
                     "shallow / deep per seed": _per_seed(ratios),
                     "median": fmt(comparison.median_ratio) if comparison.n else "-",
-                    "shallow costs": _costs_less(comparison),
+                    "shallow cost vs deep": comparison.verdict,
                     **_tests(comparison),
                 }
             )
@@ -455,7 +454,7 @@ def profile_pairs(runs: list[TrainedRun], increases: dict[str, list[float]], par
         ratios = [_by_seed(_cell_runs(runs, s, lr), increases, partial(profile_ratio, parts=parts)) for s in PAIR]
         if not all(ratios):
             continue
-        own = Paired(tuple(v for _, v in sorted(ratios[1].items()) if v is not None))
+        own = _of_seeds(ratios[1])
         comparison = paired(*ratios)
         both = sorted(seed for seed in ratios[0].keys() & ratios[1].keys() if ratios[0][seed] and ratios[1][seed])
         flatter = sum(abs(math.log(ratios[0][seed])) < abs(math.log(ratios[1][seed])) for seed in both)
@@ -470,7 +469,7 @@ def profile_pairs(runs: list[TrainedRun], increases: dict[str, list[float]], par
         table.append(
             {
                 "peak LR": fmt(lr),
-                f"{PAIR[1]}'s shallow blocks cost": _costs_less(own),
+                f"{PAIR[1]}'s shallow cost vs deep": own.verdict,
                 "seeds paired": str(comparison.n),
                 f"{PAIR[0]} / {PAIR[1]} of shallow / deep per seed": comparison.cells()["a / b per seed"],
                 "median": comparison.cells()["median ratio"],

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from keel.artifacts import STABILITY
 from keel.callbacks.downstream_eval import DownstreamEval
@@ -29,11 +30,15 @@ from keel.experiments.tables import write_table
 from keel.experiments.trained import (
     LOSS,
     PAIR,
+    layer_profile,
     layer_use,
     load_trained,
     lr_table,
     matched_gaps,
+    middle_pairs,
+    profile_pairs,
     read_redundancy,
+    section8_profile,
     tuned_depth,
 )
 from keel.rundir import write_config
@@ -143,6 +148,26 @@ def score(evaluation: dict, metric: str) -> float:
     return evaluation["scores"][task][name]
 
 
+def redundancy_rows(grid: Path, increases: dict[str, list[float]]) -> list[dict]:
+    """keel redundancy's rows (keel.experiments.redundancy.measure) for the final checkpoint of each run named."""
+    return [
+        {
+            "checkpoint": f"{name}/last ({name.split('-')[0]}, depth {len(values)})",
+            "path": str(grid / name / "checkpoints" / "last.ckpt"),
+            "scheme": name.split("-")[0],
+            "depth": len(values),
+            "block": block,
+            "val_tokens": 16384,
+            "ppl_base": 100.0,
+            "ppl_removed": 100.0 + increase,
+            "ppl_increase": increase,
+            "loss_increase": increase,
+        }
+        for name, values in increases.items()
+        for block, increase in enumerate(values)
+    ]
+
+
 @pytest.fixture(scope="module")
 def paper(tmp_path_factory):
     """A paper directory with lr-d16 (one run stopped short, one flagged by the monitor, seed 1 timed), its
@@ -161,27 +186,8 @@ def paper(tmp_path_factory):
     for depth, finals in TUNED.items():
         histories[DEPTH_GRID[depth]] = make_grid(out, DEPTH_GRID[depth], TUNED_LRS, depth, 32, finals, rng)
     # keel redundancy's rows (keel.experiments.redundancy.measure) over every final checkpoint of lr-d16 and one more
-    increases = {}
-    rows = []
-    for name in [*histories["lr-d16"], "elsewhere"]:
-        path = out / "lr-d16" / name / "checkpoints" / "last.ckpt"
-        increases[name] = [rng.uniform(-0.01, 0.5) for _ in range(16)]
-        rows += [
-            {
-                "checkpoint": f"{name}/last (keel, depth 16)",
-                "path": str(path),
-                "scheme": name.split("-")[0],
-                "depth": 16,
-                "block": block,
-                "val_tokens": 16384,
-                "ppl_base": 100.0,
-                "ppl_removed": 100.0 + increase,
-                "ppl_increase": increase,
-                "loss_increase": increase,
-            }
-            for block, increase in enumerate(increases[name])
-        ]
-    write_table(rows, out / "lr-d16" / "redundancy" / "redundancy.csv")
+    increases = {name: [rng.uniform(-0.01, 0.5) for _ in range(16)] for name in [*histories["lr-d16"], "elsewhere"]}
+    write_table(redundancy_rows(out / "lr-d16", increases), out / "lr-d16" / "redundancy" / "redundancy.csv")
     grids, missing = load_trained(out)
     return SimpleNamespace(out=out, histories=histories, increases=increases, grids=grids, missing=missing)
 
@@ -283,6 +289,158 @@ def test_layer_use_reports_the_first_and_last_block_apart_from_the_middle(paper)
         assert row["first block (0)"] == spread([v[0] for v in seeds])
         assert row["middle blocks (1-14), mean"] == spread([sum(v[1:15]) / 14 for v in seeds])
         assert row["last block (15)"] == spread([v[15] for v in seeds])
+
+
+# Section 8's profile by design, per LR of lr-d16 (shallow blocks 1-7, deep 8-14): each part's removal cost per
+# scheme, every block drawn within +-20% of it. 0.005: Pre-LN's shallow blocks the cheaper, Keel flat (the paper's
+# direction); 0.01: Pre-LN's shallow the dearer, Keel's the cheaper (the reverse); 0.04: both with cheap shallow
+# blocks, Keel's the more so (neither). 0.02: Pre-LN has 2 finished seeds and Keel's seed 1 costs nothing.
+PROFILE = {
+    0.005: {"keel": (0.03, 0.03), "preln": (0.01, 0.04)},
+    0.01: {"keel": (0.01, 0.03), "preln": (0.04, 0.01)},
+    0.02: {"keel": (0.02, 0.03), "preln": (0.01, 0.03)},
+    0.04: {"keel": (0.002, 0.04), "preln": (0.01, 0.03)},
+}
+VERDICTS = {0.005: "the paper's direction", 0.01: "the reverse", 0.02: "n = 1, no verdict", 0.04: "neither"}
+
+
+def designed_increases(names: list[str], rng: random.Random) -> dict[str, list[float]]:
+    """Per run, the loss increase of each of 16 blocks removed, by PROFILE; block 0 costs 5 nat, the last block
+    50 for Keel (its deep half would otherwise be the dearer everywhere) and 0.5 for Pre-LN."""
+    increases = {}
+    for name in names:
+        scheme, lr, seed = name.split("-")
+        shallow, deep = PROFILE[float(lr.removeprefix("lr"))][scheme]
+        interior = [rng.uniform(0.8, 1.2) * (shallow if block <= 7 else deep) for block in range(1, 15)]
+        if name == "keel-lr0.02-s1":
+            interior = [0.0] * 14
+        increases[name] = [5.0, *interior, 50.0 if scheme == "keel" else 0.5]
+    return increases
+
+
+@pytest.fixture(scope="module")
+def profile(paper, tmp_path_factory):
+    """lr-d16's runs with a redundancy.csv of designed profiles (its expected ratios per run, by name)."""
+    out = tmp_path_factory.mktemp("profile")
+    shutil.copytree(paper.out / "lr-d16", out / "lr-d16", ignore=shutil.ignore_patterns("redundancy"))
+    increases = designed_increases(list(paper.histories["lr-d16"]), random.Random(1))
+    write_table(redundancy_rows(out / "lr-d16", increases), out / "lr-d16" / "redundancy" / "redundancy.csv")
+    ratios = {
+        name: float(np.mean(v[1:8]) / np.mean(v[8:15])) if np.mean(v[1:8]) > 0 else None
+        for name, v in increases.items()
+    }
+    grids, _ = load_trained(out)
+    return SimpleNamespace(out=out, increases=increases, ratios=ratios, runs=grids["lr-d16"].runs)
+
+
+def finished(scheme: str, lr: float) -> list[int]:
+    return [s for s in (1, 2, 3) if f"{scheme}-lr{lr}-s{s}" != "preln-lr0.02-s3"]
+
+
+def two_sided_tests(ratios: list[float]) -> tuple[str, str, str]:
+    """The sign, exact signed-rank and t-test p-values of log ratios against 0, from scipy."""
+    logs = np.log(ratios)
+    sign = stats.binomtest(int((logs > 0).sum()), len(logs)).pvalue
+    return fmt(sign), fmt(stats.wilcoxon(logs, method="exact").pvalue), fmt(stats.ttest_1samp(logs, 0).pvalue)
+
+
+def test_the_profile_compares_the_interior_halves_per_run_and_scheme(profile):
+    """Each run's shallow / deep from its rows (block 0 and the last block left out), and per scheme whether the
+    shallow blocks cost less, seed by seed, with the tests of the log ratios."""
+    increases, _ = read_redundancy(profile.out / "lr-d16" / "redundancy" / "redundancy.csv", profile.runs)
+    table = layer_profile(profile.runs, increases)
+    assert [(r["scheme"], r["peak LR"]) for r in table] == [(s, fmt(lr)) for s in ("keel", "preln") for lr in LRS]
+    for row in table:
+        lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
+        names = {s: f"{row['scheme']}-lr{lr}-s{s}" for s in finished(row["scheme"], lr)}
+        ratios = {s: profile.ratios[n] for s, n in names.items()}
+        assert row["shallow / deep per seed"] == ", ".join(f"s{s}: {fmt(v)}" for s, v in ratios.items())
+        assert row["shallow blocks (1-7), mean"] == spread(
+            [float(np.mean(profile.increases[n][1:8])) for n in names.values()]
+        )
+        assert row["deep blocks (8-14), mean"] == spread(
+            [float(np.mean(profile.increases[n][8:15])) for n in names.values()]
+        )
+        shallow, deep = PROFILE[lr][row["scheme"]]
+        known = [v for v in ratios.values() if v is not None]
+        if len(known) < 3:
+            assert row["shallow cost vs deep"] == f"n = {len(known)}, no verdict"
+        elif shallow != deep:
+            assert all((v < 1) == (shallow < deep) for v in known)  # the design's direction in every seed
+            assert row["shallow cost vs deep"] == ("lower in 3 of 3" if shallow < deep else "higher in 3 of 3")
+            assert (row["sign p"], row["signed-rank p"], row["t p (log ratio)"]) == two_sided_tests(known)
+    (keel_0_02,) = [r for r in table if (r["scheme"], r["peak LR"]) == ("keel", fmt(0.02))]
+    assert "s1: -" in keel_0_02["shallow / deep per seed"]  # a run whose blocks cost nothing has no ratio
+
+
+def test_the_profile_verdict_pairs_keel_with_preln_seed_by_seed(profile):
+    """Keel's shallow / deep over Pre-LN's of the same seed: the paper's direction, the reverse, neither, or no
+    verdict below 3 paired seeds, as designed; the last block's cost (Keel's 100x Pre-LN's) does not enter."""
+    increases, _ = read_redundancy(profile.out / "lr-d16" / "redundancy" / "redundancy.csv", profile.runs)
+    pairs = profile_pairs(profile.runs, increases)
+    assert [r["peak LR"] for r in pairs] == [fmt(lr) for lr in LRS]
+    for row in pairs:
+        lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
+        assert row["verdict"] == VERDICTS[lr]
+        seeds = [
+            s
+            for s in finished("preln", lr)
+            if profile.ratios[f"keel-lr{lr}-s{s}"] and profile.ratios[f"preln-lr{lr}-s{s}"]
+        ]
+        keel = [profile.ratios[f"keel-lr{lr}-s{s}"] for s in seeds]
+        preln = [profile.ratios[f"preln-lr{lr}-s{s}"] for s in seeds]
+        assert row["seeds paired"] == str(len(seeds))
+        assert row["keel / preln of shallow / deep per seed"] == ", ".join(fmt(k / p) for k, p in zip(keel, preln))
+        flatter = sum(abs(np.log(k)) < abs(np.log(p)) for k, p in zip(keel, preln))
+        assert row["keel flatter"] == f"{flatter} of {len(seeds)}"
+        if len(seeds) >= 3:
+            assert (row["sign p"], row["signed-rank p"], row["t p (log ratio)"]) == two_sided_tests(
+                [k / p for k, p in zip(keel, preln)]
+            )
+    assert [r["keel flatter"] for r in pairs if r["peak LR"] == fmt(0.005)] == ["3 of 3"]  # Keel flat by design
+
+
+def test_the_middle_blocks_are_compared_seed_by_seed(profile):
+    increases, _ = read_redundancy(profile.out / "lr-d16" / "redundancy" / "redundancy.csv", profile.runs)
+    table = middle_pairs(profile.runs, increases)
+    for row in table:
+        lr = LRS[[fmt(lr) for lr in LRS].index(row["peak LR"])]
+        middle = {
+            (scheme, s): float(np.mean(profile.increases[f"{scheme}-lr{lr}-s{s}"][1:15]))
+            for scheme in ("keel", "preln")
+            for s in finished(scheme, lr)
+        }
+        seeds = [s for s in finished("preln", lr) if middle["keel", s] > 0]
+        ratios = [middle["keel", s] / middle["preln", s] for s in seeds]
+        assert row["keel / preln per seed"] == ", ".join(fmt(r) for r in ratios)
+        assert row["median"] == fmt(statistics.median(ratios))
+        if len(seeds) < 3:
+            assert row["keel's middle blocks cost"] == f"n = {len(seeds)}, no verdict"
+        else:
+            assert row["keel's middle blocks cost"] in ("higher in 3 of 3", "lower in 3 of 3")
+            assert row["keel's middle blocks cost"].startswith("higher" if min(ratios) > 1 else "lower")
+            assert (row["sign p"], row["signed-rank p"], row["t p (log ratio)"]) == two_sided_tests(ratios)
+    # Keel's middle blocks cost 0.03 at 0.005 against Pre-LN's 0.025 on average: higher; at 0.04 0.021 against 0.02
+    assert table[0]["keel's middle blocks cost"] == "higher in 3 of 3"
+    assert [r["keel's middle blocks cost"] for r in table if r["peak LR"] == fmt(0.02)] == ["n = 1, no verdict"]
+
+
+def test_section8_profile_gives_each_grids_verdicts_and_the_report_prints_them(profile):
+    grids, _ = load_trained(profile.out)
+    (row,) = section8_profile(profile.out, grids)
+    assert row["grid"] == "lr-d16" and row["size"] == "16 blocks x 64"
+    assert "shallow blocks (1-7) against deep blocks (8-14)" in row["split"]
+    assert row["verdict"] == (
+        f"the paper's direction at LR {fmt(0.005)}; the reverse at LR {fmt(0.01)}; n = 1, no verdict at LR "
+        f"{fmt(0.02)}; neither at LR {fmt(0.04)}"
+    )
+    assert row["verdict, thirds"] == row["verdict"]  # blocks 1-4 against 11-14: the same design
+    assert row["seeds paired per LR"] == ", ".join(f"{fmt(lr)}: {1 if lr == 0.02 else 3}" for lr in LRS)
+    assert cli_main(["paper-report", str(profile.out)]) == 0
+    report = (profile.out / "report.md").read_text()
+    assert f"**Section 8's profile at 16 blocks x 64 (lr-d16): {row['verdict']}.**" in report
+    assert f"(shallow blocks (1-4) against deep blocks (11-14)): {row['verdict, thirds']}." in report
+    assert "](layer_profile_lr-d16.png)" in report and (profile.out / "layer_profile_lr-d16.png").stat().st_size > 0
 
 
 def test_each_scheme_at_its_own_best_lr_per_depth_and_the_gap_against_depth(paper):
@@ -392,6 +550,7 @@ def test_table_3_with_one_scheme_finished_has_no_empty_gap_table(paper, tmp_path
     )
     assert cli_main(["paper-report", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()
-    table_3 = report[report.index("## Table 3, depth at width 32") :]
+    start = report.index("## Table 3, depth at width 32")
+    table_3 = report[start : report.index("\n## ", start)]  # up to the next section ("What made the records")
     assert "| 16 | tuned-depth-d16 | keel |" in table_3 and "| preln |" not in table_3
     assert "|  |" not in table_3

@@ -33,6 +33,7 @@ REDUNDANCY = f"{REDUNDANCY_DIR}/{REDUNDANCY_TABLE}"  # a grid's table: a run wit
 REPORT = "report.md"  # `keel paper-report`'s, with its figures
 HOLD_PLOT, RATIO_PLOT, TRANSFER_PLOT, DEEP_PLOT = "hold.png", "ratio.png", "transfer.png", "deep1024.png"
 LOSS_VS_TASKS_PLOT, LAYER_USE_PLOT = "loss_vs_tasks_{grid}.png", "layer_use_{grid}.png"  # per trained grid
+LAYER_PROFILE_PLOT = "layer_profile_{grid}.png"  # per trained grid: Section 8's shallow / deep ratio against LR
 
 
 REDUNDANCY_NUMBERS = {

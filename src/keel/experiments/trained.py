@@ -6,7 +6,9 @@ redundancy.csv `keel redundancy` wrote over a grid's final checkpoints (<grid>/r
     Table 2      lr-d16, lr-d64: per scheme and peak LR, the final held-out loss and task scores; monotone in LR?
     Section 9    the same runs: each task's score against held-out loss along training (every in-loop evaluation),
                  Keel minus Pre-LN at common loss levels, each run's score interpolated along its own trajectory
-    Section 8    the loss increase when one block is removed (first, middle, last), from <grid>/redundancy/
+    Section 8    the loss increase when one block is removed (first, middle, last), from <grid>/redundancy/; Keel
+                 against Pre-LN seed by seed; the profile the claim is about: each run's shallow / deep removal
+                 cost, per scheme and Keel against Pre-LN (section8_profile: the verdicts, for a Summary)
     Table 3      tuned-depth-d16, lr-d64, tuned-depth-d256 (width 32): each scheme at its own best LR (lowest mean
                  final held-out loss) of its sweep; the Keel - Pre-LN gap at those LRs against depth, over the
                  depths whose sweeps have VERDICT_SEEDS finished seeds in every cell
@@ -18,14 +20,18 @@ sd, [min, max] and n over the seeds; "seeds apart" means the two schemes' seed r
 from __future__ import annotations
 
 import json
+import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
 from keel.artifacts import CONFIG, read_eval_history, read_stability
 from keel.experiments.plots import pyplot, save_figure
 from keel.experiments.records import (
+    LAYER_PROFILE_PLOT,
     LAYER_USE_PLOT,
     LOSS_VS_TASKS_PLOT,
     MANIFEST,
@@ -36,7 +42,7 @@ from keel.experiments.records import (
     read_redundancy_rows,
 )
 from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
-from keel.experiments.stats import apart, direction, fmt, fmt_sd, spread
+from keel.experiments.stats import MIN_SEEDS, Paired, apart, direction, fmt, fmt_sd, paired, sign_test, spread
 from keel.experiments.tables import markdown_table
 
 PAIR = ("keel", "preln")
@@ -61,6 +67,7 @@ class TrainedRun:
     depth: int
     width: int
     lr: float
+    seed: int  # run.seed: the two schemes' runs of a seed are compared with each other
     init: str
     failed: bool  # the stability monitor's verdict (stability.json): a failure it recorded, stopped or not
     evaluations: list[dict[str, float]]  # per in-loop evaluation: LOSS and each metric -> value
@@ -110,6 +117,7 @@ def read_run(run_dir: Path) -> TrainedRun | None:
         cfg.model.depth,
         cfg.model.width,
         cfg.optim.lr,
+        cfg.run.seed,
         cfg.model.init_kind,
         bool(stability.get("failed")),
         evaluations,
@@ -281,6 +289,12 @@ def plot_loss_vs_tasks(runs: list[TrainedRun], path: Path, title: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ Section 8: layer use
+#
+# The paper's claim, as the review states it: beyond the first block, removing one of Pre-LN's shallow blocks costs
+# less than removing a deep one, while Keel's blocks are used more uniformly. The profile compares the interior
+# blocks' shallow half with their deep half: block 0 is catastrophic to remove for every scheme (and Keel's is a
+# plain Pre-LN block), and Keel's last block ends in the norm the head reads (Keel has no separate final norm), so
+# their removal measures where a norm sits, not how much a block is used; both are reported apart.
 
 
 def read_redundancy(path: Path, runs: list[TrainedRun]) -> tuple[dict[str, list[float]], int]:
@@ -292,6 +306,64 @@ def read_redundancy(path: Path, runs: list[TrainedRun]) -> tuple[dict[str, list[
         increases.setdefault(checkpoint_run(row["path"]), {})[row["block"]] = row["loss_increase"]
     known = {name: [blocks[b] for b in sorted(blocks)] for name, blocks in increases.items() if name in names}
     return known, len(increases) - len(known)
+
+
+def _middle(increases: list[float]) -> float:
+    """The mean loss increase of removing one of the blocks between the first and the last."""
+    return statistics.mean(increases[1:-1])
+
+
+HALVES, THIRDS = 2, 3  # the profile compares the interior's first and last half; the thirds check the split
+
+
+def _span(depth: int, parts: int) -> int:
+    """How many interior blocks (1 to depth - 2) each of the shallow and the deep part has: 1 / parts of them
+    (halves: all of them, the middle one of an odd count in neither)."""
+    return (depth - 2) // parts
+
+
+def shallow_deep(increases: list[float], parts: int = HALVES) -> tuple[float, float]:
+    """The mean loss increase of removing one block of the interior's shallow part (blocks 1 to span) and of its
+    deep part (depth - 1 - span to depth - 2)."""
+    span = _span(len(increases), parts)
+    return statistics.mean(increases[1 : 1 + span]), statistics.mean(increases[-1 - span : -1])
+
+
+def profile_ratio(increases: list[float], parts: int = HALVES) -> float | None:
+    """shallow / deep (below 1: the shallow blocks cost less to remove, are the more redundant); None where either
+    part's mean is not positive (a model whose blocks cost nothing has no profile to compare)."""
+    shallow, deep = shallow_deep(increases, parts)
+    return shallow / deep if shallow > 0 and deep > 0 else None
+
+
+def _parts(depth: int, parts: int = HALVES) -> tuple[str, str]:
+    span = _span(depth, parts)
+    return f"shallow blocks (1-{span})", f"deep blocks ({depth - 1 - span}-{depth - 2})"
+
+
+def _by_seed(
+    cell: list[TrainedRun], increases: dict[str, list[float]], measure: Callable[[list[float]], float | None]
+) -> dict[int, float | None]:
+    """seed -> the measure of its run's loss increases, over the runs of a cell that have rows."""
+    return {r.seed: measure(increases[r.name]) for r in cell if r.name in increases}
+
+
+def _positive(value: float) -> float | None:
+    return value if value > 0 else None  # a ratio of costs needs both positive
+
+
+def _of_seeds(ratios: dict[int, float | None]) -> Paired:
+    """The seeds' ratios (those that have one) against 1: a scheme's shallow / deep alone."""
+    return Paired(tuple(v for _, v in sorted(ratios.items()) if v is not None))
+
+
+def _per_seed(values: dict[int, float | None]) -> str:
+    return ", ".join(f"s{seed}: {fmt(v)}" for seed, v in sorted(values.items()))
+
+
+def _tests(comparison: Paired) -> dict[str, str]:
+    cells = comparison.cells()
+    return {key: cells[key] for key in ("sign p", "signed-rank p", "t p (log ratio)")}
 
 
 def layer_use(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
@@ -309,11 +381,113 @@ def layer_use(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list
                         "scheme": scheme,
                         "peak LR": fmt(lr),
                         "first block (0)": spread([s[0] for s in seeds]),
-                        f"middle blocks (1-{depth - 2}), mean": spread([statistics.mean(s[1:-1]) for s in seeds]),
+                        f"middle blocks (1-{depth - 2}), mean": spread([_middle(s) for s in seeds]),
                         f"last block ({depth - 1})": spread([s[-1] for s in seeds]),
                     }
                 )
     return table
+
+
+def middle_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
+    """Per peak LR both schemes ran: Keel's mean middle-block cost over Pre-LN's, seed by seed (same seed, same LR),
+    with the paired tests; no verdict below MIN_SEEDS paired seeds."""
+    table = []
+    for lr in _matched_lrs(runs):
+        middle = [
+            {k: _positive(v) for k, v in _by_seed(_cell_runs(runs, s, lr), increases, _middle).items()} for s in PAIR
+        ]
+        if not all(middle):
+            continue
+        comparison = paired(*middle)
+        table.append(
+            {
+                "peak LR": fmt(lr),
+                "seeds paired": str(comparison.n),
+                f"{PAIR[0]} / {PAIR[1]} per seed": comparison.cells()["a / b per seed"],
+                "median": comparison.cells()["median ratio"],
+                f"{PAIR[0]}'s middle blocks cost": comparison.verdict,
+                **_tests(comparison),
+            }
+        )
+    return table
+
+
+def layer_profile(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
+    """Per scheme and peak LR: the shallow and the deep half's mean removal cost over the seeds, each seed's
+    shallow / deep, and whether the shallow blocks cost less (the tests of the log ratios against 0)."""
+    table = []
+    for scheme in _schemes(runs):
+        for lr in _lrs(runs, scheme):
+            cell = [r for r in _cell_runs(runs, scheme, lr) if r.name in increases]
+            if not cell:
+                continue
+            parts = [shallow_deep(increases[r.name]) for r in cell]
+            ratios = _by_seed(cell, increases, profile_ratio)
+            comparison = _of_seeds(ratios)
+            shallow, deep = _parts(cell[0].depth)
+            table.append(
+                {
+                    "scheme": scheme,
+                    "peak LR": fmt(lr),
+                    f"{shallow}, mean": spread([s for s, _ in parts]),
+                    f"{deep}, mean": spread([d for _, d in parts]),
+                    "shallow / deep per seed": _per_seed(ratios),
+                    "median": fmt(comparison.median_ratio) if comparison.n else "-",
+                    "shallow cost vs deep": comparison.verdict,
+                    **_tests(comparison),
+                }
+            )
+    return table
+
+
+PAPER, REVERSE, NEITHER = "the paper's direction", "the reverse", "neither"
+
+
+def profile_pairs(runs: list[TrainedRun], increases: dict[str, list[float]], parts: int = HALVES) -> list[dict]:
+    """Per peak LR both schemes ran, Section 8's verdict: Pre-LN's shallow / deep over its seeds, and Keel's
+    shallow / deep over Pre-LN's seed by seed (above 1: Keel's shallow blocks the more used, relative to its deep
+    ones), with how many paired seeds have Keel's profile the flatter (|log shallow / deep| the smaller). The
+    paper's direction: Pre-LN's shallow blocks cost less in every seed and Keel's ratio is the higher in every
+    paired seed; the reverse: both the other way in every seed; no verdict below MIN_SEEDS seeds in either."""
+    table = []
+    for lr in _matched_lrs(runs):
+        ratios = [_by_seed(_cell_runs(runs, s, lr), increases, partial(profile_ratio, parts=parts)) for s in PAIR]
+        if not all(ratios):
+            continue
+        own = _of_seeds(ratios[1])
+        comparison = paired(*ratios)
+        both = sorted(seed for seed in ratios[0].keys() & ratios[1].keys() if ratios[0][seed] and ratios[1][seed])
+        flatter = sum(abs(math.log(ratios[0][seed])) < abs(math.log(ratios[1][seed])) for seed in both)
+        if min(own.n, comparison.n) < MIN_SEEDS:
+            verdict = f"n = {min(own.n, comparison.n)}, no verdict"
+        elif own.lower == own.n and comparison.higher == comparison.n:
+            verdict = PAPER
+        elif own.higher == own.n and comparison.lower == comparison.n:
+            verdict = REVERSE
+        else:
+            verdict = NEITHER
+        table.append(
+            {
+                "peak LR": fmt(lr),
+                f"{PAIR[1]}'s shallow cost vs deep": own.verdict,
+                "seeds paired": str(comparison.n),
+                f"{PAIR[0]} / {PAIR[1]} of shallow / deep per seed": comparison.cells()["a / b per seed"],
+                "median": comparison.cells()["median ratio"],
+                f"{PAIR[0]}'s is": comparison.verdict,
+                **_tests(comparison),
+                f"{PAIR[0]} flatter": f"{flatter} of {len(both)}",
+                "verdict": verdict,
+            }
+        )
+    return table
+
+
+def profile_verdict(pairs: list[dict]) -> str:
+    """The LRs of each verdict in a grid's profile_pairs, in words."""
+    by = {}
+    for row in pairs:
+        by.setdefault(row["verdict"], []).append(row["peak LR"])
+    return "; ".join(f"{verdict} at LR {', '.join(lrs)}" for verdict, lrs in by.items()) or "no LR both schemes ran"
 
 
 def plot_layer_use(runs: list[TrainedRun], increases: dict[str, list[float]], path: Path, title: str) -> None:
@@ -338,6 +512,30 @@ def plot_layer_use(runs: list[TrainedRun], increases: dict[str, list[float]], pa
         ax.set_yscale("symlog", linthresh=1e-2)  # block 0 can cost far more than a middle one; some removals help
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    save_figure(fig, title, path, dpi=100)
+
+
+def plot_layer_profile(runs: list[TrainedRun], increases: dict[str, list[float]], path: Path, title: str) -> None:
+    """Each run's shallow / deep against the peak LR (log-log), a colour per scheme, the seeds' median joined; 1
+    (the shallow and deep halves alike) dashed."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for scheme in _schemes(runs):
+        points = [
+            (r.lr, v)
+            for r in runs
+            if r.scheme == scheme and r.name in increases
+            if (v := profile_ratio(increases[r.name]))
+        ]
+        if not points:
+            continue
+        lrs = sorted({lr for lr, _ in points})
+        (line,) = ax.plot(lrs, [statistics.median(v for x, v in points if x == lr) for lr in lrs], "-", label=scheme)
+        ax.plot(*zip(*points), "o", color=line.get_color(), markersize=3, alpha=0.6)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set(xscale="log", yscale="log", xlabel="peak LR", ylabel="shallow / deep removal cost (per run)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     save_figure(fig, title, path, dpi=100)
 
 
@@ -426,6 +624,95 @@ def tuned_depth(grids: dict[str, list[TrainedRun]]) -> tuple[list[dict], list[di
 # ---------------------------------------------------------------------------------------------- the report
 
 
+PAIRED_NOTE = (
+    f"Seed by seed: {PAIR[0]}'s run of a seed against {PAIR[1]}'s of the same seed at the same LR; the tests, "
+    "two-sided, of the per-seed log ratios against 0: the sign test, Wilcoxon's exact signed-rank test, the "
+    f"one-sample t-test; no verdict below {MIN_SEEDS} paired seeds. With {MIN_SEEDS} seeds the sign and the "
+    f"signed-rank test cannot give a two-sided p below {fmt(sign_test(MIN_SEEDS, 0))}: a verdict counts seeds, "
+    "it does not claim significance."
+)
+
+
+def _profile_split(depth: int) -> str:
+    shallow, deep = _parts(depth)
+    return (
+        f"the interior blocks' halves, {shallow} against {deep}; block 0 (catastrophic to remove for every "
+        f"scheme) and the last block ({depth - 1}; Keel's ends in the norm the head reads) apart"
+    )
+
+
+def section8_profile(out: Path, grids: dict[str, TrainedGrid]) -> list[dict]:
+    """Section 8's verdict per LR grid that has redundancy rows (for a Summary): its size, the runs, the split,
+    the verdict at each LR both schemes ran (profile_verdict), the same with the interior's thirds, and the seeds
+    paired at each."""
+    rows = []
+    for grid in LR_GRIDS:
+        if grid not in grids or not (out / grid / REDUNDANCY).is_file():
+            continue
+        runs = grids[grid].runs
+        increases, _ = read_redundancy(out / grid / REDUNDANCY, runs)
+        if pairs := profile_pairs(runs, increases):
+            rows.append(
+                {
+                    "grid": grid,
+                    "size": _sizes(runs),
+                    "runs": f"complete runs, final checkpoints, {PAIR[0]} and {PAIR[1]} each from its own init",
+                    "split": _profile_split(runs[0].depth),
+                    "verdict": profile_verdict(pairs),
+                    "verdict, thirds": profile_verdict(profile_pairs(runs, increases, THIRDS)),
+                    "seeds paired per LR": ", ".join(f"{r['peak LR']}: {r['seeds paired']}" for r in pairs),
+                }
+            )
+    return rows
+
+
+def _section8_comparisons(out: Path, grid: str, runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[str]:
+    """Section 8's seed-by-seed comparisons of a grid: the middle blocks' cost, then the shallow-versus-deep profile
+    with its verdict and figure (written under out)."""
+    depth = runs[0].depth
+    text = []
+    if middle := middle_pairs(runs, increases):
+        text += [
+            f"The middle blocks' mean cost, {PAIR[0]} / {PAIR[1]}. {PAIRED_NOTE}",
+            "",
+            markdown_table(middle),
+            "",
+        ]
+    if profile := layer_profile(runs, increases):
+        figure = LAYER_PROFILE_PLOT.format(grid=grid)
+        plot_layer_profile(runs, increases, out / figure, f"Shallow / deep removal cost per run ({grid})")
+        text += [
+            f"### Section 8's profile at {_sizes(runs)} ({grid}): shallow against deep",
+            "",
+            f"Per run, the mean loss increase of removing one block of the shallow part over the deep part: "
+            f"{_profile_split(depth)}. Below 1: the shallow blocks cost less to remove (are the more redundant). "
+            "A run whose part costs nothing on average has no ratio (-). Per scheme, the tests are of its seeds' "
+            "log ratios against 0.",
+            "",
+            markdown_table(profile),
+            "",
+        ]
+    if pairs := profile_pairs(runs, increases):
+        text += [
+            f"{PAIR[0]}'s shallow / deep over {PAIR[1]}'s (above 1: {PAIR[0]}'s shallow blocks the more used, "
+            f"relative to its deep ones). {PAIRED_NOTE} {PAIR[0]} flatter: paired seeds whose |log shallow / deep| "
+            f"is {PAIR[0]}'s the smaller. The paper's direction: {PAIR[1]}'s shallow blocks cost less in every seed "
+            f"and {PAIR[0]}'s ratio is the higher in every paired seed; the reverse: both the other way.",
+            "",
+            markdown_table(pairs),
+            "",
+            f"**Section 8's profile at {_sizes(runs)} ({grid}): {profile_verdict(pairs)}.**",
+            "",
+            "The split checked: with the interior's first and last third instead ({} against {}): {}.".format(
+                *_parts(depth, THIRDS), profile_verdict(profile_pairs(runs, increases, THIRDS))
+            ),
+            "",
+        ]
+    if profile:
+        text += [f"![shallow / deep removal cost per run, {grid}]({LAYER_PROFILE_PLOT.format(grid=grid)})", ""]
+    return text
+
+
 def sections(out: Path, grids: dict[str, TrainedGrid]) -> list[str]:
     """The report's sections for the grids present (plots written under out)."""
     text = []
@@ -485,6 +772,7 @@ def sections(out: Path, grids: dict[str, TrainedGrid]) -> list[str]:
                     f"![loss increase per removed block, {grid}]({figure})",
                     "",
                 ]
+                text += _section8_comparisons(out, grid, runs, increases)
         else:
             text += [f"Section 8 at {size}: no {grid}/{REDUNDANCY} yet (make paper-redundancy-{grid}).", ""]
     tuned = {grid: grids[grid].runs for grid in DEPTH_GRIDS if grid in grids}

@@ -43,6 +43,7 @@ from keel.experiments.roles import (
     WIDTH_TREND,
 )
 from keel.experiments.stats import fmt, median
+from keel.experiments.summary import SUMMARY_NOTE, summary_block
 from keel.experiments.table1 import STRICT, seed_table, sign_tests
 from keel.experiments.tables import markdown_table
 from keel.experiments.trained import load_trained
@@ -128,11 +129,12 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     return table
 
 
-def collect_grids(out: Path) -> tuple[dict[str, list[dict]], list[str]]:
-    """Every max-LR grid of out judged (keel maxlr collect), and the ones missing or with no finished run."""
+def collect_grids(out: Path, names: tuple[str, ...] = MAXLR_GRIDS) -> tuple[dict[str, list[dict]], list[str]]:
+    """The max-LR grids of out (by default every one) judged (keel maxlr collect), and the ones missing or with no
+    finished run."""
     grids: dict[str, list[dict]] = {}
     missing = []
-    for grid in MAXLR_GRIDS:
+    for grid in names:
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
@@ -175,6 +177,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
     if missing:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
+    text += ["## Summary", "", SUMMARY_NOTE, "", summary_block(out, grids, trained), ""]
     text += [
         "Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
         "loss-optimal LR (best held-out loss).",

@@ -38,7 +38,7 @@ from keel.experiments.records import (
     read_made_by,
     run_row,
 )
-from keel.experiments.stats import Paired, median_range, sign_test
+from keel.experiments.stats import MIN_SEEDS, Paired, median_range, sign_test
 from keel.experiments.tables import markdown_table, write_table
 from keel.provenance import describe
 
@@ -238,8 +238,8 @@ def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None 
         "ties": ties,
         "not resolved": unresolved,
         "sign test p": sign_test(wins, losses),
-        "signed-rank p": tests.signed_rank_p,
-        "t p (log ratio)": tests.t_p,
+        "signed-rank p": tests.signed_rank_p if tests.n >= MIN_SEEDS else None,  # none below MIN_SEEDS seeds
+        "t p (log ratio)": tests.t_p if tests.n >= MIN_SEEDS else None,
         "verdict": f"{a} higher in {wins} of {wins + losses + ties} seeds"
         + (f" ({unresolved} more not resolved)" if unresolved else ""),
     }

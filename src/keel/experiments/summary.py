@@ -21,7 +21,7 @@ from keel.experiments.grids import GRIDS
 from keel.experiments.hold import fit, hold_points, hold_span, limits
 from keel.experiments.maxlr_report import max_lr_value, rows_at
 from keel.experiments.records import REDUNDANCY, load_run_config
-from keel.experiments.roles import DEEP_RUNS, DEPTH_GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND, LR_GRIDS, NOGAIN_PAIRS
+from keel.experiments.roles import DEEP_RUNS, DEPTH_GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND, LR_GRIDS
 from keel.experiments.stats import MIN_SEEDS, Paired, direction, fmt, median, paired
 from keel.experiments.tables import markdown_table
 from keel.experiments.trained import (
@@ -44,7 +44,6 @@ NAMES = {
     "mixln": "Mix-LN",
     "hybridnorm": "HybridNorm",
     "hybridnorm-megatron": "HybridNorm, its authors' init",
-    "keel-nogain": "Keel without gains",
 }
 FAMILY = ("postln", "deepnorm", "mixln", "hybridnorm")  # the Post-LN family of Table 1
 TABLE1_GRIDS = ("linear-d16", "linear-d64", "table1-d16", "table1-d64")  # the paper's protocol first
@@ -351,28 +350,6 @@ def hybridnorm_row(grids: dict[str, list[dict]]) -> list[dict]:
     ]
 
 
-def nogain_rows(grids: dict[str, list[dict]]) -> list[dict]:
-    """(Not in the paper) Keel without its outer norms' gains against Keel, per size."""
-    table = []
-    for with_gains, nogain in NOGAIN_PAIRS:
-        if nogain not in grids or with_gains not in grids:
-            continue
-        rows = [r for r in grids[with_gains] if r["row"] == "keel"] + grids[nogain]
-        p = paired(limits_by_seed(rows, "keel-nogain"), limits_by_seed(rows, "keel"))
-        table.append(
-            _row(
-                "(not in the paper) Keel's outer-norm gains",
-                protocol(rows),
-                point(rows),
-                seeds_cell(p, rows, "keel-nogain", "keel"),
-                f"without / with {ratio_figure(p)}",
-                tests(p),
-                verdict("without gains", p),
-            )
-        )
-    return table
-
-
 # ------------------------------------------------------------------------------------------- trained models
 
 
@@ -541,7 +518,6 @@ def summary_grids() -> tuple[str, ...]:
     """The max-LR grids the Summary reads (a grid not here is not in it)."""
     names = [*TABLE1_GRIDS, *(g for names in HOLD_GRIDS.values() for g in names), *FAMILY_GRIDS, HYBRIDNORM[0]]
     names += [g for names, _, _ in LINEAR_DEPTH_TREND.values() for g in names]
-    names += [g for pair in NOGAIN_PAIRS for g in pair]
     return tuple(dict.fromkeys(names))
 
 
@@ -561,7 +537,6 @@ def summary(out: Path, grids: dict[str, list[dict]], trained: dict[str, TrainedG
         *depth_gap_row(grids),
         *best_loss_rows(grids),
         *deep_row(out),
-        *nogain_rows(grids),
     ]
     for grid in LR_GRIDS:
         if grid in trained:

@@ -2,8 +2,10 @@
 (default runs/paper), written to DIR/report.md with its figures.
 
 Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr_report); this puts them side by
-side in the roles keel.experiments.roles gives them: Table 1's seed tables and sign tests (keel.experiments.table1),
-the Keel / Pre-LN max-LR ratio against depth and width with the batch point, and LR transfer under muP
+side in the roles keel.experiments.roles gives them, after the Summary (keel.experiments.summary: a row per verdict
+on a claim, with its protocol, size, paired seeds and paired tests; docs/experiments.md holds it): Table 1's seed
+tables and sign tests (keel.experiments.table1), the Keel / Pre-LN max-LR ratio against depth and width with the
+batch point, and LR transfer under muP
 (keel.experiments.trends), the hold map (keel.experiments.hold), the two-ramp check, Keel without its outer norms'
 gains and the 1,024-block runs (held-out loss, non-finite steps, per-block gradient norms); then the trained-model
 claims (keel.experiments.trained). Every table names the init in force. --shared-init DIR2 adds what depends on the

@@ -372,8 +372,10 @@ def _seeds(runs: list[TrainedRun]) -> str:
     return f"{low} per LR" if low == high else f"{low}-{high} per LR"
 
 
-def table2_row(runs: list[TrainedRun]) -> dict:
-    """Table 2: in how many task metrics each scheme's means move one way with the peak LR."""
+def table2_row(runs: list[TrainedRun]) -> list[dict]:
+    """Table 2: in how many task metrics each scheme's means move one way with the peak LR (both schemes ran)."""
+    if any(not any(r.scheme == s for r in runs) for s in PAIR):
+        return []
     tasks = {}
     for scheme in PAIR:
         means = means_by_lr(runs, scheme)
@@ -381,7 +383,7 @@ def table2_row(runs: list[TrainedRun]) -> dict:
         tasks[scheme] = (sum(d in ("rises", "falls") for d in directions), len(directions))
     keel, preln = tasks.values()
     holds = keel[0] == keel[1] and preln[0] < preln[1]
-    return _row(
+    row = _row(
         "Keel's task scores monotone in LR, Pre-LN's not (Table 2)",
         _trained_protocol(runs),
         _size(runs),
@@ -390,6 +392,7 @@ def table2_row(runs: list[TrainedRun]) -> dict:
         "- (the means' direction)",
         "holds" if holds else "not seen",
     )
+    return [row]
 
 
 def section9_rows(runs: list[TrainedRun]) -> list[dict]:
@@ -541,5 +544,5 @@ def summary(out: Path, grids: dict[str, list[dict]], trained: dict[str, TrainedG
     for grid in LR_GRIDS:
         if grid in trained:
             runs = trained[grid].runs
-            table += [table2_row(runs), *section9_rows(runs), *section8_row(out, grid, runs)]
+            table += [*table2_row(runs), *section9_rows(runs), *section8_row(out, grid, runs)]
     return table + table3_rows(trained)

@@ -544,5 +544,7 @@ def summary(out: Path, grids: dict[str, list[dict]], trained: dict[str, TrainedG
     for grid in LR_GRIDS:
         if grid in trained:
             runs = trained[grid].runs
+            # Section 8 as its sources state it (shallow against deep blocks, per scheme) joins as a row of its own
+            # beside section8_row once trained.py profiles the redundancy rows that way
             table += [*table2_row(runs), *section9_rows(runs), *section8_row(out, grid, runs)]
     return table + table3_rows(trained)

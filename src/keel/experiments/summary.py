@@ -116,28 +116,29 @@ def protocol(rows: list[dict]) -> str:
     return "; ".join(dict.fromkeys(short_ramp(r["ramp"]) for r in rows))
 
 
+def keel_vs_preln(grids: dict[str, list[dict]], names, claim, per_seed, figure) -> list[dict]:
+    """A row per grid of names: claim(grid), Keel against Pre-LN paired by seed over per_seed(rows, scheme) (seed ->
+    value), figure(Paired) its figure."""
+    table = []
+    for grid in names:
+        rows = [r for r in grids.get(grid, []) if r["row"] in ("keel", "preln")]
+        if rows:
+            p = paired(per_seed(rows, "keel"), per_seed(rows, "preln"))
+            seeds = seeds_cell(p, rows, "keel", "preln")
+            table.append(_row(claim(grid), protocol(rows), point(rows), seeds, figure(p), tests(p), verdict("Keel", p)))
+    return table
+
+
 def max_lr_rows(grids: dict[str, list[dict]]) -> list[dict]:
     """Keel against Pre-LN on Table 1's grids, then on the hold map's other slopes."""
-    order = [g for g in TABLE1_GRIDS] + [g for names in HOLD_GRIDS.values() for g in names if g not in TABLE1_GRIDS]
-    table = []
-    for grid in order:
-        rows = [r for r in grids.get(grid, []) if r["row"] in ("keel", "preln")]
-        if not rows:
-            continue
-        p = paired(limits_by_seed(rows, "keel"), limits_by_seed(rows, "preln"))
-        section = "Table 1" if grid in TABLE1_GRIDS else "hold map"
-        table.append(
-            _row(
-                f"Keel's max LR above Pre-LN's ({section})",
-                protocol(rows),
-                point(rows),
-                seeds_cell(p, rows, "keel", "preln"),
-                f"Keel / Pre-LN {ratio_figure(p)}",
-                tests(p),
-                verdict("Keel", p),
-            )
-        )
-    return table
+    others = [g for names in HOLD_GRIDS.values() for g in names if g not in TABLE1_GRIDS]
+    return keel_vs_preln(
+        grids,
+        [*TABLE1_GRIDS, *others],
+        lambda grid: f"Keel's max LR above Pre-LN's ({'Table 1' if grid in TABLE1_GRIDS else 'hold map'})",
+        limits_by_seed,
+        lambda p: f"Keel / Pre-LN {ratio_figure(p)}",
+    )
 
 
 def hold_rows(grids: dict[str, list[dict]]) -> list[dict]:
@@ -235,25 +236,13 @@ def perplexities(rows: list[dict], scheme: str) -> dict[int, float | None]:
 
 def best_loss_rows(grids: dict[str, list[dict]]) -> list[dict]:
     """Keel's best held-out loss on the ramp against Pre-LN's, seed by seed."""
-    table = []
-    for grid in LOSS_GRIDS:
-        rows = [r for r in grids.get(grid, []) if r["row"] in ("keel", "preln")]
-        if not rows:
-            continue
-
-        p = paired(perplexities(rows, "keel"), perplexities(rows, "preln"))
-        table.append(
-            _row(
-                "Keel's best held-out loss below Pre-LN's (Table 1 runs)",
-                protocol(rows),
-                point(rows),
-                seeds_cell(p, rows, "keel", "preln"),
-                f"Keel - Pre-LN {nats_figure(p)} nats",
-                tests(p),
-                verdict("Keel", p),
-            )
-        )
-    return table
+    return keel_vs_preln(
+        grids,
+        LOSS_GRIDS,
+        lambda grid: "Keel's best held-out loss below Pre-LN's (Table 1 runs)",
+        perplexities,
+        lambda p: f"Keel - Pre-LN {nats_figure(p)} nats",
+    )
 
 
 def depth_gap_row(grids: dict[str, list[dict]]) -> list[dict]:

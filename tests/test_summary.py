@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.experiments.stats import paired
 from keel.experiments.summary import BEGIN, END, deep_row, family_rows, max_lr_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,3 +111,10 @@ def test_the_summary_of_docs_experiments_is_what_the_report_writes_over_the_comm
     docs = (ROOT / "docs/experiments.md").read_text()
     committed = BEGIN + docs.split(BEGIN)[1].split(END)[0] + END
     assert summary_block(runs, grids, trained) == committed
+
+
+def test_ratios_equal_up_to_float_rounding_have_no_t_test():
+    # 0.75 three times, one of them a rounding off (as LRs on one grid of points give): no spread, no t
+    comparison = paired({1: 0.3 * 0.75, 2: 0.7 * 0.75, 3: 0.11 * 0.75}, {1: 0.3, 2: 0.7, 3: 0.11})
+    assert len(set(comparison.ratios)) == 2 and comparison.t_p is None
+    assert comparison.verdict == "lower in 3 of 3"

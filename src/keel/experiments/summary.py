@@ -162,7 +162,7 @@ def hold_rows(grids: dict[str, list[dict]]) -> list[dict]:
             continue
         table.append(
             _row(
-                "max LR falls as each LR is held longer (hold map)",
+                "(the protocol) max LR falls as each LR is held longer (hold map)",
                 f"linear, {len(slopes)} slopes",
                 "{} x {}".format(*at),
                 ", ".join(seeds) + " runs",
@@ -239,9 +239,9 @@ def best_loss_rows(grids: dict[str, list[dict]]) -> list[dict]:
     return keel_vs_preln(
         grids,
         LOSS_GRIDS,
-        lambda grid: "Keel's best held-out loss below Pre-LN's (Table 1 runs)",
+        lambda grid: "Keel's perplexity below Pre-LN's (abstract)",
         perplexities,
-        lambda p: f"Keel - Pre-LN {nats_figure(p)} nats",
+        lambda p: f"best held-out loss on the ramp, Keel - Pre-LN {nats_figure(p)} nats",
     )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from keel.experiments.stats import paired
-from keel.experiments.summary import BEGIN, END, deep_row, family_rows, max_lr_rows
+from keel.experiments.summary import BEGIN, END, deep_row, depth_gap_row, family_rows, max_lr_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS_CORPUS = {  # the shards the committed records were judged on (Python 3.11.7's standard library)
@@ -118,3 +118,25 @@ def test_ratios_equal_up_to_float_rounding_have_no_t_test():
     comparison = paired({1: 0.3 * 0.75, 2: 0.7 * 0.75, 3: 0.11 * 0.75}, {1: 0.3, 2: 0.7, 3: 0.11})
     assert len(set(comparison.ratios)) == 2 and comparison.t_p is None
     assert comparison.verdict == "lower in 3 of 3"
+
+
+def test_the_post_ln_gap_against_depth_is_measured_only_on_one_slope_at_two_depths():
+    def runs(scheme: str, depth: int, ramp: str, value: float) -> list[dict]:
+        return [probe(scheme, seed, value * (1 + seed / 100), ramp, (depth, 32)) for seed in (1, 2, 3)]
+
+    grids = {
+        "linear-depth-d16": runs("keel", 16, LINEAR, 0.14),
+        "linear-gentle-depth-d16": runs("postln", 16, GENTLE, 0.022),
+        "linear-d64": runs("keel", 64, LINEAR, 0.087),
+        "linear-gentle-d64": runs("postln", 64, GENTLE, 0.02),
+    }
+    (apart,) = depth_gap_row(grids)
+    assert apart["seeds"] == "matched at 0 depths"
+    assert apart["figure"] == "Keel (0.0001/step) 16: 0.143, 64: 0.0887; Post-LN (2.5e-05/step) 16: 0.0224, 64: 0.0204"
+    assert apart["verdict"] == "not measured: matched at fewer than 2 depths"
+    grids["linear-gentle-depth-d16"] += runs("keel", 16, GENTLE, 0.088)  # Keel on the family's slope: 4x, then 6x
+    grids["linear-gentle-d64"] += runs("keel", 64, GENTLE, 0.12)
+    (matched,) = depth_gap_row(grids)
+    assert matched["seeds"] == "matched at 2 depths"
+    assert matched["figure"] == "Keel / Post-LN 16 (2.5e-05/step): 4 [4-4], 64 (2.5e-05/step): 6 [6-6]"
+    assert matched["verdict"] == "widens; no trend test"

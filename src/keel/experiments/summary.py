@@ -260,12 +260,18 @@ def depth_gap_row(grids: dict[str, list[dict]]) -> list[dict]:
                 measured.setdefault((s, slope(ramp)), []).append(f"{depth}: {fmt(median(values))}{learned}")
         for ramp in ramps["keel"] & ramps["postln"]:
             on = [r for r in rows if r["ramp"] == ramp]
-            if paired(limits_by_seed(on, "keel"), limits_by_seed(on, "postln")).n >= MIN_SEEDS:
-                depths.append(depth)
+            if (p := paired(limits_by_seed(on, "keel"), limits_by_seed(on, "postln"))).n >= MIN_SEEDS:
+                depths.append((depth, slope(ramp), p))
     if not measured:
         return []
     width = next(iter(LINEAR_DEPTH_TREND.values()))[2]
-    figure = "; ".join(f"{NAMES[s]} ({ramp}) {', '.join(cells)}" for (s, ramp), cells in measured.items())
+    if len(depths) >= 2:  # the gap itself, Keel / Post-LN seed by seed, at each depth measured on one slope
+        figure = "Keel / Post-LN " + ", ".join(f"{d} ({ramp}): {ratio_figure(p)}" for d, ramp, p in depths)
+        gaps = [p.median_ratio for _, _, p in depths]
+        verdict_cell = f"{'widens' if direction(gaps) == 'rises' else 'does not widen'}; no trend test"
+    else:
+        figure = "; ".join(f"{NAMES[s]} ({ramp}) {', '.join(cells)}" for (s, ramp), cells in measured.items())
+        verdict_cell = "not measured: matched at fewer than 2 depths"
     return [
         _row(
             "the Post-LN variants' gap to Keel widens with depth (Table 1)",
@@ -274,7 +280,7 @@ def depth_gap_row(grids: dict[str, list[dict]]) -> list[dict]:
             f"matched at {len(depths)} depths",
             figure,
             "-",
-            "not measured: the matched comparison is not run at two depths" if len(depths) < 2 else "see Table 1",
+            verdict_cell,
         )
     ]
 
@@ -450,7 +456,7 @@ def section8_row(out: Path, grid: str, runs: list[TrainedRun]) -> list[dict]:
             _trained_protocol(runs),
             _size(runs),
             f"{pooled.n} (LR, seed) pairs",
-            "Keel / Pre-LN cost of removing a middle block, median by LR: " + ", ".join(per_lr),
+            "Keel / Pre-LN middle-block removal cost, median by LR: " + ", ".join(per_lr),
             tests(pooled),
             verdict("Keel", pooled),
         )
@@ -481,8 +487,8 @@ def table3_rows(grids: dict[str, TrainedGrid]) -> list[dict]:
                 f"complete runs, best LR Keel {fmt(best['keel'])}, Pre-LN {fmt(best['preln'])}",
                 _size(runs),
                 str(p.n),
-                f"Keel - Pre-LN final loss {nats_figure(p)} nats; task metrics with the seeds apart: Keel above "
-                f"in {higher}, below in {lower} of {len(tasks)}",
+                f"Keel - Pre-LN final loss {nats_figure(p)} nats; tasks with the seeds apart: Keel above in "
+                f"{higher}, below in {lower} of {len(tasks)}",
                 tests(p),
                 verdict("Keel's loss", p),
             )

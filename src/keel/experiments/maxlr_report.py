@@ -38,7 +38,7 @@ from keel.experiments.records import (
     read_made_by,
     run_row,
 )
-from keel.experiments.stats import median_range, sign_test
+from keel.experiments.stats import MIN_SEEDS, Paired, median_range, sign_test
 from keel.experiments.tables import markdown_table, write_table
 from keel.provenance import describe
 
@@ -218,16 +218,17 @@ def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None 
     if not seeds:
         return None
     wins = losses = ties = unresolved = 0
+    ratios = []  # a / b of the seeds the sign test counts
     for seed in seeds:
         x, y = value(by_seed[a, seed]), value(by_seed[b, seed])
         if x is None or y is None:
             unresolved += 1
         elif math.isclose(x, y, rel_tol=1e-9) or (not by_seed[a, seed]["failure"] and not by_seed[b, seed]["failure"]):
             ties += 1
-        elif x > y:
-            wins += 1
         else:
-            losses += 1
+            ratios.append(x / y)
+            wins, losses = wins + (x > y), losses + (x < y)
+    tests = Paired(tuple(ratios))
     return {
         "depth": depth,
         "comparison": f"{a} vs {b}" + (f" ({criterion})" if criterion else ""),
@@ -237,6 +238,8 @@ def compare(rows: list[dict], a: str, b: str, depth: int, criterion: str | None 
         "ties": ties,
         "not resolved": unresolved,
         "sign test p": sign_test(wins, losses),
+        "signed-rank p": tests.signed_rank_p if tests.n >= MIN_SEEDS else None,  # none below MIN_SEEDS seeds
+        "t p (log ratio)": tests.t_p if tests.n >= MIN_SEEDS else None,
         "verdict": f"{a} higher in {wins} of {wins + losses + ties} seeds"
         + (f" ({unresolved} more not resolved)" if unresolved else ""),
     }

@@ -2,8 +2,10 @@
 (default runs/paper), written to DIR/report.md with its figures.
 
 Each `keel maxlr` grid is judged by `keel maxlr collect` (keel.experiments.maxlr_report); this puts them side by
-side in the roles keel.experiments.roles gives them: Table 1's seed tables and sign tests (keel.experiments.table1),
-the Keel / Pre-LN max-LR ratio against depth and width with the batch point, and LR transfer under muP
+side in the roles keel.experiments.roles gives them, after the Summary (keel.experiments.summary: a row per verdict
+on a claim, with its protocol, size, paired seeds and paired tests; docs/experiments.md holds it): Table 1's seed
+tables and sign tests (keel.experiments.table1), the Keel / Pre-LN max-LR ratio against depth and width with the
+batch point, and LR transfer under muP
 (keel.experiments.trends), the hold map (keel.experiments.hold), the two-ramp check, Keel without its outer norms'
 gains and the 1,024-block runs (held-out loss, non-finite steps, per-block gradient norms); then the trained-model
 claims (keel.experiments.trained). Every table names the init in force. --shared-init DIR2 adds what depends on the
@@ -43,6 +45,7 @@ from keel.experiments.roles import (
     WIDTH_TREND,
 )
 from keel.experiments.stats import fmt, median
+from keel.experiments.summary import SUMMARY_NOTE, summary_block
 from keel.experiments.table1 import STRICT, seed_table, sign_tests
 from keel.experiments.tables import markdown_table
 from keel.experiments.trained import load_trained
@@ -128,11 +131,12 @@ def deep_runs(sweeps: list[tuple[Path, str]], plot_path: Path) -> list[dict]:
     return table
 
 
-def collect_grids(out: Path) -> tuple[dict[str, list[dict]], list[str]]:
-    """Every max-LR grid of out judged (keel maxlr collect), and the ones missing or with no finished run."""
+def collect_grids(out: Path, names: tuple[str, ...] = MAXLR_GRIDS) -> tuple[dict[str, list[dict]], list[str]]:
+    """The max-LR grids of out (by default every one) judged (keel maxlr collect), and the ones missing or with no
+    finished run."""
     grids: dict[str, list[dict]] = {}
     missing = []
-    for grid in MAXLR_GRIDS:
+    for grid in names:
         if (out / grid / MANIFEST).is_file():
             try:
                 grids[grid] = collect(out / grid)
@@ -175,6 +179,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
     if missing:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
+    text += ["## Summary", "", SUMMARY_NOTE, "", summary_block(out, grids, trained), ""]
     text += [
         "Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
         "loss-optimal LR (best held-out loss).",

@@ -118,7 +118,8 @@ class Paired:
         from scipy import stats
 
         logs = [math.log(r) for r in self.ratios]
-        if len(logs) < 2 or len(set(logs)) < 2:  # no spread: no t
+        # no spread (equal ratios, up to float rounding: the same LR grid points): no t
+        if len(logs) < 2 or math.isclose(min(logs), max(logs), rel_tol=1e-9, abs_tol=1e-12):
             return None
         return float(stats.ttest_1samp(logs, 0.0).pvalue)
 

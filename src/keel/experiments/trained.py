@@ -69,6 +69,7 @@ class TrainedRun:
     lr: float
     seed: int  # run.seed: the two schemes' runs of a seed are compared with each other
     init: str
+    seed: int  # run.seed: the init and the batch order, shared by the schemes' runs of one seed
     failed: bool  # the stability monitor's verdict (stability.json): a failure it recorded, stopped or not
     evaluations: list[dict[str, float]]  # per in-loop evaluation: LOSS and each metric -> value
     cpu_s: float | None  # its CPU seconds over its sessions (SWEEP_TIME), None where it was not timed
@@ -119,6 +120,7 @@ def read_run(run_dir: Path) -> TrainedRun | None:
         cfg.optim.lr,
         cfg.run.seed,
         cfg.model.init_kind,
+        cfg.run.seed,
         bool(stability.get("failed")),
         evaluations,
         cpu_s,
@@ -178,12 +180,21 @@ def _lrs(runs: list[TrainedRun], scheme: str | None = None) -> list[float]:
 # ---------------------------------------------------------------------------------------- Table 2: LR sweep
 
 
+def means_by_lr(runs: list[TrainedRun], scheme: str) -> dict[str, list[float]]:
+    """Per metric (LOSS first), the scheme's mean final value at each of its peak LRs, in LR order."""
+    means = {m: [] for m in _columns(runs)}
+    for lr in _lrs(runs, scheme):
+        for metric in means:
+            if values := _values(_cell_runs(runs, scheme, lr), metric):
+                means[metric].append(statistics.mean(values))
+    return means
+
+
 def lr_table(runs: list[TrainedRun]) -> tuple[list[dict], list[dict]]:
     """Per scheme and peak LR: the final held-out loss and scores over the seeds; then per scheme and metric
     whether the means are monotone in LR, with the means in LR order."""
     columns, table, verdicts = _columns(runs), [], []
     for scheme in _schemes(runs):
-        means = {m: [] for m in columns}
         for lr in _lrs(runs, scheme):
             cell = _cell_runs(runs, scheme, lr)
             entry = {
@@ -193,12 +204,12 @@ def lr_table(runs: list[TrainedRun]) -> tuple[list[dict], list[dict]]:
                 "stability failures": f"{sum(r.failed for r in cell)}/{len(cell)}",
             }
             for metric in columns:
-                values = _values(cell, metric)
-                entry[metric] = spread(values)
-                if values:
-                    means[metric].append(statistics.mean(values))
+                entry[metric] = spread(_values(cell, metric))
             table.append(entry)
-        verdicts.append({"scheme": scheme} | {m: f"{direction(v)}: {', '.join(map(fmt, v))}" for m, v in means.items()})
+        verdicts.append(
+            {"scheme": scheme}
+            | {m: f"{direction(v)}: {', '.join(map(fmt, v))}" for m, v in means_by_lr(runs, scheme).items()}
+        )
     return table, verdicts
 
 
@@ -232,14 +243,24 @@ def chance(metric: str) -> str:
     return "-" if metric not in CHANCE else "~0" if CHANCE[metric] == 0 else fmt(CHANCE[metric])
 
 
+def matched_levels(runs: list[TrainedRun]) -> dict[float, list[float]]:
+    """Per peak LR both schemes of PAIR ran, the held-out-loss levels every run of that LR passes through."""
+    return {lr: loss_levels([r for r in runs if r.lr == lr and r.scheme in PAIR]) for lr in _matched_lrs(runs)}
+
+
+def scores_at_level(runs: list[TrainedRun], metric: str, lr: float, level: float) -> list[list[float]]:
+    """Each scheme of PAIR's scores (a list per scheme, its seeds in run order) where its runs of the LR reach the
+    held-out-loss level."""
+    return [[v for r in _cell_runs(runs, s, lr) if (v := score_at(r, metric, level)) is not None] for s in PAIR]
+
+
 def matched_gaps(runs: list[TrainedRun]) -> list[dict]:
     """Per metric and peak LR both schemes ran, at each common held-out-loss level (highest first): Keel's mean score
     there minus Pre-LN's, each scheme's sample sd over its seeds, and whether the seed ranges are apart."""
     table = []
-    lrs = _matched_lrs(runs)
-    levels = {lr: loss_levels([r for r in runs if r.lr == lr and r.scheme in PAIR]) for lr in lrs}
+    levels = matched_levels(runs)
     for metric in _columns(runs)[1:]:
-        for lr in lrs:
+        for lr in levels:
             entry = {
                 "metric": metric,
                 "chance": chance(metric),
@@ -247,9 +268,7 @@ def matched_gaps(runs: list[TrainedRun]) -> list[dict]:
                 f"{LOSS} levels": ", ".join(map(fmt, levels[lr])),
             }
             for i, level in enumerate(levels[lr], 1):
-                at = [
-                    [v for r in _cell_runs(runs, s, lr) if (v := score_at(r, metric, level)) is not None] for s in PAIR
-                ]
+                at = scores_at_level(runs, metric, lr, level)
                 gap = statistics.mean(at[0]) - statistics.mean(at[1]) if all(at) else None
                 entry[f"level {i}: {PAIR[0]} - {PAIR[1]} (sd {PAIR[0]} / {PAIR[1]}; seeds apart)"] = (
                     f"{fmt(gap)} ({fmt_sd(at[0])} / {fmt_sd(at[1])}; {apart(*at)})"

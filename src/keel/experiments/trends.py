@@ -71,6 +71,8 @@ def hold_pairs(grids: dict[str, list[dict]]) -> list[dict]:
                         "keel / preln (per seed)": _ratio_cell(rows),
                         "verdict": test["verdict"],
                         "sign test p": test["sign test p"],
+                        "signed-rank p": test["signed-rank p"],
+                        "t p (log ratio)": test["t p (log ratio)"],
                     }
                 )
     return table

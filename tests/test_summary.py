@@ -1,0 +1,142 @@
+"""The Summary of `keel paper-report` (keel.experiments.summary): each row's figure is the median of the per-seed
+ratios, its verdict waits for 3 paired seeds, a comparison across slopes is not made, a run without a record says so;
+and docs/experiments.md's Summary block is what the report writes over the committed records."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from keel.experiments.stats import paired
+from keel.experiments.summary import BEGIN, END, deep_row, depth_gap_row, family_rows, max_lr_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS_CORPUS = {  # the shards the committed records were judged on (Python 3.11.7's standard library)
+    "train": {
+        "chunk-0-0.bin": "26b32df11715bc36f33a8ebe73662ab9e424b1e7022c312c7074a8aa4a8e37f9",
+        "chunk-1-0.bin": "8a743ee6ff14bdc45a54789b27ca50f997ef97ccf8ffc7a4a1612fc4a35b9825",
+    },
+    "val": {"chunk-0-0.bin": "0dea5c416b58e4b6a3f57f9b72b76b5aca268827c1c9060e91cfc3b5b23c123e"},
+}
+LINEAR = "linear from 0, 0.0001 per step"
+GENTLE = "linear from 0, 2.5e-05 per step"
+
+
+def probe(scheme: str, seed: int, value: float | None, ramp: str = LINEAR, point=(16, 64)) -> dict:
+    """A collected probe row (keel.experiments.maxlr_report) of a run that learned and diverged at value, or that
+    never learned (None)."""
+    return {
+        "row": scheme,
+        "seed": seed,
+        "depth": point[0],
+        "width": point[1],
+        "ramp": ramp,
+        "failure": "divergence",
+        "resolved": value is not None,
+        "max_tolerable_lr": value,
+        "max_lr_seen": 0.4,
+        "best_heldout": 5.0,
+    }
+
+
+def grid(keel: list[float | None], other: list[float | None], scheme: str = "preln", ramp: str = LINEAR) -> list:
+    return [probe("keel", s, v, ramp) for s, v in enumerate(keel, 1)] + [
+        probe(scheme, s, v, ramp) for s, v in enumerate(other, 1)
+    ]
+
+
+def test_a_max_lr_row_gives_the_median_of_the_per_seed_ratios_and_its_paired_tests():
+    # per seed 2, 3 and 0.5: the median ratio is 2; the ratio of the medians (3 / 1) would say 3
+    (row,) = max_lr_rows({"linear-d16": grid([0.2, 0.3, 0.4], [0.1, 0.1, 0.8])})
+    assert row["protocol"] == "linear, 0.0001/step" and row["blocks x width"] == "16 x 64"
+    assert row["seeds"] == "3 of 3" and row["figure"] == "Keel / Pre-LN 2 [0.5-3]"
+    assert row["verdict"] == "Keel higher in 2, lower in 1 of 3"
+    assert row["paired test"].startswith("sign 1, signed-rank ")
+
+
+def test_fewer_than_three_paired_seeds_give_no_verdict_and_no_test():
+    # seed 3's Pre-LN never learned: two paired seeds
+    (row,) = max_lr_rows({"linear-d64": grid([0.2, 0.3, 0.4], [0.1, 0.1, None])})
+    assert (row["seeds"], row["verdict"], row["paired test"]) == ("2 of 3", "n = 2, no verdict", "-")
+
+
+def test_the_post_ln_family_is_compared_with_keel_only_on_keels_slope():
+    family = [probe(s, seed, v, GENTLE) for s, v in (("postln", 0.014), ("deepnorm", 0.016)) for seed in (1, 2, 3)]
+    rows = family_rows({"linear-gentle-d16": family, "linear-d16": grid([0.1, 0.12, 0.11], [0.014] * 3, "postln")})
+    on_keels, gentle = rows
+    assert on_keels["figure"] == "Keel / Post-LN 7.86" and on_keels["verdict"] == "Post-LN: Keel higher in 3 of 3"
+    assert gentle["protocol"] == "linear, 2.5e-05/step"
+    assert gentle["figure"] == "max LR Post-LN 0.014 (3/3), DeepNorm 0.016 (3/3)"
+    assert gentle["verdict"] == "matched comparison not run: no Keel run on this ramp"
+
+
+def test_the_1024_block_row_says_no_record_where_a_run_left_none(tmp_path):
+    (tmp_path / "deep1024" / "preln-d1024-lr0.01").mkdir(parents=True)
+    shutil.copy(
+        ROOT / "docs/experiments/runs/deep1024/preln-d1024-lr0.01/config.yaml",
+        tmp_path / "deep1024/preln-d1024-lr0.01/config.yaml",
+    )
+    (tmp_path / "deep1024/preln-d1024-lr0.01/stability.json").write_text(
+        json.dumps({"failed": False, "steps": 200, "nonfinite_steps": 0})
+    )
+    (row,) = deep_row(tmp_path)
+    assert row["protocol"] == "LR 0.01, 200 steps" and row["blocks x width"] == "1,024 x 32"
+    assert "Keel: no record" in row["figure"] and "Pre-LN: 0 non-finite of 200 steps" in row["figure"]
+    assert row["verdict"] == "Keel: no record"
+
+
+@pytest.mark.slow
+def test_the_summary_of_docs_experiments_is_what_the_report_writes_over_the_committed_records(tmp_path, monkeypatch):
+    """The records are judged against the unigram loss of the `keel data` default corpus (this Python's standard
+    library) as the records' machine built it, in 2 shards of training tokens (the loss reads whole blocks of each
+    shard, so the layout moves it in the third decimal), rebuilt here; another Python's library gives other tokens,
+    and the test says so."""
+    from keel.data.preparation import main as data_main
+    from keel.experiments.paper import collect_grids
+    from keel.experiments.summary import summary_block, summary_grids
+    from keel.experiments.trained import load_trained
+
+    monkeypatch.chdir(tmp_path)
+    assert data_main(["data.prepare_workers=2"]) == 0  # data/stdlib, where the records' configs point
+    shards = json.loads((tmp_path / "data/stdlib/manifest.json").read_text())["chunk_sha256"]
+    if shards != RECORDS_CORPUS:
+        pytest.skip(f"this Python's standard library gives other shards ({shards}) than the records' corpus")
+    runs = tmp_path / "runs"
+    shutil.copytree(ROOT / "docs/experiments/runs", runs)  # collecting writes each grid's tables beside its runs
+    grids, _ = collect_grids(runs, summary_grids())
+    trained, _ = load_trained(runs)
+    docs = (ROOT / "docs/experiments.md").read_text()
+    committed = BEGIN + docs.split(BEGIN)[1].split(END)[0] + END
+    assert summary_block(runs, grids, trained) == committed
+
+
+def test_ratios_equal_up_to_float_rounding_have_no_t_test():
+    # 0.75 three times, one of them a rounding off (as LRs on one grid of points give): no spread, no t
+    comparison = paired({1: 0.3 * 0.75, 2: 0.7 * 0.75, 3: 0.11 * 0.75}, {1: 0.3, 2: 0.7, 3: 0.11})
+    assert len(set(comparison.ratios)) == 2 and comparison.t_p is None
+    assert comparison.verdict == "lower in 3 of 3"
+
+
+def test_the_post_ln_gap_against_depth_is_measured_only_on_one_slope_at_two_depths():
+    def runs(scheme: str, depth: int, ramp: str, value: float) -> list[dict]:
+        return [probe(scheme, seed, value * (1 + seed / 100), ramp, (depth, 32)) for seed in (1, 2, 3)]
+
+    grids = {
+        "linear-depth-d16": runs("keel", 16, LINEAR, 0.14),
+        "linear-gentle-depth-d16": runs("postln", 16, GENTLE, 0.022),
+        "linear-d64": runs("keel", 64, LINEAR, 0.087),
+        "linear-gentle-d64": runs("postln", 64, GENTLE, 0.02),
+    }
+    (apart,) = depth_gap_row(grids)
+    assert apart["seeds"] == "matched at 0 depths"
+    assert apart["figure"] == "Keel (0.0001/step) 16: 0.143, 64: 0.0887; Post-LN (2.5e-05/step) 16: 0.0224, 64: 0.0204"
+    assert apart["verdict"] == "not measured: matched at fewer than 2 depths"
+    grids["linear-gentle-depth-d16"] += runs("keel", 16, GENTLE, 0.088)  # Keel on the family's slope: 4x, then 6x
+    grids["linear-gentle-d64"] += runs("keel", 64, GENTLE, 0.12)
+    (matched,) = depth_gap_row(grids)
+    assert matched["seeds"] == "matched at 2 depths"
+    assert matched["figure"] == "Keel / Post-LN 16 (2.5e-05/step): 4 [4-4], 64 (2.5e-05/step): 6 [6-6]"
+    assert matched["verdict"] == "widens; no trend test"

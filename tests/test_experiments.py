@@ -280,7 +280,8 @@ def test_a_resumed_probe_counts_the_cost_of_its_earlier_sessions(tiny_data, tmp_
     assert spent["cpu_s"] > 0 and spent["wall_s"] > 0
     second = RunTime()
     train(tiny_config(tiny_data, run, "trainer.max_steps=8", "resume=auto"), [second])
-    assert second.earlier == spent
+    assert second.earlier == {"cpu_s": spent["cpu_s"], "wall_s": spent["wall_s"]}
+    assert second.earlier_made_by == spent["made_by"]  # what made the first session, carried over
     total = second.state_dict()
     assert total["cpu_s"] > spent["cpu_s"] and total["wall_s"] > spent["wall_s"]
 

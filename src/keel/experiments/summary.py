@@ -34,6 +34,7 @@ from keel.experiments.trained import (
     means_by_lr,
     read_redundancy,
     scores_at_level,
+    section8_profile,
 )
 
 NAMES = {
@@ -542,10 +543,24 @@ def summary(out: Path, grids: dict[str, list[dict]], trained: dict[str, TrainedG
         *best_loss_rows(grids),
         *deep_row(out),
     ]
+    profiles = {profile["grid"]: profile for profile in section8_profile(out, trained)}
     for grid in LR_GRIDS:
         if grid in trained:
             runs = trained[grid].runs
-            # Section 8 as its sources state it (shallow against deep blocks, per scheme) joins as a row of its own
-            # beside section8_row once trained.py profiles the redundancy rows that way
             table += [*table2_row(runs), *section9_rows(runs), *section8_row(out, grid, runs)]
+            table += [profile_row(runs, profiles[grid])] if grid in profiles else []
     return table + table3_rows(trained)
+
+
+def profile_row(runs: list[TrainedRun], profile: dict) -> dict:
+    """Section 8 as its sources state it: Pre-LN's shallow blocks more redundant than its deep ones, Keel's used more
+    uniformly (trained.section8_profile: per LR, every seed of Pre-LN and every paired seed of Keel one way)."""
+    return _row(
+        "Pre-LN's shallow blocks more redundant, Keel's more uniform (Section 8)",
+        _trained_protocol(runs),
+        _size(runs),
+        f"per LR: {profile['seeds paired per LR']}",
+        f"interior blocks' removal cost, shallow / deep half; by thirds: {profile['verdict, thirds']}",
+        "every seed one way (sign p >= 0.25)",
+        profile["verdict"],
+    )

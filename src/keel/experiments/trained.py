@@ -69,7 +69,6 @@ class TrainedRun:
     lr: float
     seed: int  # run.seed: the two schemes' runs of a seed are compared with each other
     init: str
-    seed: int  # run.seed: the init and the batch order, shared by the schemes' runs of one seed
     failed: bool  # the stability monitor's verdict (stability.json): a failure it recorded, stopped or not
     evaluations: list[dict[str, float]]  # per in-loop evaluation: LOSS and each metric -> value
     cpu_s: float | None  # its CPU seconds over its sessions (SWEEP_TIME), None where it was not timed
@@ -120,7 +119,6 @@ def read_run(run_dir: Path) -> TrainedRun | None:
         cfg.optim.lr,
         cfg.run.seed,
         cfg.model.init_kind,
-        cfg.run.seed,
         bool(stability.get("failed")),
         evaluations,
         cpu_s,

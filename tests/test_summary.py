@@ -71,6 +71,13 @@ def test_the_post_ln_family_is_compared_with_keel_only_on_keels_slope():
     assert gentle["protocol"] == "linear, 2.5e-05/step"
     assert gentle["figure"] == "max LR Post-LN 0.014 (3/3), DeepNorm 0.016 (3/3)"
     assert gentle["verdict"] == "matched comparison not run: no Keel run on this ramp"
+    # Keel on the family's slope, in a grid of its own (linear-gentle-keel-d16): the family is compared with it
+    keel = [probe("keel", seed, v, GENTLE) for seed, v in ((1, 0.07), (2, 0.08), (3, 0.064))]
+    (matched,) = family_rows({"linear-gentle-d16": family, "linear-gentle-keel-d16": keel})
+    assert (
+        matched["figure"] == "Keel / Post-LN 5, DeepNorm 4.38"
+    )  # 0.07 / 0.014; the median of 0.07, 0.08, 0.064 / 0.016
+    assert matched["verdict"] == "Post-LN, DeepNorm: Keel higher in 3 of 3"
 
 
 def test_the_1024_block_row_says_no_record_where_a_run_left_none(tmp_path):

@@ -88,6 +88,8 @@ SLOPE_2E4, SLOPE_5E5 = slope("0.4", "2000", "0.1"), slope("0.4", "8000", "0.1") 
 SLOPE_5E5_TO_01 = slope("0.1", "2000", "0.1")
 # 4x gentler: at 1e-4 per step HybridNorm passes its limit before it has learned, Post-LN at 64 x 32 never learns
 SLOPE_2E5 = slope("0.1", "4000", "0.05")
+# Keel at the family's slope, to the protocol's peak: its limit lies above the family's peak of 0.1
+SLOPE_2E5_TO_04 = slope("0.4", "16000", "0.05")
 PAIR = ("--schemes", "keel,preln")
 TRIO = ("--schemes", "keel,preln,postln")
 POSTLN = ("--schemes", "postln")
@@ -206,6 +208,15 @@ GRIDS = {
     "linear-d64": maxlr((64, 32), *PAIR, "--seeds", "{SEEDS}", *SLOPE_1E4, *size(64, 32), sets=LINEAR),
     "linear-gentle-d16": maxlr((16, 64), *FAMILY, *SLOPE_2E5, sets=LINEAR),
     "linear-gentle-d64": maxlr((64, 32), *FAMILY, *SLOPE_2E5, *size(64, 32), sets=LINEAR),
+    # Keel at the family's slope: the family against Keel on one protocol, at Table 1's two sizes and over depth at
+    # width 32 (Post-LN there: linear-gentle-depth-d16, linear-gentle-d64)
+    "linear-gentle-keel-d16": maxlr((16, 64), "--schemes", "keel", "--seeds", "{TREND_SEEDS}", *SLOPE_2E5_TO_04),
+    "linear-gentle-keel-d64": maxlr(
+        (64, 32), "--schemes", "keel", "--seeds", "{TREND_SEEDS}", *SLOPE_2E5_TO_04, *size(64, 32)
+    ),
+    "linear-gentle-keel-depth-d16": maxlr(
+        (16, 32), "--schemes", "keel", "--seeds", "{TREND_SEEDS}", *SLOPE_2E5_TO_04, *size(16, 32)
+    ),
     # the hold map: the same probes at twice and half the slope, Keel and Pre-LN
     "hold-d16-fast": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_2E4, sets=LINEAR),
     "hold-d16-slow": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, sets=LINEAR),

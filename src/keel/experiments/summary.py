@@ -49,6 +49,8 @@ NAMES = {
 FAMILY = ("postln", "deepnorm", "mixln", "hybridnorm")  # the Post-LN family of Table 1
 TABLE1_GRIDS = ("linear-d16", "linear-d64", "table1-d16", "table1-d64")  # the paper's protocol first
 FAMILY_GRIDS = ("linear-d16", "linear-d64", "linear-gentle-d16", "linear-gentle-d64", "table1-d16", "table1-d64")
+# Keel on the gentle grids' ramp, read beside the family's grids and the depth trend's Post-LN
+KEEL_AT_FAMILY_SLOPE = ("linear-gentle-keel-d16", "linear-gentle-keel-d64", "linear-gentle-keel-depth-d16")
 LOSS_GRIDS = ("linear-d16", "linear-d64", "hold-d64-slow", "table1-d16", "table1-d64")
 HYBRIDNORM = ("hybridnorm", "hybridnorm-megatron")  # HybridNorm's headline: its authors' init (the own-init rule)
 FAMILY_CLAIM = "the Post-LN family far below Keel (Table 1)"
@@ -183,11 +185,11 @@ def hold_rows(grids: dict[str, list[dict]]) -> list[dict]:
     return table
 
 
-def matched(grids: dict[str, list[dict]], rows: list[dict], scheme: str = "keel") -> bool:
-    """Whether the scheme ran at these rows' size on their ramp in any grid."""
+def matched(grids: dict[str, list[dict]], rows: list[dict], scheme: str = "keel") -> list[dict]:
+    """The scheme's runs at these rows' size on their ramp, in any grid."""
     ramps = {r["ramp"] for r in rows}
     size = (rows[0]["depth"], rows[0]["width"])
-    return any(r["ramp"] in ramps for grid in grids.values() for r in rows_at(grid, *size, scheme))
+    return [r for grid in grids.values() for r in rows_at(grid, *size, scheme) if r["ramp"] in ramps]
 
 
 def family_rows(grids: dict[str, list[dict]]) -> list[dict]:
@@ -201,8 +203,8 @@ def family_rows(grids: dict[str, list[dict]]) -> list[dict]:
             continue
         if not members:
             seeds, figure, test, verdicts = "0", "no record", "-", "no record"
-        elif any(r["row"] == "keel" for r in rows):
-            comparisons = {s: paired(limits_by_seed(rows, "keel"), limits_by_seed(rows, s)) for s in members}
+        elif keel := matched(grids, rows):
+            comparisons = {s: paired(limits_by_seed(keel, "keel"), limits_by_seed(rows, s)) for s in members}
             decided = [p for p in comparisons.values() if p.n >= MIN_SEEDS]
             worst = max(decided, key=lambda p: (p.sign_p, p.signed_rank_p, p.t_p or 0)) if decided else None
             figure = "Keel / " + ", ".join(f"{NAMES[s]} {fmt(p.median_ratio)}" for s, p in comparisons.items() if p.n)
@@ -221,7 +223,7 @@ def family_rows(grids: dict[str, list[dict]]) -> list[dict]:
             )
             seeds = str(len({r["seed"] for r in rows}))
             test = "-"
-            verdicts = "matched comparison not run" + ("" if matched(grids, rows) else ": no Keel run on this ramp")
+            verdicts = "matched comparison not run: no Keel run on this ramp"
         table.append(_row(FAMILY_CLAIM, protocol(rows), point(rows), seeds, figure, test, verdicts))
     return table
 
@@ -251,7 +253,7 @@ def depth_gap_row(grids: dict[str, list[dict]]) -> list[dict]:
     ramp with MIN_SEEDS paired seeds; short of two such depths, what each scheme measured at which slope."""
     depths, measured = [], {}
     for depth, (names, _, width) in LINEAR_DEPTH_TREND.items():
-        rows = [r for grid in names for r in rows_at(grids.get(grid, []), depth, width)]
+        rows = [r for grid in (*names, *KEEL_AT_FAMILY_SLOPE) for r in rows_at(grids.get(grid, []), depth, width)]
         ramps = {s: {r["ramp"] for r in rows if r["row"] == s} for s in ("keel", "postln")}
         for s in ramps:
             for ramp in ramps[s]:
@@ -522,6 +524,7 @@ BEGIN, END = "<!-- keel paper-report: Summary -->", "<!-- end of keel paper-repo
 def summary_grids() -> tuple[str, ...]:
     """The max-LR grids the Summary reads (a grid not here is not in it)."""
     names = [*TABLE1_GRIDS, *(g for names in HOLD_GRIDS.values() for g in names), *FAMILY_GRIDS, HYBRIDNORM[0]]
+    names += KEEL_AT_FAMILY_SLOPE
     names += [g for names, _, _ in LINEAR_DEPTH_TREND.values() for g in names]
     return tuple(dict.fromkeys(names))
 

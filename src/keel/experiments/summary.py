@@ -255,13 +255,14 @@ def depth_gap_row(grids: dict[str, list[dict]]) -> list[dict]:
     for depth, (names, _, width) in LINEAR_DEPTH_TREND.items():
         rows = [r for grid in (*names, *KEEL_AT_FAMILY_SLOPE) for r in rows_at(grids.get(grid, []), depth, width)]
         ramps = {s: {r["ramp"] for r in rows if r["row"] == s} for s in ("keel", "postln")}
+        keel_ramps, postln_ramps = ramps.values()
         for s in ramps:
             for ramp in ramps[s]:
                 runs = [r for r in rows if r["row"] == s and r["ramp"] == ramp]
                 values = [v for v in map(max_lr_value, runs) if v is not None]
                 learned = "" if len(values) == len(runs) else f" ({len(values)}/{len(runs)})"
                 measured.setdefault((s, slope(ramp)), []).append(f"{depth}: {fmt(median(values))}{learned}")
-        for ramp in ramps["keel"] & ramps["postln"]:
+        for ramp in keel_ramps & postln_ramps:
             on = [r for r in rows if r["ramp"] == ramp]
             if (p := paired(limits_by_seed(on, "keel"), limits_by_seed(on, "postln"))).n >= MIN_SEEDS:
                 depths.append((depth, slope(ramp), p))
@@ -487,7 +488,7 @@ def table3_rows(grids: dict[str, TrainedGrid]) -> list[dict]:
         table.append(
             _row(
                 "Keel better at tuned LRs (Table 3)",
-                f"complete runs, best LR Keel {fmt(best['keel'])}, Pre-LN {fmt(best['preln'])}",
+                "complete runs, best LR " + ", ".join(f"{NAMES[s]} {fmt(lr)}" for s, lr in best.items()),
                 _size(runs),
                 str(p.n),
                 f"Keel - Pre-LN final loss {nats_figure(p)} nats; tasks with the seeds apart: Keel above in "

@@ -73,6 +73,7 @@ def test_make_runs_every_grid_and_the_report_reads_every_one():
         *roles.TABLE1,
         *roles.RAMP_CHECK,
         *(g for pair in roles.NOGAIN_PAIRS for g in pair),
+        *(g for pair in roles.RESOLUTION_PAIRS for g in pair),
         *(
             g
             for axis in (

@@ -1,0 +1,151 @@
+"""The numerics guard: the first STEPS steps of Table 1's linear probe (grid linear-d16, Keel and Pre-LN, seed 1),
+replayed on the data tests' corpus and held to the per-step training losses committed in RECORD, with what made
+them. tests/test_numerics_guard.py compares them; `make numerics-guard` (this module with --write) regenerates
+RECORD after a change meant to move the numerics - and then the committed records a verdict rests on must be rerun,
+or shown to survive (docs/experiments.md, "Set-up").
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from keel.experiments import maxlr
+from keel.experiments.grids import SETTINGS
+from keel.experiments.maxlr_report import unigram_loss
+from keel.experiments.paper_run import command
+from keel.experiments.records import LOSS_LR
+from keel.provenance import cpu_model, made_by
+from keeltest.data import write_corpus
+
+RECORD = Path(__file__).resolve().parents[1] / "numerics_guard.json"
+GRID = "linear-d16"  # Table 1's protocol at its own size: 16 blocks x 64, LR 0 -> 0.4 linearly over 4,000 steps
+SCHEMES = ("keel", "preln")
+SEED = 1
+STEPS = 40  # of the ramp's 4,000: LR 1e-4 at the first step, 4e-3 at the last
+# The largest loss difference (nats, any step, either scheme) taken for the same numerics where the machine differs
+# from the one that made RECORD, between the drifts measured here (docs/experiments.md, "Set-up"): none with 2
+# threads against 1, 4.3e-6 with model.init_std one float32 ulp higher; model.norm_eps 1e-5 -> 1e-6, a real change,
+# 4.0e-3 for Keel and 0.12 for Pre-LN.
+TOLERANCE = 1e-3
+REGENERATE = "make numerics-guard"
+
+
+@contextmanager
+def chdir(path: Path) -> Iterator[None]:  # contextlib.chdir from Python 3.11
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def build_data(root: Path) -> list[str]:
+    """keeltest.data's corpus of random words, built by `keel data` under root; the data.* overrides that select it.
+    The corpus is globbed by a relative path: a document's id (which decides its split) is then the same wherever
+    the build lies, and so are the shards."""
+    write_corpus(root / "corpus")
+    overrides = [
+        "data=text_files",
+        "data.text_files.paths=[corpus/*.txt]",
+        f"data.dir={root / 'shards'}",
+        "data.vocab_size=300",
+        "data.val_fraction=0.2",
+        "data.prepare_workers=1",
+    ]
+    from keel.data.preparation import main as data_main
+
+    with chdir(root):
+        if data_main(overrides) != 0:
+            raise RuntimeError(f"keel data {' '.join(overrides)} failed")
+    return overrides
+
+
+def protocol(root: Path, data: list[str], scheme: str):
+    """The probe's args and config as `keel paper-run linear-d16` builds them (only seed SEED), cut to STEPS steps:
+    the ramp's slope and every other setting stay the protocol's."""
+    argv = command(GRID, {**SETTINGS, "PAPER_OUT": str(root / "out"), "SEEDS": str(SEED), "TREND_SEEDS": str(SEED)})
+    args = maxlr.build_parser().parse_intermixed_args([*argv[1:], *data])
+    maxlr.check_protocol(args)
+    runs = maxlr.build_grid(args)
+    name = f"{scheme}-d{maxlr.MINIATURE_DEPTH}-s{SEED}"
+    (cfg,) = maxlr.run_configs(args, [run for run in runs if run.name == name], Path(args.out))
+    cfg.callbacks.stability.learn_by_step = maxlr.step_reaching(cfg, args.learn_by_lr)  # the whole ramp's
+    cfg.trainer.max_steps = STEPS
+    return argparse.Namespace(**{**vars(args), "learn_by_lr": None}), cfg
+
+
+def replay(root: Path, data: list[str], schemes=SCHEMES, **changes: float) -> dict[str, dict]:
+    """Each scheme's probe trained under root: {scheme: {"lr": [...], "loss": [...]}} per step. changes:
+    model.KEY=value set on the config (keys that would otherwise drop the miniature, e.g. norm_eps)."""
+    out = {}
+    for scheme in schemes:
+        args, cfg = protocol(root, data, scheme)
+        for key, value in changes.items():
+            setattr(cfg.model, key, value)
+        maxlr.probe(cfg, args, unigram_loss(cfg))
+        with open(Path(cfg.run.dir) / LOSS_LR) as f:
+            rows = list(csv.DictReader(f))
+        out[scheme] = {key: [float(row[key]) for row in rows] for key in ("lr", "loss")}
+    return out
+
+
+def drift(a: dict[str, dict], b: dict[str, dict]) -> float:
+    """The largest per-step loss difference between two replays of the same schemes (inf if their steps differ)."""
+    if a.keys() != b.keys() or any(len(a[s]["loss"]) != len(b[s]["loss"]) for s in a):
+        return float("inf")
+    return max(abs(x - y) for s in a for x, y in zip(a[s]["loss"], b[s]["loss"]))
+
+
+def first_differences(a: dict[str, dict], b: dict[str, dict]) -> dict[str, int | None]:
+    """Per scheme of both, the first step whose loss differs (None: none does)."""
+    return {
+        scheme: next((i for i, (x, y) in enumerate(zip(a[scheme]["loss"], b[scheme]["loss"])) if x != y), None)
+        for scheme in a.keys() & b.keys()
+    }
+
+
+def same_machine(record: dict) -> bool:
+    """Whether this machine matches what made the record (torch's version, the CPU; threads: the protocol's 1):
+    then every step's loss must be equal, bit for bit."""
+    made = record["made_by"]
+    return made["torch"] == made_by(1)["torch"] and made["cpu"] == cpu_model()
+
+
+def write(root: Path) -> dict:
+    record = {
+        "grid": GRID,
+        "seed": SEED,
+        "steps": STEPS,
+        "made_by": made_by(1),  # the protocol's threads (trainer.threads=1)
+        "probes": replay(root, build_data(root)),
+    }
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help=f"regenerate {RECORD.name} on this machine")
+    parser.add_argument("--dir", default="runs/numerics-guard", help="where the probes train (replaced)")
+    args = parser.parse_args(argv)
+    if not args.write:
+        parser.error("nothing to do: --write regenerates the record (pytest tests/test_numerics_guard.py checks it)")
+    root = Path(args.dir).resolve()
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    record = write(root)
+    print(f"wrote {RECORD}: {', '.join(record['probes'])}, {STEPS} steps, made by {record['made_by']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from keel.experiments.grids import PERTURBATIONS
 from keel.experiments.maxlr_report import max_lr_value
-from keel.experiments.stats import fmt, median
+from keel.experiments.stats import median
 
 LABELS = {"threads2": "2 threads", "ulp": "init_std + 1 ulp"}  # PERTURBATIONS' names, in the report's words
 TABLE1_VALUE = "Table 1"
+
+
+def _spread(value: float | None) -> str:
+    """4 digits: the probes' LR resolution, 5e-4 at a max LR near 0.1, is a spread of 1.005."""
+    return "-" if value is None else f"{value:.4g}"
 
 
 def _value(row: dict | None) -> str:
@@ -37,14 +42,14 @@ def resolution_tables(table1: list[dict], perturbed: list[dict]) -> tuple[list[d
             spreads += [spread] if spread is not None else []
             seeds.append(
                 {"scheme": scheme, "seed": seed, **{label: _value(r) for label, r in runs.items()}}
-                | {"spread (max / min)": fmt(spread)}
+                | {"spread (max / min)": _spread(spread)}
             )
         summary.append(
             {
                 "scheme": scheme,
                 "seeds with a spread": f"{len(spreads)}/{len({r['seed'] for r in perturbed if r['scheme'] == scheme})}",
-                "spread median": fmt(median(spreads)),
-                "spread max": fmt(max(spreads, default=None)),
+                "spread median": _spread(median(spreads)),
+                "spread max": _spread(max(spreads, default=None)),
             }
         )
     return seeds, summary

@@ -22,7 +22,7 @@ from keel.experiments.grids import SETTINGS
 from keel.experiments.maxlr_report import unigram_loss
 from keel.experiments.paper_run import command
 from keel.experiments.records import LOSS_LR
-from keel.provenance import cpu_model, made_by
+from keel.provenance import made_by
 from keeltest.data import write_corpus
 
 RECORD = Path(__file__).resolve().parents[1] / "numerics_guard.json"
@@ -35,6 +35,7 @@ STEPS = 30  # of the ramp's 4,000: LR 1e-4 at the first step, 3e-3 at the last; 
 # "Set-up"): none with 2 threads against 1, 4.8e-7 with model.init_std one float32 ulp higher; model.norm_eps 1e-5 ->
 # 1e-6, a real change: 3.4e-3 for Keel, 8.2e-3 for Pre-LN.
 TOLERANCE = 3e-4
+REAL_CHANGE = {"norm_eps": 1e-6}  # replayed for Keel by measure(): it must move the losses by more than TOLERANCE
 REGENERATE = "make numerics-guard"
 
 
@@ -48,12 +49,11 @@ def chdir(path: Path) -> Iterator[None]:  # contextlib.chdir from Python 3.11
         os.chdir(before)
 
 
-def build_data(root: Path) -> list[str]:
-    """keeltest.data's corpus of random words, built by `keel data` under root; the data.* overrides that select it.
-    The corpus is globbed by a relative path: a document's id (which decides its split) is then the same wherever
-    the build lies, and so are the shards."""
-    write_corpus(root / "corpus")
-    overrides = [
+def data_overrides(root: Path) -> list[str]:
+    """The data.* overrides that select build_data(root)'s shards. The corpus is globbed by a relative path (from
+    root): a document's id, which decides its split, is then the same wherever the build lies, and so are the
+    shards."""
+    return [
         "data=text_files",
         "data.text_files.paths=[corpus/*.txt]",
         f"data.dir={root / 'shards'}",
@@ -61,8 +61,14 @@ def build_data(root: Path) -> list[str]:
         "data.val_fraction=0.2",
         "data.prepare_workers=1",
     ]
+
+
+def build_data(root: Path) -> list[str]:
+    """keeltest.data's corpus of random words, built by `keel data` under root; data_overrides(root)."""
     from keel.data.preparation import main as data_main
 
+    write_corpus(root / "corpus")
+    overrides = data_overrides(root)
     with chdir(root):
         if data_main(overrides) != 0:
             raise RuntimeError(f"keel data {' '.join(overrides)} failed")
@@ -121,38 +127,48 @@ def first_differences(a: dict[str, dict], b: dict[str, dict]) -> dict[str, int |
     }
 
 
+def machine() -> dict:
+    """What the exact comparison needs to match: keel.provenance's record (the protocol's 1 thread) and the
+    instruction set torch's kernels use (the CPU's model name alone can be as vague as "AMD EPYC")."""
+    import torch
+
+    return {**made_by(1), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def same_machine(record: dict) -> bool:
-    """Whether this machine matches what made the record (torch's version, the CPU; threads: the protocol's 1):
-    then every step's loss must be equal, bit for bit."""
-    made = record["made_by"]
-    return made["torch"] == made_by(1)["torch"] and made["cpu"] == cpu_model()
+    """Whether this machine matches what made the record (torch's version, the CPU and its kernels' instruction
+    set): then every loss must be equal, bit for bit."""
+    here, made = machine(), record["made_by"]
+    return all(made.get(key) == here[key] for key in ("torch", "cpu", "cpu_capability"))
 
 
-def write(root: Path) -> dict:
-    record = {
-        "grid": GRID,
-        "seed": SEED,
-        "steps": STEPS,
-        "made_by": made_by(1),  # the protocol's threads (trainer.threads=1)
-        "probes": replay(root, build_data(root)),
-    }
-    RECORD.write_text(json.dumps(record, indent=1) + "\n")
-    return record
+def measure(root: Path, write: bool) -> dict:
+    """The probes replayed under root: RECORD's content (write), or what the test compares - the probes and Keel's
+    with REAL_CHANGE."""
+    data = build_data(root)
+    probes = replay(root / "probes", data)
+    if write:
+        return {"grid": GRID, "seed": SEED, "steps": STEPS, "made_by": machine(), "probes": probes}
+    return {"probes": probes, "changed": replay(root / "changed", data, ("keel",), **REAL_CHANGE)}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """In a process of its own, as the test runs it: a test session's earlier tests leave torch's state behind (e.g.
+    torch.compile's caches, whose limits send a frame compiled too often back to eager mode)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help=f"regenerate {RECORD.name} on this machine")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", action="store_true", help=f"regenerate {RECORD.name} on this machine")
+    action.add_argument("--measure", type=Path, metavar="JSON", help="write what the test compares to JSON")
     parser.add_argument("--dir", default="runs/numerics-guard", help="where the probes train (replaced)")
     args = parser.parse_args(argv)
-    if not args.write:
-        parser.error("nothing to do: --write regenerates the record (pytest tests/test_numerics_guard.py checks it)")
     root = Path(args.dir).resolve()
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
-    record = write(root)
-    print(f"wrote {RECORD}: {', '.join(record['probes'])}, {STEPS} steps, made by {record['made_by']}")
+    result = measure(root, args.write)
+    path = RECORD if args.write else args.measure
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}: {', '.join(result['probes'])}, {STEPS} steps")
     return 0
 
 

@@ -33,8 +33,8 @@ def resolution_tables(table1: list[dict], perturbed: list[dict]) -> tuple[list[d
     by = {(r["row"], r["seed"]): r for r in [*table1, *perturbed]}
     seeds, summary = [], []
     for scheme in dict.fromkeys(r["scheme"] for r in perturbed):
-        spreads = []
-        for seed in sorted({r["seed"] for r in perturbed if r["scheme"] == scheme}):
+        spreads, scheme_seeds = [], sorted({r["seed"] for r in perturbed if r["scheme"] == scheme})
+        for seed in scheme_seeds:
             runs = {TABLE1_VALUE: by.get((scheme, seed))}
             runs |= {LABELS[name]: by.get((f"{scheme}-{name}", seed)) for name in PERTURBATIONS}
             measured = [max_lr_value(r) for r in runs.values() if r is not None and r["failure"]]
@@ -47,7 +47,7 @@ def resolution_tables(table1: list[dict], perturbed: list[dict]) -> tuple[list[d
         summary.append(
             {
                 "scheme": scheme,
-                "seeds with a spread": f"{len(spreads)}/{len({r['seed'] for r in perturbed if r['scheme'] == scheme})}",
+                "seeds with a spread": f"{len(spreads)}/{len(scheme_seeds)}",
                 "spread median": _spread(median(spreads)),
                 "spread max": _spread(max(spreads, default=None)),
             }

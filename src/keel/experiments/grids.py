@@ -214,11 +214,6 @@ GRIDS = {
     # Table 1 on the paper's protocol (the primary one): every scheme at 16 blocks x 64 and at 64 x 32
     "linear-d16": maxlr((16, 64), "--seeds", "{SEEDS}", *SLOPE_1E4, only=LINEAR_ONLY, sets=LINEAR),
     "linear-d64": maxlr((64, 32), *PAIR, "--seeds", "{SEEDS}", *SLOPE_1E4, *size(64, 32), sets=LINEAR),
-    # Table 1's Keel and Pre-LN probes under the PERTURBATIONS, TREND_SEEDS: the spread is the resolution
-    "resolution-d16": maxlr((16, 64), "--schemes=", *RESOLUTION, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, sets=LINEAR),
-    "resolution-d64": maxlr(
-        (64, 32), "--schemes=", *RESOLUTION, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(64, 32), sets=LINEAR
-    ),
     "linear-gentle-d16": maxlr((16, 64), *FAMILY, *SLOPE_2E5, sets=LINEAR),
     "linear-gentle-d64": maxlr((64, 32), *FAMILY, *SLOPE_2E5, *size(64, 32), sets=LINEAR),
     # the hold map: the same probes at twice and half the slope, Keel and Pre-LN
@@ -226,6 +221,11 @@ GRIDS = {
     "hold-d16-slow": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, sets=LINEAR),
     "hold-d64-fast": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_2E4, *size(64, 32), sets=LINEAR),
     "hold-d64-slow": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(64, 32), sets=LINEAR),
+    # Table 1's Keel and Pre-LN probes under the PERTURBATIONS, TREND_SEEDS: the spread is the resolution
+    "resolution-d16": maxlr((16, 64), "--schemes=", *RESOLUTION, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, sets=LINEAR),
+    "resolution-d64": maxlr(
+        (64, 32), "--schemes=", *RESOLUTION, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(64, 32), sets=LINEAR
+    ),
     # the trends on the paper's protocol; Post-LN's depth row at the gentle slope, as at 64 x 32
     "linear-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 32), sets=LINEAR),
     "linear-depth-d256": maxlr((256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(256, 32), sets=LINEAR),

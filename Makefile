@@ -6,7 +6,7 @@ KEEL := $(VENV)/bin/keel
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-test data pretrain test test-extended numerics-guard test-fast test-lowest lint format tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
+.PHONY: install install-test data pretrain test test-extended test-fast test-lowest lint format tensorboard eval generate export bench gpu-check maxlr sweep redundancy paper clean
 
 # TORCH_INDEX: a PyTorch wheel index to take torch from, for a GPU driver older than PyPI's build needs (README,
 # "Scaling out"), e.g. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu126` on a fresh venv. torchvision
@@ -60,6 +60,7 @@ format: install-test
 # The numerics guard's committed values (tests/numerics_guard.json, checked by tests/test_numerics_guard.py in `make
 # test`), regenerated on this machine after a change meant to move the numerics: then rerun the committed records
 # a verdict rests on, or show that their verdicts survive (docs/experiments.md, "Set-up")
+.PHONY: numerics-guard
 numerics-guard: install-test
 	PYTHONPATH=tests $(VENV)/bin/python -m keeltest.numerics --write
 

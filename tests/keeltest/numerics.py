@@ -165,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
+    before = json.loads(RECORD.read_text())["probes"] if args.write and RECORD.is_file() else None
     result = measure(root, args.write)
     path = RECORD if args.write else args.measure
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}: {', '.join(result['probes'])}, {STEPS} steps")
+    moved = "" if before is None else f"; the losses moved by up to {drift(before, result['probes']):.3g} nats"
+    print(f"wrote {path}: {', '.join(result['probes'])}, {STEPS} steps{moved}")
     return 0
 
 

@@ -57,6 +57,13 @@ format: install-test
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The numerics guard's committed values (tests/numerics_guard.json, checked by tests/test_numerics_guard.py in `make
+# test`), regenerated on this machine after a change meant to move the numerics: then rerun the committed records
+# a verdict rests on, or show that their verdicts survive (docs/experiments.md, "Set-up")
+.PHONY: numerics-guard
+numerics-guard: install-test
+	PYTHONPATH=tests $(VENV)/bin/python -m keeltest.numerics --write
+
 test-fast: install-test
 	$(VENV)/bin/pytest -q -m 'not slow and not extended' $(PYTEST_ARGS)
 

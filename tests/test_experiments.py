@@ -24,6 +24,7 @@ from keel.experiments.maxlr_report import hold_steps, judge, ramp_name
 from keel.experiments.origins import origins_table
 from keel.experiments.paper import init_sensitivity
 from keel.experiments.records import already_trained
+from keel.experiments.resolution import resolution_tables
 from keel.experiments.stats import paired, sign_test
 from keel.experiments.sweep import lr_optima
 from keel.experiments.trends import plot_ratios, plot_transfer, ratios, transfer, trend
@@ -685,6 +686,38 @@ def test_the_init_table_sets_each_schemes_recipe_beside_the_shared_init():
         "shared: max LR median": "-",
         "shared: best held-out median": "6.35",
     }
+
+
+def test_the_resolution_sets_each_seeds_perturbed_max_lrs_beside_its_table1_value():
+    """Per seed: Table 1's max LR, the perturbed rows' and max / min over them, only where every one is measured (a
+    ramp run unbroken is a bound, a run missing no value); per scheme the spread's median and max over seeds."""
+
+    def row(label, seed, lr, failure="divergence"):
+        scheme = label.split("-")[0]
+        return {"row": label, "scheme": scheme, "seed": seed, "resolved": lr is not None, "failure": failure} | (
+            {"max_tolerable_lr": lr} if failure else {"max_lr_seen": lr}
+        )
+
+    table1 = [row("keel", 1, 0.12), row("keel", 2, 0.1), row("keel", 3, 0.2), row("preln", 1, 0.08)]
+    perturbed = [
+        *(row(f"keel-{name}", 1, lr) for name, lr in (("threads2", 0.15), ("ulp", 0.1))),
+        *(row(f"keel-{name}", 2, lr) for name, lr in (("threads2", 0.1), ("ulp", 0.11))),
+        row("keel-threads2", 3, 0.4, failure=None),
+        row("keel-ulp", 3, 0.2),
+        row("preln-threads2", 1, None),
+    ]
+    seeds, summary = resolution_tables(table1, perturbed)
+    assert [(r["scheme"], r["seed"], r["Table 1"], r["2 threads"], r["init_std + 1 ulp"]) for r in seeds] == [
+        ("keel", 1, "0.12", "0.15", "0.1"),
+        ("keel", 2, "0.1", "0.1", "0.11"),
+        ("keel", 3, "0.2", ">= 0.4", "0.2"),
+        ("preln", 1, "0.08", "n.r.", ""),
+    ]
+    assert [r["spread (max / min)"] for r in seeds] == ["1.5", "1.1", "-", "-"]
+    assert summary == [
+        {"scheme": "keel", "seeds with a spread": "2/3", "spread median": "1.3", "spread max": "1.5"},
+        {"scheme": "preln", "seeds with a spread": "0/1", "spread median": "-", "spread max": "-"},
+    ]
 
 
 def test_a_record_that_claims_more_steps_than_its_checkpoint_holds_is_not_finished(tiny_run, tmp_path):

@@ -3,6 +3,7 @@ each grid's runs are what its data says, and docs/grids.md's table is the data's
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -18,7 +20,7 @@ from keel.callbacks.stability import StabilityMonitor
 from keel.cli import main as cli_main
 from keel.config import load_config
 from keel.experiments import paper_run, roles
-from keel.experiments.grids import GRIDS, SETTINGS
+from keel.experiments.grids import GRIDS, PERTURBATIONS, SETTINGS
 from keel.rundir import write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +75,7 @@ def test_make_runs_every_grid_and_the_report_reads_every_one():
         *roles.TABLE1,
         *roles.RAMP_CHECK,
         *(g for pair in roles.NOGAIN_PAIRS for g in pair),
+        *(g for pair in roles.RESOLUTION_PAIRS for g in pair),
         *(
             g
             for axis in (
@@ -153,6 +156,32 @@ def test_each_grids_runs_are_the_size_its_data_says(name, tmp_path, capsys):
         configs = [load_config(overrides=shlex.split(line)[2:]).model for line in commands]
         sizes = {(m.depth, m.width) for m in configs}
     assert configs and sizes == {GRIDS[name].point}
+
+
+def print_configs(capsys, name: str, out: Path) -> dict[str, dict]:
+    """Each run of a max-LR grid (one seed) and its resolved config, as `keel maxlr --print-config` prints them."""
+    (argv,) = dry_run(capsys, name, "--out", str(out), "--set=SEEDS=1", "--set=TREND_SEEDS=1")
+    assert cli_main([*argv, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    names = re.findall(r"^# keel maxlr run (.*)$", printed, flags=re.M)
+    return dict(zip(names, map(yaml.safe_load, re.split(r"^# keel maxlr run .*$", printed, flags=re.M)[1:])))
+
+
+@pytest.mark.parametrize("table1, perturbed", roles.RESOLUTION_PAIRS)
+def test_a_resolution_grids_runs_are_table1s_probes_with_one_change_each(table1, perturbed, tmp_path, capsys):
+    """Each run is its Table 1 probe (scheme, seed, size, protocol) with one of the PERTURBATIONS and nothing else;
+    the init's is one float32 ulp."""
+    probes, runs = print_configs(capsys, table1, tmp_path), print_configs(capsys, perturbed, tmp_path)
+    assert len(runs) == 2 * len(PERTURBATIONS)
+    for name, cfg in runs.items():
+        scheme, change, size_and_seed = name.split("-", 2)
+        probe = copy.deepcopy(probes[f"{scheme}-{size_and_seed}"])  # compared with each change
+        path, value = PERTURBATIONS[change].split("=")
+        group, key = path.split(".")
+        assert cfg[group].pop(key) == yaml.safe_load(value) != probe[group].pop(key)
+        if key == "init_std":
+            assert np.float32(value) == np.nextafter(np.float32(0.02), np.float32(1))
+        assert {**cfg, "run": {**cfg["run"], "dir": None}} == {**probe, "run": {**probe["run"], "dir": None}}
 
 
 def test_settings_scale_and_args_change_only_what_they_name(tmp_path, capsys):

@@ -102,6 +102,16 @@ MUP_WIDTHS = (32, 64, 128, 256)
 LINEAR_ONLY = ((("keel", "preln"), "SEEDS"), (("postln", "deepnorm", "mixln"), "TREND_SEEDS"))
 FAMILY = ("--schemes", "postln,deepnorm,hybridnorm,mixln", "--seeds", "{TREND_SEEDS}")
 LINEAR = ("paper", "paper-linear")
+# The resolution of Table 1's linear probes: Keel and Pre-LN again under changes that should not matter, each a
+# --variant row: two intra-op threads instead of one, and model.init_std one float32 ulp above 0.02
+# (numpy.nextafter(float32(0.02), 1)). Two threads on a 2-core machine want it to themselves (no make -j2).
+PERTURBATIONS = {"threads2": "trainer.threads=2", "ulp": "model.init_std=0.020000001415610313"}
+RESOLUTION = tuple(
+    word
+    for scheme in ("keel", "preln")
+    for name, change in PERTURBATIONS.items()
+    for word in ("--variant", f"{scheme}-{name}=model.scheme={scheme},{change}")
+)
 # 1,024 blocks (L = 2,048) at a fixed LR that works at 64 blocks
 DEEP1024 = (
     "--depths",
@@ -222,6 +232,11 @@ GRIDS = {
     "hold-d16-slow": maxlr((16, 64), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, sets=LINEAR),
     "hold-d64-fast": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_2E4, *size(64, 32), sets=LINEAR),
     "hold-d64-slow": maxlr((64, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_5E5, *size(64, 32), sets=LINEAR),
+    # Table 1's Keel and Pre-LN probes under the PERTURBATIONS, TREND_SEEDS: the spread is the resolution
+    "resolution-d16": maxlr((16, 64), "--schemes=", *RESOLUTION, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, sets=LINEAR),
+    "resolution-d64": maxlr(
+        (64, 32), "--schemes=", *RESOLUTION, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(64, 32), sets=LINEAR
+    ),
     # the trends on the paper's protocol; Post-LN's depth row at the gentle slope, as at 64 x 32
     "linear-depth-d16": maxlr((16, 32), *PAIR, "--seeds", "{TREND_SEEDS}", *SLOPE_1E4, *size(16, 32), sets=LINEAR),
     "linear-depth-d256": maxlr((256, 32), *PAIR, "--seeds", "{WIDE_SEEDS}", *SLOPE_1E4, *size(256, 32), sets=LINEAR),

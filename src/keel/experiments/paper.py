@@ -30,6 +30,7 @@ from keel.experiments.maxlr_report import NotYetRun, collect, inits, max_lr_valu
 from keel.experiments.origins import origins_table
 from keel.experiments.plots import pyplot, save_figure
 from keel.experiments.records import DEEP_PLOT, HOLD_PLOT, MANIFEST, RATIO_PLOT, REPORT, TRANSFER_PLOT, load_run_config
+from keel.experiments.resolution import resolution_tables
 from keel.experiments.roles import (
     BATCH_POINT,
     DEEP_RUNS,
@@ -41,6 +42,7 @@ from keel.experiments.roles import (
     MUP_WIDTH_TREND,
     NOGAIN_PAIRS,
     RAMP_CHECK,
+    RESOLUTION_PAIRS,
     TABLE1,
     WIDTH_TREND,
 )
@@ -194,6 +196,22 @@ def report(out: Path, shared_init: Path | None = None) -> str:
             if pairs:
                 tests = sign_tests(grids[grid], pairs) + sign_tests(grids[grid], pairs, STRICT)
                 text += [markdown_table(tests), ""]
+    for table1, perturbed in RESOLUTION_PAIRS:
+        if perturbed in grids and table1 in grids:
+            seeds, summary = resolution_tables(grids[table1], grids[perturbed])
+            blocks, width = GRIDS[perturbed].point
+            text += [
+                f"## The resolution, {blocks} x {width}: Table 1's probes under changes that should not matter "
+                f"({perturbed} beside {table1})",
+                "",
+                "Each seed's max LR in Table 1 and with two threads or model.init_std one float32 ulp higher; the "
+                "spread, max / min over them, is the resolution a difference between schemes must exceed.",
+                "",
+                markdown_table(seeds),
+                "",
+                markdown_table(summary),
+                "",
+            ]
     if table := hold_table(grids):
         text += ["## The hold map: max LR against the steps the ramp holds each LR", "", markdown_table(table), ""]
         if pairs := hold_pairs(grids):

@@ -49,6 +49,7 @@ HOLD_GRIDS = {
     )
 }
 RAMP_CHECK = ("table1-d16", "ramp-2x")  # the same seeds on the ramp and on one twice as slow
+RESOLUTION_PAIRS = (("linear-d16", "resolution-d16"), ("linear-d64", "resolution-d64"))  # Table 1, its perturbed
 NOGAIN_PAIRS = (("table1-d16", "nogain-d16"), ("table1-d64", "nogain-d64"), ("depth-d256", "nogain-d256"))
 DEEP_RUNS = {"deep1024": "", "deep1024-nogain": " (out_norm_gain=false)"}  # grid -> its runs' label suffix
 MAXLR_GRIDS = tuple(name for name, grid in GRIDS.items() if grid.command == "maxlr")

@@ -44,7 +44,8 @@ pretrain: install
 test: install-test
 	$(VENV)/bin/pytest -q -m 'not extended' $(PYTEST_ARGS)
 
-# The multi-process variants `make test` leaves out to stay under 15 minutes here; CI runs them after it
+# The multi-process variants and the Summary over the committed records, which `make test` leaves out to stay under 15
+# minutes here; CI runs them after it
 test-extended: install-test
 	$(VENV)/bin/pytest -q -m extended $(PYTEST_ARGS)
 

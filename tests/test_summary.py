@@ -95,7 +95,7 @@ def test_the_1024_block_row_says_no_record_where_a_run_left_none(tmp_path):
     assert row["verdict"] == "Keel: no record"
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_the_summary_of_docs_experiments_is_what_the_report_writes_over_the_committed_records(tmp_path, monkeypatch):
     """The records are judged against the unigram loss of the `keel data` default corpus (this Python's standard
     library) as the records' machine built it, in 2 shards of training tokens (the loss reads whole blocks of each

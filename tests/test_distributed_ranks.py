@@ -140,6 +140,9 @@ def _eval_worker(rank: int, port: int, data_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.save(_scores(True, data_dir), Path(out) / f"eval{rank}.pt")
+    # both ranks out of the last collective before either tears gloo down: a rank destroying its group while the
+    # other still waits on it aborted the process ("terminate called without an active exception", torch 2.11)
+    dist.barrier()
     dist.destroy_process_group()
 
 

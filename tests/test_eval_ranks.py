@@ -88,6 +88,7 @@ def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
     result["generated"] = lm.generate_until(generated, disable_tqdm=True)
     result["forwards"] = len(forwards)
     torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.barrier()  # both ranks done before either tears gloo down (see test_distributed_ranks._eval_worker)
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ from keel.experiments.trained import (
     best_lr,
     matched_levels,
     means_by_lr,
+    middle_comparisons,
     read_redundancy,
     scores_at_level,
     section8_profile,
@@ -442,14 +443,8 @@ def section8_row(out: Path, grid: str, runs: list[TrainedRun]) -> list[dict]:
     if not (out / grid / REDUNDANCY).is_file():
         return []
     increases, _ = read_redundancy(out / grid / REDUNDANCY, runs)
-
-    def middle(r: TrainedRun) -> float | None:
-        return statistics.mean(increases[r.name][1:-1]) if r.name in increases else None
-
     per_lr, ratios = [], []
-    for lr in sorted({r.lr for r in runs}):
-        cells = [[r for r in runs if r.scheme == s and r.lr == lr] for s in PAIR]
-        p = paired(*(_by_seed(c, middle) for c in cells))
+    for lr, p in middle_comparisons(runs, increases).items():
         ratios += p.ratios
         few = f" (n = {p.n})" if p.n < MIN_SEEDS else ""
         per_lr.append(f"{fmt(lr)}: {fmt(p.median_ratio) if p.n else '-'}{few}")

@@ -405,17 +405,23 @@ def layer_use(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list
     return table
 
 
-def middle_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
-    """Per peak LR both schemes ran: Keel's mean middle-block cost over Pre-LN's, seed by seed (same seed, same LR),
-    with the paired tests; no verdict below MIN_SEEDS paired seeds."""
-    table = []
+def middle_comparisons(runs: list[TrainedRun], increases: dict[str, list[float]]) -> dict[float, Paired]:
+    """Per peak LR both schemes ran and have rows for: Keel's mean middle-block cost over Pre-LN's, seed by seed
+    (same seed, same LR)."""
+    comparisons = {}
     for lr in _matched_lrs(runs):
         middle = [
             {k: _positive(v) for k, v in _by_seed(_cell_runs(runs, s, lr), increases, _middle).items()} for s in PAIR
         ]
-        if not all(middle):
-            continue
-        comparison = paired(*middle)
+        if all(middle):
+            comparisons[lr] = paired(*middle)
+    return comparisons
+
+
+def middle_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:
+    """middle_comparisons as a table, with the paired tests; no verdict below MIN_SEEDS paired seeds."""
+    table = []
+    for lr, comparison in middle_comparisons(runs, increases).items():
         table.append(
             {
                 "peak LR": fmt(lr),

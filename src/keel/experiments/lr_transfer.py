@@ -114,11 +114,12 @@ def by_seed(runs: list[SweepRun]) -> dict[int, list[tuple[float, float]]]:
     return dict(sorted(seeds.items()))
 
 
-def mean_curve(runs: list[SweepRun], seeds: int) -> list[tuple[float, float]]:
-    """(LR, the mean final loss over the seeds) at the LRs that have every one of `seeds` seeds finished."""
+def mean_curve(points: list[tuple[float, float]], seeds: int) -> list[tuple[float, float]]:
+    """(LR, the mean final loss over the seeds) from (LR, final loss) points, one per run, at the LRs that have a
+    point from every one of `seeds` seeds."""
     lrs: dict[float, list[float]] = {}
-    for run in runs:
-        lrs.setdefault(run.lr, []).append(run.loss)
+    for lr, loss in points:
+        lrs.setdefault(lr, []).append(loss)
     return sorted((lr, statistics.mean(losses)) for lr, losses in lrs.items() if len(losses) == seeds)
 
 
@@ -128,13 +129,14 @@ def sweep_row(label: str, runs: list[SweepRun], listed: int) -> tuple[dict, dict
     seeds = by_seed(runs)
     optima = {seed: optimum(points) for seed, points in seeds.items()}
     complete = [seed for seed, points in seeds.items() if len(points) == len({r.lr for r in runs})]
-    pooled = optimum(mean_curve([r for r in runs if r.seed in complete], len(complete))) if complete else None
+    finished = [(r.lr, r.loss) for r in runs if r.seed in complete]
+    pooled = optimum(mean_curve(finished, len(complete))) if complete else None
     resolved = [o.lr for o in optima.values() if o is not None and not o.edge]
     row = {
         "sweep": label,
         "runs": f"{len(runs)} of {listed}",
         "mean final held-out loss per LR (seeds)": ", ".join(
-            f"{fmt(lr)}: {loss:.3f}" for lr, loss in mean_curve(runs, len(seeds)) or []
+            f"{fmt(lr)}: {loss:.3f}" for lr, loss in mean_curve([(r.lr, r.loss) for r in runs], len(seeds)) or []
         )
         or "-",
         "optimum per seed": ", ".join(f"s{seed}: {o.cell() if o else '-'}" for seed, o in optima.items()) or "-",

@@ -26,7 +26,7 @@ from keel.config.model import scheme_named
 from keel.errors import ConfigError
 from keel.experiments.axes import non_embedding_params, resolve_alpha, slug, width_for_budget
 from keel.experiments.launch import GridCell, slurm_script
-from keel.experiments.lr_transfer import optimum
+from keel.experiments.lr_transfer import mean_curve, optimum
 from keel.experiments.plots import plot_lines
 from keel.experiments.records import (
     COMMANDS,
@@ -130,10 +130,7 @@ def lr_optima(rows: list[dict]) -> list[str]:
     lines = []
     for (scheme, depth, width, _), runs in groups.items():
         seeds = {r["seed"] for r in runs}
-        losses: dict[float, list[float]] = {}
-        for r in runs:
-            losses.setdefault(r["lr"], []).append(r["val_loss"])
-        curve = [(lr, sum(v) / len(v)) for lr, v in losses.items() if len(v) == len(seeds)]
+        curve = mean_curve([(r["lr"], r["val_loss"]) for r in runs], len(seeds))
         if (best := optimum(curve)) is None:
             continue
         where = {"lowest": " (the sweep's lowest LR: extend it below)", "highest": " (its highest: extend above)"}

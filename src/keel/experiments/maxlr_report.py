@@ -32,10 +32,9 @@ from keel.experiments.records import (
     MAXLR_SEEDS_PLOT,
     MAXLR_SUMMARY,
     MAXLR_TABLE,
-    MAXLR_TIME,
     finished,
     load_run_config,
-    read_made_by,
+    read_time_record,
     run_row,
 )
 from keel.experiments.stats import MIN_SEEDS, Paired, median_range, sign_test
@@ -194,10 +193,9 @@ def probe_row(run_dir: Path, label: str, cfg: Config, unigram: float, margin: fl
     for key in ("failed", "onset_step", "max_tolerable_lr"):  # the run's own stop, superseded by the verdict
         row.pop(key, None)
     row["stop"] = row.pop("failure", None)
-    if (run_dir / MAXLR_TIME).is_file():
-        record = json.loads((run_dir / MAXLR_TIME).read_text())
+    if (record := read_time_record(run_dir)) is not None:
         row |= {"cpu_s": record["cpu_s"], "wall_s": record["wall_s"]}
-    row["made_by"] = "; ".join(map(describe, read_made_by(run_dir))) or describe(None)
+    row["made_by"] = "; ".join(map(describe, (record or {}).get("made_by", []))) or describe(None)
     state = read_stability(run_dir)
     row |= {**asdict(probe_verdict(state, cfg, unigram, margin)), "unigram_loss": unigram, "ramp": ramp_name(cfg.optim)}
     row["hold_steps"] = hold_steps(cfg.optim, max_lr_value(row))

@@ -72,13 +72,19 @@ def read_redundancy_rows(table: Path) -> list[dict]:
         ]
 
 
-def read_made_by(run_dir: str | Path) -> list[dict]:
-    """What made a grid's run (keel.provenance.made_by, a record per distinct session) from its time record (
-    MAXLR_TIME or SWEEP_TIME); none for a run without one or recorded before runs said what made them."""
+def read_time_record(run_dir: str | Path) -> dict | None:
+    """A grid's run's time record (MAXLR_TIME or SWEEP_TIME: cpu_s, wall_s and, since runs say what made them,
+    made_by), or None for a run without one."""
     for name in (MAXLR_TIME, SWEEP_TIME):
         if (Path(run_dir) / name).is_file():
-            return json.loads((Path(run_dir) / name).read_text()).get("made_by", [])
-    return []
+            return json.loads((Path(run_dir) / name).read_text())
+    return None
+
+
+def read_made_by(run_dir: str | Path) -> list[dict]:
+    """What made a grid's run (keel.provenance.made_by, a record per distinct session) from its time record; none
+    for a run without one or recorded before runs said what made them."""
+    return (read_time_record(run_dir) or {}).get("made_by", [])
 
 
 def checkpoint_run(path: str) -> str:

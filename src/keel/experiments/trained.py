@@ -36,10 +36,10 @@ from keel.experiments.records import (
     LOSS_VS_TASKS_PLOT,
     MANIFEST,
     REDUNDANCY,
-    SWEEP_TIME,
     checkpoint_run,
     load_run_config,
     read_redundancy_rows,
+    read_time_record,
 )
 from keel.experiments.roles import DEPTH_GRIDS, LR_GRIDS, TUNED_GRIDS
 from keel.experiments.stats import MIN_SEEDS, Paired, apart, direction, fmt, fmt_sd, paired, sign_test, spread
@@ -109,8 +109,7 @@ def read_run(run_dir: Path) -> TrainedRun | None:
         }
         evaluations.append({LOSS: entry["val_loss"], **{m: scores[m] for m in metrics if m in scores}})
     stability = read_stability(run_dir) or {}
-    time_record = run_dir / SWEEP_TIME
-    cpu_s = json.loads(time_record.read_text())["cpu_s"] if time_record.is_file() else None
+    cpu_s = record["cpu_s"] if (record := read_time_record(run_dir)) is not None else None
     return TrainedRun(
         run_dir.name,
         cfg.model.scheme,

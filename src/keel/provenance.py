@@ -58,10 +58,14 @@ def made_by(threads: int, source: Path = Path(__file__)) -> dict:
     }
 
 
+def short_commit(record: dict) -> str:
+    """The commit that made a record, shortened; Keel's version where it ran from an installed wheel."""
+    return (record.get("commit") or f"keel {record.get('keel')}")[:10]
+
+
 def describe(record: dict | None) -> str:
     """One record's provenance in a few words: the short commit (+ "dirty"), torch and the thread count."""
     if not record:
         return "unrecorded"
-    commit = (record.get("commit") or f"keel {record.get('keel')}")[:10]
     dirty = " dirty" if record.get("dirty") else ""
-    return f"{commit}{dirty}, torch {record.get('torch')}, {record.get('threads')} thread(s)"
+    return f"{short_commit(record)}{dirty}, torch {record.get('torch')}, {record.get('threads')} thread(s)"

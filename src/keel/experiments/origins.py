@@ -10,7 +10,14 @@ from pathlib import Path
 
 from keel.artifacts import CONFIG
 from keel.experiments.grids import GRIDS
-from keel.experiments.records import REDUNDANCY_DIR, REDUNDANCY_TABLE, read_made_by, read_redundancy_rows
+from keel.experiments.records import (
+    PROVENANCE_COLUMNS,
+    REDUNDANCY_DIR,
+    REDUNDANCY_TABLE,
+    read_made_by,
+    read_redundancy_rows,
+)
+from keel.provenance import short_commit
 
 UNRECORDED = "unrecorded"
 
@@ -25,7 +32,7 @@ def grid_sessions(grid_dir: Path) -> tuple[int, list[list[dict]]]:
     if (grid_dir / REDUNDANCY_TABLE).is_file():
         by_checkpoint: dict[str, list[dict]] = {}
         for row in read_redundancy_rows(grid_dir / REDUNDANCY_TABLE):
-            session = {key: row[key] for key in ("commit", "dirty", "torch", "threads")} if row["torch"] else None
+            session = {key: row[key] for key in PROVENANCE_COLUMNS} if row["torch"] else None
             by_checkpoint.setdefault(row["path"], [session] if session else [])
         return len(by_checkpoint), list(by_checkpoint.values())
     runs = sorted(path.parent for path in grid_dir.glob(f"*/{CONFIG}"))
@@ -37,7 +44,7 @@ def origins_row(grid: str, grid_dir: Path) -> dict | None:
     if not count:
         return None
     sessions = [session for run in made for session in run]
-    commits = Counter(str(s["commit"] or f"keel {s.get('keel')}")[:10] for s in sessions)
+    commits = Counter(short_commit(s) for s in sessions)
     unrecorded = sum(1 for run in made if not run)
     if unrecorded:
         commits[UNRECORDED] = unrecorded

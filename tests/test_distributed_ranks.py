@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from keel.config import load_config
 from keel.errors import ConfigError
 from keeltest import QUIET_TRAINER, TINY_MODEL
+from keeltest.distributed import end_worker
 
 WORLD = 2
 
@@ -140,10 +141,7 @@ def _eval_worker(rank: int, port: int, data_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.save(_scores(True, data_dir), Path(out) / f"eval{rank}.pt")
-    # both ranks out of the last collective before either tears gloo down: a rank destroying its group while the
-    # other still waits on it aborted the process ("terminate called without an active exception", torch 2.11)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_evaluation_under_ddp_splits_the_requests_and_gives_one_process_metrics(tiny_data, tmp_path):

@@ -20,6 +20,7 @@ from keel.evaluation import KeelEvalLM, load_tasks, run_tasks
 from keel.model import KeelLM
 from keel.parallel import parallelize
 from keeltest import TINY_MODEL
+from keeltest.distributed import end_worker
 
 WORLD = 2
 TASKS = ["keel_next_line", "keel_last_token"]
@@ -88,8 +89,7 @@ def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
     result["generated"] = lm.generate_until(generated, disable_tqdm=True)
     result["forwards"] = len(forwards)
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()  # both ranks done before either tears gloo down (see test_distributed_ranks._eval_worker)
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_split_evaluation_of_a_sharded_model_equals_one_process(tiny_data, tmp_path):

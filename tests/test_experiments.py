@@ -465,16 +465,30 @@ def test_sweep_runs_and_collects_a_grid(sweep_dir):
 
 
 def test_every_run_record_says_what_made_it_and_the_report_flags_a_grid_that_mixes_commits(sweep_dir, tmp_path):
-    """keel.provenance in the time records and redundancy rows; keel paper-report's origins table per grid."""
+    """keel.provenance in the time records and redundancy rows; keel paper-report's origins table per grid, with the
+    CPU time of its timed runs."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     made = json.loads((sweep_dir / "preln-lr1e-3" / "sweep_time.json").read_text())["made_by"]
     assert len(made) == 1 and made[0]["commit"] == head and made[0]["threads"] == 1  # the tests' trainer.threads
     assert made[0]["torch"] and made[0]["cpu"] and isinstance(made[0]["dirty"], bool)
     out = tmp_path / "paper"
     shutil.copytree(sweep_dir, out / "lr-d16", ignore=shutil.ignore_patterns("checkpoints"))
+    cpu_s = [
+        json.loads((out / "lr-d16" / run / "sweep_time.json").read_text())["cpu_s"]
+        for run in ("preln-lr1e-3", "preln-lr3e-3")
+    ]
     assert origins_table(out) == [
-        {"grid": "lr-d16", "runs": 2, "commits": head[:10], "torch": made[0]["torch"], "threads": "1", "flag": "-"}
-        | ({"flag": "2 made on changed code"} if made[0]["dirty"] else {})
+        {
+            "grid": "lr-d16",
+            "runs": 2,
+            "commits": head[:10],
+            "torch": made[0]["torch"],
+            "threads": "1",
+            "flag": "2 made on changed code" if made[0]["dirty"] else "-",
+            "timed": "2 of 2",
+            "CPU-min per run": f"{min(cpu_s) / 60:.1f}-{max(cpu_s) / 60:.1f}",
+            "CPU-hours (timed)": f"{sum(cpu_s) / 3600:.2f}",
+        }
     ]
     # one run made by other code, one that does not say (recorded before runs said what made them)
     record = out / "lr-d16" / "preln-lr1e-3" / "sweep_time.json"
@@ -482,6 +496,10 @@ def test_every_run_record_says_what_made_it_and_the_report_flags_a_grid_that_mix
     (out / "lr-d16" / "preln-lr3e-3" / "sweep_time.json").write_text(json.dumps({"cpu_s": 1.0, "wall_s": 1.0}))
     (row,) = origins_table(out)
     assert row["commits"] == "0000000000 (1), unrecorded (1)" and row["flag"].startswith("mixes commits")
+    assert (row["timed"], row["CPU-min per run"], row["CPU-hours (timed)"]) == ("2 of 2", "0.0-0.0", "0.00")
+    (out / "lr-d16" / "preln-lr3e-3" / "sweep_time.json").unlink()  # a run without a time record: not timed
+    (row,) = origins_table(out)
+    assert row["timed"] == "1 of 2" and row["commits"] == "0000000000 (1), unrecorded (1)"
 
 
 def test_a_run_resumed_on_other_code_keeps_both_sessions_provenance():

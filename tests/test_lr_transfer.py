@@ -5,11 +5,13 @@ from curves whose optimum is known by construction."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from keel.experiments.lr_transfer import SweepRun, loss_at, loss_given_up, optimum, width_transfer
 
+ROOT = Path(__file__).resolve().parents[1]
 LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]
 
 
@@ -56,12 +58,13 @@ def test_the_loss_given_up_at_the_base_widths_optimum_per_seed():
 
 
 def test_width_transfer_gives_the_move_and_the_loss_given_up_under_each_parametrization():
-    # sp: the optimum falls 4x from width 64 to 256; mup: it stays
+    # sp: the optimum falls 4x from width 64 to 256; mup: it stays (for the third seed as well)
+    seeds = (1, 2, 3)
     sweeps = {
-        (64, "sp"): (runs(64, "sp", {1: 0.01, 2: 0.01}), [{}] * 10),
-        (256, "sp"): (runs(256, "sp", {1: 0.0025 * 2**0.75, 2: 0.0025 * 2**0.75}), [{}] * 10),
-        (64, "mup"): (runs(64, "mup", {1: 0.01, 2: 0.01}), [{}] * 10),
-        (256, "mup"): (runs(256, "mup", {1: 0.01, 2: 0.01}), [{}] * 10),
+        (64, "sp"): (runs(64, "sp", dict.fromkeys(seeds, 0.01)), [{}] * 15),
+        (256, "sp"): (runs(256, "sp", dict.fromkeys(seeds, 0.0025 * 2**0.75)), [{}] * 15),
+        (64, "mup"): (runs(64, "mup", dict.fromkeys(seeds, 0.01)), [{}] * 15),
+        (256, "mup"): (runs(256, "mup", {1: 0.01, 2: 0.01, 3: 0.01 * 2**0.25}), [{}] * 15),
     }
     text = "\n".join(width_transfer(sweeps, 64, 256))
     verdicts = {
@@ -71,4 +74,24 @@ def test_width_transfer_gives_the_move_and_the_loss_given_up_under_each_parametr
     }
     assert "| 0.42x |" in verdicts["sp"]  # 0.0025 * 2^0.75 / 0.01
     assert "s1: 0.1562, s2: 0.1562" in verdicts["sp"]  # 1.25 factors of 2 from its own optimum: 0.1 * 1.25^2
-    assert "| 1x |" in verdicts["mup"] and "s1: 0.0000, s2: 0.0000" in verdicts["mup"]
+    assert "s1: 0.0000, s2: 0.0000, s3: 0.0063" in verdicts["mup"]  # 0.1 * 0.25^2 for the third seed
+    assert verdicts["sp"].endswith("| move missed, loss missed (within it in 0 of 3 seeds) |")
+    assert verdicts["mup"].endswith("| move met, loss met (within it in 3 of 3 seeds) |")
+    # two seeds at width 256: no verdict
+    sweeps[256, "mup"] = (runs(256, "mup", {1: 0.01, 2: 0.01}), [{}] * 15)
+    (mup,) = [line for line in width_transfer(sweeps, 64, 256)[2].splitlines() if line.startswith("| mup")]
+    assert mup.endswith("| n = 2, no verdict |")
+
+
+def test_the_transfer_tables_of_docs_lr_transfer_are_what_the_report_writes_over_the_committed_records():
+    """docs/lr-transfer.md's complete-run tables are blocks `keel paper-report --docs docs` writes
+    (keel.experiments.doc_blocks); they read the sweeps' final held-out losses alone, so the committed records
+    rebuild them anywhere, in make test."""
+    from keel.experiments.doc_blocks import blocks, mark_tables
+    from keel.experiments.lr_transfer import sections
+
+    written = blocks(mark_tables("\n".join(sections(ROOT / "docs/experiments/runs"))))
+    page = blocks((ROOT / "docs/lr-transfer.md").read_text())
+    assert len(written) == 4  # the width sweeps and their verdicts; the depth sweeps and the optimum against depth
+    for name, block in written.items():
+        assert page.get(name) == block, f"docs/lr-transfer.md's {name!r} block is not the report's: --docs docs"

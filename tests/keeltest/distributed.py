@@ -52,6 +52,19 @@ def _join(rank: int, port: int, world: int):
     return mesh, _batches()[:, rank * per_rank : (rank + 1) * per_rank], global_mean
 
 
+def end_worker() -> None:
+    """End a spawned evaluation worker once its results are on disk: both ranks out of the last collective, the
+    group torn down, then the process ended without the interpreter's finalization. A gloo work object still held
+    at exit (lm-eval's and FSDP's last collectives) was destroyed during finalization and aborted the process about
+    1 full suite in 8, after the results were written ("terminate called without an active exception"; the same
+    abort as pytorch/pytorch#179291 describes); this worker has nothing left to finalize."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _sharded_checkpoint(path: Path, *overrides: str):
     """A sharded checkpoint laid out as the FSDP strategy writes it (one process standing in for the ranks): the
     weights and the optimizer state as tensors, the optimizer's param_groups as byte entries (pickles)."""

@@ -16,7 +16,11 @@ import numpy as np
 
 from keel.artifacts import CONFIG, read_eval_history
 from keel.experiments.records import MANIFEST, load_run_config
-from keel.experiments.stats import fmt, fmt_median_range, median
+from keel.experiments.stats import MIN_SEEDS, fmt, fmt_median_range, median
+
+# what a user wants of mup (issue #61): width 64's optimum within 1.5x of width 256's, and a width-256 model trained at
+# it within 0.02 nat of its own best
+MOVE_GOAL, GIVEN_UP_GOAL = 1.5, 0.02
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,9 @@ def sweep_row(label: str, runs: list[SweepRun], listed: int) -> tuple[dict, dict
         or "-",
         "optimum per seed": ", ".join(f"s{seed}: {o.cell() if o else '-'}" for seed, o in optima.items()) or "-",
         "median [range] of the seeds' vertices": fmt_median_range(resolved),
-        "optimum of the mean curve": f"{pooled.cell()} ({len(complete)} seeds)" if pooled else "-",
+        "optimum of the mean curve": f"{pooled.cell()} ({len(complete)} seed{'s' * (len(complete) != 1)})"
+        if pooled
+        else "-",
     }
     return row, optima, pooled
 
@@ -191,11 +197,25 @@ def width_transfer(sweeps: Sweeps, base: int, target: int) -> list[str]:
                 )
                 or "-",
                 "median [range]": fmt_median_range(losses),
+                f"goals (move within {MOVE_GOAL}x, given up <= {GIVEN_UP_GOAL} nat)": _against_goals(move, losses),
             }
         )
     if verdicts:
         text += [markdown_table(verdicts), ""]
     return text
+
+
+def _against_goals(move: float | None, given_up: list[float]) -> str:
+    """Whether the mean curves' move (up or down) and the seeds' median loss given up meet the goals; no verdict on
+    fewer than MIN_SEEDS seeds."""
+    if len(given_up) < MIN_SEEDS:
+        return f"n = {len(given_up)}, no verdict"
+    loss = median(given_up)
+    return (
+        f"move {'-' if move is None else 'met' if max(move, 1 / move) <= MOVE_GOAL else 'missed'}, "
+        f"loss {'met' if loss <= GIVEN_UP_GOAL else 'missed'} "
+        f"(within it in {sum(g <= GIVEN_UP_GOAL for g in given_up)} of {len(given_up)} seeds)"
+    )
 
 
 def _ratio_range(over: list[float], under: list[float]) -> str:

@@ -1,7 +1,8 @@
-"""Which code made a tree's records: per grid, the commits its runs (or redundancy rows) were made by, with torch's
-versions and the thread counts, and a flag where a grid mixes commits, has runs made on a tree whose code differed
-from its commit, or has runs that do not say (recorded before runs carried keel.provenance). `keel paper-report`
-prints it, so that a figure that moved can be traced to the code that made it."""
+"""Which code made a tree's records, and what they cost: per grid, the commits its runs (or redundancy rows) were
+made by, with torch's versions and the thread counts, a flag where a grid mixes commits, has runs made on a tree
+whose code differed from its commit, or has runs that do not say (recorded before runs carried keel.provenance), and
+the CPU time of its timed runs. `keel paper-report` prints it, so that a figure that moved can be traced to the code
+that made it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from keel.experiments.records import (
     PROVENANCE_COLUMNS,
     REDUNDANCY_DIR,
     REDUNDANCY_TABLE,
-    read_made_by,
     read_redundancy_rows,
+    read_time_record,
 )
 from keel.provenance import short_commit
 
@@ -26,21 +27,23 @@ def _count(counter: Counter) -> str:
     return ", ".join(f"{key} ({n})" if len(counter) > 1 else str(key) for key, n in counter.most_common())
 
 
-def grid_sessions(grid_dir: Path) -> tuple[int, list[list[dict]]]:
-    """A grid's runs (or, for a redundancy grid, its checkpoints measured) and what made each: a list per run, of
-    the distinct sessions that made it (empty: it does not say)."""
+def grid_sessions(grid_dir: Path) -> tuple[int, list[list[dict]], list[float]]:
+    """A grid's runs (or, for a redundancy grid, its checkpoints measured), what made each: a list per run, of the
+    distinct sessions that made it (empty: it does not say), and the CPU seconds of each run that has a time record
+    (a redundancy grid's rows have none)."""
     if (grid_dir / REDUNDANCY_TABLE).is_file():
         by_checkpoint: dict[str, list[dict]] = {}
         for row in read_redundancy_rows(grid_dir / REDUNDANCY_TABLE):
             session = {key: row[key] for key in PROVENANCE_COLUMNS} if row["torch"] else None
             by_checkpoint.setdefault(row["path"], [session] if session else [])
-        return len(by_checkpoint), list(by_checkpoint.values())
-    runs = sorted(path.parent for path in grid_dir.glob(f"*/{CONFIG}"))
-    return len(runs), [read_made_by(run) for run in runs]
+        return len(by_checkpoint), list(by_checkpoint.values()), []
+    records = [read_time_record(path.parent) for path in sorted(grid_dir.glob(f"*/{CONFIG}"))]
+    made = [(record or {}).get("made_by", []) for record in records]
+    return len(records), made, [record["cpu_s"] for record in records if record is not None]
 
 
 def origins_row(grid: str, grid_dir: Path) -> dict | None:
-    count, made = grid_sessions(grid_dir)
+    count, made, cpu_s = grid_sessions(grid_dir)
     if not count:
         return None
     sessions = [session for run in made for session in run]
@@ -60,6 +63,9 @@ def origins_row(grid: str, grid_dir: Path) -> dict | None:
         "torch": _count(Counter(str(s["torch"]) for s in sessions)) or "-",
         "threads": _count(Counter(str(s["threads"]) for s in sessions)) or "-",
         "flag": "; ".join(flags) or "-",
+        "timed": f"{len(cpu_s)} of {count}",
+        "CPU-min per run": f"{min(cpu_s) / 60:.1f}-{max(cpu_s) / 60:.1f}" if cpu_s else "-",
+        "CPU-hours (timed)": f"{sum(cpu_s) / 3600:.2f}" if cpu_s else "-",
     }
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from keel.artifacts import CONFIG, TENSORBOARD, read_scalars, read_stability
 from keel.config.model import scheme_of
 from keel.errors import ConfigError
+from keel.experiments.doc_blocks import mark_tables, write_docs
 from keel.experiments.grids import GRIDS
 from keel.experiments.hold import hold_fits, hold_table, plot_hold_map
 from keel.experiments.lr_transfer import sections as lr_transfer_sections
@@ -47,7 +48,7 @@ from keel.experiments.roles import (
     WIDTH_TREND,
 )
 from keel.experiments.stats import fmt, median
-from keel.experiments.summary import SUMMARY_NOTE, summary_block
+from keel.experiments.summary import COLUMNS, SUMMARY_NOTE, summary
 from keel.experiments.table1 import STRICT, seed_table, sign_tests
 from keel.experiments.tables import markdown_table
 from keel.experiments.trained import load_trained
@@ -181,7 +182,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     text = [f"# Max tolerable LR: the grids of `make paper` ({out})", ""]
     if missing:
         text += ["Not (yet) run: " + ", ".join(missing) + ".", ""]
-    text += ["## Summary", "", SUMMARY_NOTE, "", summary_block(out, grids, trained), ""]
+    text += ["## Summary", "", SUMMARY_NOTE, "", markdown_table(summary(out, grids, trained), COLUMNS), ""]
     text += [
         "Cells: max tolerable LR (divergence criterion; `>=`: no failure up to the peak; n.r.: never learned) / "
         "loss-optimal LR (best held-out loss).",
@@ -198,7 +199,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                 text += [markdown_table(tests), ""]
     for table1, perturbed in RESOLUTION_PAIRS:
         if perturbed in grids and table1 in grids:
-            seeds, summary = resolution_tables(grids[table1], grids[perturbed])
+            seeds, spread = resolution_tables(grids[table1], grids[perturbed])
             blocks, width = GRIDS[perturbed].point
             text += [
                 f"## The resolution, {blocks} x {width}: Table 1's probes under changes that should not matter "
@@ -209,7 +210,7 @@ def report(out: Path, shared_init: Path | None = None) -> str:
                 "",
                 markdown_table(seeds),
                 "",
-                markdown_table(summary),
+                markdown_table(spread),
                 "",
             ]
     if table := hold_table(grids):
@@ -282,24 +283,26 @@ def report(out: Path, shared_init: Path | None = None) -> str:
     text += lr_transfer_sections(out)
     if shared_init is not None and (table := init_sensitivity(grids, collect_grids(shared_init)[0])):
         text += [
-            f"## What depends on the init: each scheme's own recipe ({out}) against one init for all ({shared_init})",
+            "## What depends on the init: each scheme's own recipe against one init for all",
             "",
-            "Learned: seeds whose max LR is resolved.",
+            f"Each scheme's own recipe: {out}; one init for all: {shared_init}. Learned: seeds whose max LR is "
+            "resolved.",
             "",
             markdown_table(table),
             "",
         ]
     if origins := origins_table(out):
         text += [
-            "## What made the records",
+            "## What made the records, and their cost",
             "",
             "Per grid, the commits its runs were made by (short; `dirty`: the code differed from the commit), torch "
-            "and the thread count; a run recorded before runs said what made them counts as unrecorded.",
+            "and the thread count (a run recorded before runs said what made them counts as unrecorded), and the CPU "
+            "time of the runs with a time record (a run resumed before 5 December 2026 counts its last session only).",
             "",
             markdown_table(origins),
             "",
         ]
-    return "\n".join(text)
+    return mark_tables("\n".join(text))
 
 
 def main(argv: list[str]) -> int:
@@ -313,8 +316,16 @@ def main(argv: list[str]) -> int:
         help="the same grids run with one init for every scheme "
         "(make paper ARGS=model.init=normal PAPER_OUT=DIR): adds the init-sensitivity table",
     )
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        help="rewrite the blocks the pages of this folder hold between '<!-- keel paper-report: NAME -->' "
+        "markers (docs/ holds the Summary and the transfer tables) with the report's",
+    )
     args = parser.parse_args(argv)
     out = Path(args.dir)
+    if args.docs is not None and not args.docs.is_dir():
+        raise ConfigError(f"paper-report: --docs {args.docs} is not a directory; give the folder of the pages (docs)")
     for tree in (out, args.shared_init):
         if tree is not None and not tree.is_dir():
             raise ConfigError(
@@ -330,4 +341,7 @@ def main(argv: list[str]) -> int:
     (out / REPORT).write_text(text)
     print(text)
     print(f"keel paper-report: wrote {out}/{REPORT}")
+    if args.docs is not None:
+        for page, name, what in write_docs(text, args.docs):
+            print(f"keel paper-report: {page}: block {name!r}: {what}")
     return 0

@@ -81,12 +81,6 @@ def read_time_record(run_dir: str | Path) -> dict | None:
     return None
 
 
-def read_made_by(run_dir: str | Path) -> list[dict]:
-    """What made a grid's run (keel.provenance.made_by, a record per distinct session) from its time record; none
-    for a run without one or recorded before runs said what made them."""
-    return (read_time_record(run_dir) or {}).get("made_by", [])
-
-
 def checkpoint_run(path: str) -> str:
     """The name of the run a checkpoint is of (<grid>/<run>/checkpoints/<file>)."""
     return Path(path).parents[1].name

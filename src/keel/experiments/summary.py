@@ -23,7 +23,6 @@ from keel.experiments.maxlr_report import max_lr_value, rows_at
 from keel.experiments.records import REDUNDANCY, load_run_config
 from keel.experiments.roles import DEEP_RUNS, DEPTH_GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND, LR_GRIDS
 from keel.experiments.stats import MIN_SEEDS, Paired, direction, fmt, median, paired
-from keel.experiments.tables import markdown_table
 from keel.experiments.trained import (
     LOSS,
     PAIR,
@@ -514,7 +513,6 @@ SUMMARY_NOTE = (
     f"signed-rank test and the t-test on the log ratios; no verdict on fewer than {MIN_SEEDS} paired seeds, no "
     "comparison across ramps or slopes."
 )
-BEGIN, END = "<!-- keel paper-report: Summary -->", "<!-- end of keel paper-report: Summary -->"
 
 
 def summary_grids() -> tuple[str, ...]:
@@ -525,14 +523,9 @@ def summary_grids() -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def summary_block(out: Path, grids: dict[str, list[dict]], trained: dict[str, TrainedGrid]) -> str:
-    """The Summary as docs/experiments.md holds it: the table between BEGIN and END."""
-    rows = summary(out, {name: grids[name] for name in summary_grids() if name in grids}, trained)
-    return "\n".join([BEGIN, markdown_table(rows, COLUMNS), END])
-
-
 def summary(out: Path, grids: dict[str, list[dict]], trained: dict[str, TrainedGrid]) -> list[dict]:
     """The Summary's rows: the max-LR claims from the collected grids, then the trained-model claims."""
+    grids = {name: grids[name] for name in summary_grids() if name in grids}
     table = [
         *max_lr_rows(grids),
         *hold_rows(grids),

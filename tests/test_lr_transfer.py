@@ -5,6 +5,7 @@ from curves whose optimum is known by construction."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from keel.experiments.lr_transfer import SweepRun, loss_at, loss_given_up, optimum, width_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
+GOALS = "goals (move within 1.5x, given up <= 0.02 nat)"
 LRS = [0.0025, 0.005, 0.01, 0.02, 0.04]
 
 
@@ -95,3 +97,26 @@ def test_the_transfer_tables_of_docs_lr_transfer_are_what_the_report_writes_over
     assert len(written) == 4  # the width sweeps and their verdicts; the depth sweeps and the optimum against depth
     for name, block in written.items():
         assert page.get(name) == block, f"docs/lr-transfer.md's {name!r} block is not the report's: --docs docs"
+
+
+def test_the_readmes_mup_row_quotes_the_width_transfer_verdict():
+    """README's `model.parametrization` row quotes the mup row of docs/lr-transfer.md's verdict table (held to the
+    records above): the move of the optimum and the median [range] of the loss given up."""
+    from keel.experiments.doc_blocks import blocks
+
+    block = blocks((ROOT / "docs/lr-transfer.md").read_text())[
+        "LR transfer across width on complete runs: Keel, 8 blocks, sp and mup (base width 64), table 2"
+    ]
+    header, _, *rows = block.splitlines()[1:-1]
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    (mup,) = [
+        dict(zip(columns, (c.strip() for c in row.strip("|").split("|")))) for row in rows if row.startswith("| mup")
+    ]
+    (readme,) = [
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `model.parametrization`")
+    ]
+    assert f"moved {mup['move 64 -> 256']} to width 256" in readme
+    assert f"gave up a median {mup['median [range]'].replace(' [', ' nat [')}" in readme
+    within, seeds = map(int, re.search(r"within it in (\d+) of (\d+) seeds", mup[GOALS]).groups())
+    met = mup[GOALS].startswith("move met, loss met")
+    assert f"{'met' if met else 'missed'} by the median, missed by {seeds - within} seed of {seeds}" in readme

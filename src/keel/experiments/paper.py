@@ -319,8 +319,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--docs",
         type=Path,
-        help="rewrite the blocks the pages of this folder hold between '<!-- keel paper-report: NAME -->' "
-        "markers (docs/ holds the Summary and the transfer tables) with the report's",
+        help="rewrite the tables the pages of this folder quote between '<!-- keel paper-report: NAME -->' "
+        "markers (NAME: the report's section heading) with the report's",
     )
     args = parser.parse_args(argv)
     out = Path(args.dir)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import shlex
 from dataclasses import asdict
 from pathlib import Path
@@ -35,11 +34,11 @@ from keel.experiments.maxlr_report import main as report_main
 from keel.experiments.records import (
     COMMANDS,
     LOSS_LR,
-    MANIFEST,
     MAXLR_SUMMARY,
     MAXLR_TIME,
     SBATCH_SCRIPT,
     already_trained,
+    write_manifest,
 )
 from keel.experiments.timing import train_timed
 from keel.schedule import lr_factor
@@ -284,26 +283,20 @@ def check_protocol(args: argparse.Namespace) -> None:
         )
 
 
-def write_manifest(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
+def write_grid_manifest(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
     """The grid's MANIFEST: its protocol in words, its peak LR and its runs."""
     ramp = (
         f"{args.start_lr:g} -> {args.peak_lr:g} geometrically"
         if args.ramp == "exp"
         else f"0 -> {args.peak_lr:g} linearly"
     )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).write_text(
-        json.dumps(
-            {
-                "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps"
-                + (f", a probe not learned by LR {args.learn_by_lr:g} stopped" if args.learn_by_lr else ""),
-                "peak_lr": args.peak_lr,
-                "runs": [asdict(run) for run in runs],
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    protocol = {
+        "protocol": f"LR {ramp} over {args.steps} steps, held-out loss every {args.eval_every} steps"
+        + (f", a probe not learned by LR {args.learn_by_lr:g} stopped" if args.learn_by_lr else ""),
+        "peak_lr": args.peak_lr,
+    }
+    if note := write_manifest(out, protocol, [asdict(run) for run in runs]):
+        print(f"keel maxlr: {note}", flush=True)
 
 
 def emit(args: argparse.Namespace, runs: list[GridCell], out: Path) -> None:
@@ -362,7 +355,7 @@ def main(argv: list[str]) -> int:
         for run, cfg in selected:
             print(f"# keel maxlr run {run.name}\n{to_yaml(cfg)}", end="")
         return 0
-    write_manifest(args, runs, out)
+    write_grid_manifest(args, runs, out)
     if args.emit != "run":
         emit(args, runs, out)
         return 0

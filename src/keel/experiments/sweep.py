@@ -38,6 +38,7 @@ from keel.experiments.records import (
     SWEEP_TIME,
     already_trained,
     run_row,
+    write_manifest,
 )
 from keel.experiments.stats import fmt
 from keel.experiments.tables import write_table
@@ -200,13 +201,9 @@ def main(argv: list[str]) -> int:
     runs = build_grid(args)
     # every run's config is checked before anything is written, emitted or trained
     configs = [load_config(args.config, [*args.overrides, *run.overrides, f"run.dir={out / run.name}"]) for run in runs]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).write_text(
-        json.dumps(
-            {"config": args.config, "overrides": args.overrides, "runs": [asdict(run) for run in runs]}, indent=1
-        )
-        + "\n"
-    )
+    protocol = {"config": args.config, "overrides": args.overrides}
+    if note := write_manifest(out, protocol, [asdict(run) for run in runs]):
+        print(f"keel sweep: {note}", flush=True)
     if args.emit == "run":
         from keel.experiments.timing import train_timed  # lightning: imported only when training
 

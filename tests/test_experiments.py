@@ -426,7 +426,6 @@ def test_sweep_emits_commands_and_slurm(tmp_path, capsys):
     assert widths == ["88", "64", "48"]  # deeper = narrower, at ~ the depth-4 width-64 parameter count
 
 
-
 def test_a_sweep_over_some_seeds_adds_its_runs_to_the_grids_listing(tmp_path, capsys):
     """Two runs of one grid, a seed each (docs/lr-transfer.md's first pass), list both; a grid of other overrides
     in the same directory replaces the listing and says which runs it no longer lists."""
@@ -442,6 +441,7 @@ def test_a_sweep_over_some_seeds_adds_its_runs_to_the_grids_listing(tmp_path, ca
     capsys.readouterr()
     assert sweep("1", "model.depth=2") == ["lr0.01-s1", "lr0.02-s1"]
     assert "it now lists this one, without lr0.01-s2, lr0.02-s2" in capsys.readouterr().out
+
 
 def sweep_argv(out: Path, tiny_data: list[str]) -> list[str]:
     return [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.experiments.lr_transfer import SweepRun, loss_at, loss_given_up, optimum, width_transfer
+from keel.experiments.lr_transfer import SweepRun, depth_transfer, loss_at, loss_given_up, optimum, width_transfer
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = "goals (move within 1.5x, given up <= 0.02 nat)"
@@ -22,9 +22,16 @@ def curve(best: float, floor: float = 4.0, k: float = 0.1) -> list[tuple[float, 
     return [(lr, floor + k * math.log2(lr / best) ** 2) for lr in LRS]
 
 
-def runs(width: int, parametrization: str, bests: dict[int, float]) -> list[SweepRun]:
+def runs(
+    width: int,
+    parametrization: str,
+    bests: dict[int, float],
+    scheme: str = "keel",
+    depth: int = 8,
+    rule: int | None = None,
+) -> list[SweepRun]:
     return [
-        SweepRun("keel", parametrization, 8, width, lr, seed, loss)
+        SweepRun(scheme, parametrization, depth, width, lr, seed, loss, rule)
         for seed, best in bests.items()
         for lr, loss in curve(best)
     ]
@@ -83,6 +90,29 @@ def test_width_transfer_gives_the_move_and_the_loss_given_up_under_each_parametr
     sweeps[256, "mup"] = (runs(256, "mup", {1: 0.01, 2: 0.01}), [{}] * 15)
     (mup,) = [line for line in width_transfer(sweeps, 64, 256)[2].splitlines() if line.startswith("| mup")]
     assert mup.endswith("| n = 2, no verdict |")
+
+
+def test_the_depth_table_follows_a_depth_rule_from_plain_pre_ln_at_its_base_depth():
+    """Pre-LN's optimum halves per 4x depth; under the 1/L rule from 16 blocks it holds. The rule's row starts from
+    plain Pre-LN's 16-block optimum (the same model there), and each row keeps its own label."""
+    seeds = dict.fromkeys((1, 2, 3), 0.0)
+
+    def grid(depth: int, best: float, scheme: str = "preln", rule: int | None = None):
+        return runs(32, "sp", {seed: best for seed in seeds}, scheme, depth, rule), [{"scheme": scheme}] * 15
+
+    text = depth_transfer(
+        {
+            "tuned-depth-d16": grid(16, 0.02),
+            "lr-d64": grid(64, 0.01),
+            "depth-rule-d64": grid(64, 0.02, rule=16),
+            "tuned-depth-d256": grid(256, 0.005),
+            "depth-rule-d256": grid(256, 0.02 * 2**0.25, rule=16),
+        }
+    )
+    moves = {line.split(" | ")[0].strip("| "): line for line in text[2].splitlines()}
+    assert "| preln, branches x 16/N, 64 x 32 (depth-rule-d64) | 15 of 15 |" in text[0]
+    assert moves["preln"].endswith("| 16: 0.02, 64: 0.01, 256: 0.005 | 4x |")
+    assert moves["preln, branches x 16/N"].endswith("| 16: 0.02, 64: 0.02, 256: 0.0238 | 0.841x |")
 
 
 def test_the_transfer_tables_of_docs_lr_transfer_are_what_the_report_writes_over_the_committed_records():

@@ -151,6 +151,36 @@ def test_keel_without_inner_norm_is_postln_with_alpha(first_block):
     assert torch.isfinite(model(torch.randint(0, 64, (2, 8)))).all()
 
 
+def test_depth_scaled_branches_are_pre_ln_with_each_branch_times_base_over_depth():
+    """model.branch_base_depth=D (docs/model.md): at depth D plain Pre-LN bit for bit; at depth N each sublayer is
+    x + (D/N) F(Norm(x)), F as drawn at depth D: Pre-LN with the init of D and its branches' last matrices x D/N
+    computes the same logits; any other scheme refuses the key."""
+    torch.manual_seed(0)
+    plain = KeelLM(tiny(scheme="preln", depth=2))
+    torch.manual_seed(0)
+    based = KeelLM(tiny(scheme="preln", depth=2, branch_base_depth=2))
+    ids = torch.randint(0, 64, (2, 8))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), based.state_dict().values()))
+    assert torch.equal(plain(ids), based(ids))
+
+    torch.manual_seed(0)
+    deep = KeelLM(tiny(scheme="preln", depth=8, branch_base_depth=2))
+    torch.manual_seed(0)
+    drawn_at_2 = KeelLM(tiny(scheme="preln", depth=8, init="normal"))  # the draw before gpt2's 1/sqrt(2 x depth)
+    for block, drawn in zip(deep.blocks, drawn_at_2.blocks):
+        torch.testing.assert_close(block.ffn.branch.down.weight, drawn.ffn.branch.down.weight / 2, rtol=0, atol=0)
+    assert {spec.formula() for pair in sublayer_specs(deep.cfg) for spec in pair} == {"x + 0.25 F(Norm_in(x))"}
+    unscaled = KeelLM(tiny(scheme="preln", depth=8))
+    unscaled.load_state_dict(deep.state_dict())
+    with torch.no_grad():
+        for block in unscaled.blocks:
+            block.attn.branch.out.weight.mul_(0.25)
+            block.ffn.branch.down.weight.mul_(0.25)
+    torch.testing.assert_close(unscaled(ids), deep(ids))
+    with pytest.raises(ConfigError, match="model.branch_base_depth: scales Pre-LN's residual branches"):
+        tiny(scheme="keel", branch_base_depth=2)
+
+
 def test_every_scheme_has_its_own_blocks_and_an_unknown_one_is_refused():
     """One table entry per scheme (no fall-through to Keel): the seven layouts differ, and a scheme outside
     the table is an error naming the allowed ones, wherever the specs are asked for."""

@@ -52,11 +52,12 @@ def _draw(model: KeelLM, embedding_std: float | None = None, fan_in: bool = Fals
 @torch.no_grad()
 def _gpt2(model: KeelLM, truncated: bool = False) -> None:
     """_draw, then the residual branches' last matrices (attention out, FFN down) x 1/sqrt(L), L the number of
-    sublayers: their sum over the depth keeps the stream's scale."""
+    sublayers (at model.branch_base_depth when set: its branch multiplier scales with depth instead): their sum over
+    the depth keeps the stream's scale."""
     _draw(model, truncated=truncated)
     for block in model.blocks:
         for linear in (block.attn.branch.out, block.ffn.branch.down):
-            linear.weight.mul_(model.cfg.n_sublayers**-0.5)
+            linear.weight.mul_((2 * model.cfg.init_depth) ** -0.5)
 
 
 @torch.no_grad()
@@ -191,11 +192,13 @@ class FeedForward(nn.Module):
 
 
 class Sublayer(nn.Module):
-    """out = [Norm_out](alpha * skip + branch([Norm_in](x))), computed in fp32 around the branch."""
+    """out = [Norm_out](alpha * skip + s * branch([Norm_in](x))), computed in fp32 around the branch; s = 1 but
+    under model.branch_base_depth."""
 
     def __init__(self, spec: SublayerSpec, branch: nn.Module, cfg: ModelConfig) -> None:
         super().__init__()
         self.alpha = spec.alpha
+        self.branch_scale = spec.branch_scale
         self.skip_from_norm_in = spec.skip_from_norm_in
         self.branch = branch
         self.norm_in = RMSNorm(cfg.width, cfg.norm_eps) if spec.norm_in else None
@@ -206,6 +209,8 @@ class Sublayer(nn.Module):
         h = self.norm_in(x) if self.norm_in is not None else x
         skip = h if self.skip_from_norm_in else x
         f = self.branch(h, **branch_kwargs).float()
+        if self.branch_scale != 1:
+            f = f * self.branch_scale
         if self.norm_out is not None:
             return self.norm_out(f, skip, self.alpha)  # Norm_out(F + alpha * skip)
         return torch.add(f, skip, alpha=self.alpha)

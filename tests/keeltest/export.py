@@ -34,6 +34,7 @@ VARIANTS = {
     "keel-no-inner-norm": ["model.keel_inner_norm=false"],
     "keel-no-gain-tied": ["model.out_norm_gain=false", "model.tie_embeddings=true"],
     "preln": ["model.scheme=preln"],
+    "preln-depth-rule": ["model.scheme=preln", "model.branch_base_depth=2"],  # each branch x 2/3
     "postln": ["model.scheme=postln"],
     "postln-final-norm": ["model.scheme=postln", "model.postln_final_norm=true"],
     "deepnorm": ["model.scheme=deepnorm"],

@@ -28,9 +28,9 @@ PARAMETRIZATIONS = ("sp", "mup")
 # summary. keel.model.INITS draws each, under the same name (a test holds the two tables to one set of names).
 INITS: dict[str, Callable[[ModelConfig], str]] = {
     "normal": lambda cfg: f"every matrix and the embedding N(0, {cfg.init_std:g}^2)",
-    "gpt2": lambda cfg: f"N(0, {cfg.init_std:g}^2), attention out and FFN down x 1/sqrt(2 x {cfg.depth})",
+    "gpt2": lambda cfg: f"N(0, {cfg.init_std:g}^2), attention out and FFN down x 1/sqrt(2 x {cfg.init_depth})",
     "megatron": lambda cfg: (
-        f"N(0, {cfg.init_std:g}^2) cut at 3 std, attention out and FFN down x 1/sqrt(2 x {cfg.depth})"
+        f"N(0, {cfg.init_std:g}^2) cut at 3 std, attention out and FFN down x 1/sqrt(2 x {cfg.init_depth})"
     ),
     "xavier": lambda cfg: f"the blocks' matrices Xavier-normal, embedding and head N(0, {cfg.init_std:g}^2)",
     "mixln": lambda cfg: f"every matrix N(0, {cfg.init_std:g}^2), the embedding N(0, 2/5)",
@@ -81,6 +81,11 @@ class ModelConfig:
     # the base model's head_dim, where attention's 1/head_dim rule starts from; null = mup_base_width / n_heads (the
     # heads held fixed across widths). Set it when the tuned model has another head count (a 4-head miniature: 16)
     mup_base_head_dim: int | None = None
+    # Pre-LN only: null, or a depth D at which the residual branches are as usual; at depth L each branch enters the
+    # stream x D / L (x + (D/L) F(Norm(x)): the 1/L branch rule of CompleteP, depth-muP with exponent 1) and the
+    # depth-scaled inits (gpt2, megatron) draw as at depth D, so a model of any depth starts and steps like the
+    # depth-D one (docs/model.md#depth-scaled-branches-modelbranch_base_depth)
+    branch_base_depth: int | None = None
 
     def __post_init__(self) -> None:
         scheme_of(self)  # refuses a scheme outside SCHEMES, naming the allowed ones
@@ -110,6 +115,17 @@ class ModelConfig:
         )
         for key in ("vocab_size", "depth", "width", "n_heads", "seq_len", "mup_base_width"):
             require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(
+            self.branch_base_depth is None or self.branch_base_depth >= 1,
+            "model.branch_base_depth",
+            f"must be null (branches unscaled) or >= 1, got {self.branch_base_depth}",
+        )
+        require(
+            self.branch_base_depth is None or self.scheme == "preln",
+            "model.branch_base_depth",
+            f"scales Pre-LN's residual branches (scheme preln); scheme {self.scheme!r} sets its own residual scale: "
+            "leave it null",
+        )
         require(
             self.mup_base_head_dim is None or self.mup_base_head_dim >= 1,
             "model.mup_base_head_dim",
@@ -158,6 +174,16 @@ class ModelConfig:
         return base**0.5 / self.head_dim
 
     @property
+    def branch_scale(self) -> float:
+        """What each residual branch is multiplied by: branch_base_depth / depth, or 1."""
+        return 1.0 if self.branch_base_depth is None else self.branch_base_depth / self.depth
+
+    @property
+    def init_depth(self) -> int:
+        """The depth the depth-scaled inits (gpt2, megatron) are drawn for: branch_base_depth, or the depth."""
+        return self.branch_base_depth or self.depth
+
+    @property
     def n_sublayers(self) -> int:
         """The paper's L: an attention and an FFN sublayer per block."""
         return 2 * self.depth
@@ -201,12 +227,14 @@ class SublayerSpec:
     alpha: float = 1.0
     skip_from_norm_in: bool = False  # HybridNorm FFN: u + FFN(u), u = Norm(x)
     qkv_norm: bool = False  # HybridNorm attention: per-head RMSNorm of q, k, v
+    branch_scale: float = 1.0  # the branch's multiplier (model.branch_base_depth)
 
     def formula(self) -> str:
         """The sublayer as an equation in its input x, e.g. `Norm_out(32 x + F(Norm_in(x)))` (docs/schemes.md)."""
         h = "Norm_in(x)" if self.norm_in else "x"
         skip = h if self.skip_from_norm_in else "x"
-        total = f"{'' if self.alpha == 1 else f'{self.alpha:.3g} '}{skip} + {'F_qkvn' if self.qkv_norm else 'F'}({h})"
+        branch = f"{'' if self.branch_scale == 1 else f'{self.branch_scale:.3g} '}{'F_qkvn' if self.qkv_norm else 'F'}"
+        total = f"{'' if self.alpha == 1 else f'{self.alpha:.3g} '}{skip} + {branch}({h})"
         return f"Norm_out({total})" if self.norm_out else total
 
 
@@ -224,6 +252,15 @@ def _keel(cfg: ModelConfig) -> BlockSpecs:
 def deepnorm_beta(cfg: ModelConfig) -> float:
     """DeepNet's init gain for v, out and both FFN matrices (keel.model.SCHEME_INITS)."""
     return cfg.deepnorm_beta or (8 * cfg.depth) ** -0.25
+
+
+def _preln(cfg: ModelConfig) -> BlockSpecs:
+    pre = (
+        PRE
+        if cfg.branch_base_depth is None
+        else SublayerSpec(norm_in=True, norm_out=False, branch_scale=cfg.branch_scale)
+    )
+    return [(pre, pre)] * cfg.depth
 
 
 def _deepnorm(cfg: ModelConfig) -> BlockSpecs:
@@ -279,7 +316,7 @@ SCHEMES = {
         alpha_field="keel_alpha",
         alpha=lambda cfg: cfg.keel_alpha or float(cfg.n_sublayers),
     ),
-    "preln": Scheme(lambda cfg: [(PRE, PRE)] * cfg.depth, init="gpt2"),
+    "preln": Scheme(_preln, init="gpt2"),
     "postln": Scheme(lambda cfg: [(POST, POST)] * cfg.depth, final_norm=lambda cfg: cfg.postln_final_norm),
     "deepnorm": Scheme(_deepnorm, final_norm=_unless_last_normalized, init="xavier"),
     "hybridnorm": Scheme(_hybridnorm, init="megatron"),

@@ -27,6 +27,9 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
     # at 64 x 32 one step lower than that rule gives: the first seed's optima lay at its bottom (docs/trained-models.md)
     "LRS_D64": "0.00625,0.0125,0.025,0.05",
     "TUNED_LRS": "0.01,0.02,0.04",
+    # Pre-LN under the 1/L branch rule (depth-rule-*): its 16-block optimum (about 0.017) and two octaves below it,
+    # where plain Pre-LN's 64-block optimum lies (at most 0.00625)
+    "DEPTH_RULE_LRS": "0.005,0.01,0.02,0.04",
     # LR transfer across width on complete runs (docs/lr-transfer.md): Keel at 8 blocks, widths 64 and 256, sp and mup
     "TRANSFER_SEEDS": "1,2,3",
     "TRANSFER_STEPS": "1000",
@@ -138,8 +141,6 @@ DEEP1024 = (
 # Complete runs (linear warm-up, then cosine to 10% at the last step) of Keel and Pre-LN, each from its own init,
 # with the in-loop generated tasks (400 documents each); a run the stability monitor flags trains on to the end
 TRAINED = (
-    "--schemes",
-    "keel,preln",
     "--seeds",
     "{TRAINED_SEEDS}",
     "--out",
@@ -158,13 +159,19 @@ TRAINED = (
 )
 
 
-def trained(point: tuple[int, int], lrs: str, *args: str) -> PaperGrid:
+def trained(
+    point: tuple[int, int],
+    lrs: str,
+    *args: str,
+    schemes: str = "keel,preln",
+    sets: tuple[str, ...] = ("paper-trained",),
+) -> PaperGrid:
     blocks, width = point
     return PaperGrid(
         "sweep",
-        (*TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args),
+        ("--schemes", schemes, *TRAINED, "--lrs", lrs, f"model.depth={blocks}", f"model.width={width}", *args),
         point,
-        ("paper-trained",),
+        sets,
     )
 
 
@@ -192,6 +199,8 @@ TRANSFER = (
     "callbacks.stability.stop_on_failure=false",
 )
 TRANSFER_WIDTHS = (64, 256)
+# Pre-LN (the configured scheme too: the key is refused on any other) with the 1/L rule from tuned-depth-d16's depth
+DEPTH_RULE = ("model.scheme=preln", "model.branch_base_depth=16")
 
 
 def transfer(width: int, parametrization: str) -> PaperGrid:
@@ -323,4 +332,16 @@ GRIDS = {
         for width in TRANSFER_WIDTHS
         for parametrization in ("sp", "mup")
     },
+    # Pre-LN with CompleteP's 1/L branch rule from 16 blocks (docs/model.md, "Depth-scaled branches"): at 16 blocks
+    # it is tuned-depth-d16's Pre-LN, bit for bit; does its optimum then hold at 64 and 256 blocks?
+    "depth-rule-d64": trained((64, 32), "{DEPTH_RULE_LRS}", *DEPTH_RULE, schemes="preln", sets=("paper-transfer",)),
+    "depth-rule-d256": trained(
+        (256, 32),
+        "{DEPTH_RULE_LRS}",
+        *DEPTH_RULE,
+        "trainer.max_steps={TRAINED_STEPS_D256}",
+        "optim.warmup_steps=50",
+        schemes="preln",
+        sets=("paper-transfer",),
+    ),
 }

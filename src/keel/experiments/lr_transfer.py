@@ -32,6 +32,14 @@ class SweepRun:
     lr: float
     seed: int
     loss: float  # the final held-out loss: the last in-loop evaluation's, at the last step
+    branch_base_depth: int | None = None  # model.branch_base_depth: Pre-LN's 1/L branch rule from that depth
+
+    @property
+    def rule(self) -> str:
+        """The scheme, and its depth rule if any: what the depth table follows over the depths."""
+        return (
+            self.scheme if self.branch_base_depth is None else f"{self.scheme}, branches x {self.branch_base_depth}/N"
+        )
 
 
 # a report's sweeps: a key (the width and parametrization, or the grid) -> (its finished runs, every listed run's axes)
@@ -55,7 +63,11 @@ def read_sweep(grid_dir: Path) -> tuple[list[SweepRun], list[dict]]:
         if last["step"] == cfg.trainer.max_steps - 1:
             m = cfg.model
             loss = last["val_loss"]
-            runs.append(SweepRun(m.scheme, m.parametrization, m.depth, m.width, cfg.optim.lr, cfg.run.seed, loss))
+            runs.append(
+                SweepRun(
+                    m.scheme, m.parametrization, m.depth, m.width, cfg.optim.lr, cfg.run.seed, loss, m.branch_base_depth
+                )
+            )
     return runs, [entry["axes"] for entry in listed]
 
 
@@ -225,25 +237,32 @@ def _ratio_range(over: list[float], under: list[float]) -> str:
 
 
 def depth_transfer(runs_by_grid: Sweeps) -> list[str]:
-    """The optimum against depth per scheme over the depth grids present (each a sweep of Keel and Pre-LN)."""
+    """The optimum against depth per scheme over the depth grids present (sweeps of Keel and Pre-LN, and of Pre-LN
+    under a depth rule: at its base depth it is plain Pre-LN, whose row stands for it there)."""
     from keel.experiments.tables import markdown_table
 
     rows, pooled = [], {}
     for grid, (runs, listed) in runs_by_grid.items():
-        for scheme in dict.fromkeys(r.scheme for r in runs):
-            mine = [r for r in runs if r.scheme == scheme]
-            of_scheme = sum(1 for axes in listed if axes.get("scheme") == scheme)
-            row, _, best = sweep_row(f"{scheme}, {mine[0].depth} x {mine[0].width} ({grid})", mine, of_scheme)
+        for rule in dict.fromkeys(r.rule for r in runs):
+            mine = [r for r in runs if r.rule == rule]
+            of_scheme = sum(1 for axes in listed if axes.get("scheme", mine[0].scheme) == mine[0].scheme)
+            row, _, best = sweep_row(f"{rule}, {mine[0].depth} x {mine[0].width} ({grid})", mine, of_scheme)
             rows.append(row)
-            pooled.setdefault(scheme, []).append((mine[0].depth, best))
+            pooled.setdefault(rule, []).append((mine[0].depth, best))
+    of_rule = {r.rule: r for runs, _ in runs_by_grid.values() for r in runs}
+    for rule, points in pooled.items():
+        base, plain = of_rule[rule].branch_base_depth, dict(pooled.get(of_rule[rule].scheme, []))
+        if base in plain and base not in dict(points):
+            points.append((base, plain[base]))
+        points.sort(key=lambda point: point[0])
     moves = [
         {
-            "scheme": scheme,
+            "scheme": rule,
             "optimum by depth (mean curve)": ", ".join(f"{depth}: {o.cell() if o else '-'}" for depth, o in points),
             "shallowest / deepest": fmt(points[0][1].lr / points[-1][1].lr)
             + ("x (an edge: a bound)" if any(o.edge for _, o in (points[0], points[-1])) else "x"),
         }
-        for scheme, points in pooled.items()
+        for rule, points in pooled.items()
         if len(points) >= 2 and points[0][1] is not None and points[-1][1] is not None
     ]
     return [markdown_table(rows), "", *([markdown_table(moves), ""] if moves else [])]
@@ -252,7 +271,7 @@ def depth_transfer(runs_by_grid: Sweeps) -> list[str]:
 def sections(out: Path) -> list[str]:
     """The report's sections for the transfer grids and the depth grids present under out."""
     from keel.experiments.grids import GRIDS, TRANSFER_WIDTHS
-    from keel.experiments.roles import DEPTH_GRIDS, TRANSFER_GRIDS
+    from keel.experiments.roles import DEPTH_GRIDS, DEPTH_RULE_GRIDS, TRANSFER_GRIDS
 
     text = []
     sweeps = {}
@@ -274,7 +293,7 @@ def sections(out: Path) -> list[str]:
             "",
             *width_transfer(sweeps, base, target),
         ]
-    depth = {grid: read_sweep(out / grid) for grid in DEPTH_GRIDS}
+    depth = {grid: read_sweep(out / grid) for grid in (*DEPTH_GRIDS, *DEPTH_RULE_GRIDS)}
     depth = {grid: found for grid, found in depth.items() if found[0]}
     if depth:
         text += ["## The LR optimum against depth, complete runs", "", *depth_transfer(depth)]

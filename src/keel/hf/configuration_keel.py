@@ -9,6 +9,7 @@ file and modeling_keel.py need not know the schemes: `sublayers[i] = [attention,
     alpha              the skip's scale (Keel: L, the number of sublayers)
     skip_from_norm_in  skip = Norm_in(x) instead of x (HybridNorm's FFN)
     qkv_norm           RMSNorm q, k and v per head (HybridNorm's attention)
+    branch_scale       F's multiplier, out = ... alpha * skip + branch_scale * F(h) (1 if absent)
 
 `keel` holds the whole run config the model was trained with (its `model` section is every model key), `heldout`
 the last held-out loss before the checkpoint exported ({"step", "loss"}; null if none was recorded).
@@ -24,7 +25,14 @@ require_version("transformers>=5.24")
 
 from transformers import PreTrainedConfig  # noqa: E402
 
-PRE_LN = {"norm_in": True, "norm_out": False, "alpha": 1.0, "skip_from_norm_in": False, "qkv_norm": False}
+PRE_LN = {
+    "norm_in": True,
+    "norm_out": False,
+    "alpha": 1.0,
+    "skip_from_norm_in": False,
+    "qkv_norm": False,
+    "branch_scale": 1.0,
+}
 
 
 class KeelConfig(PreTrainedConfig):

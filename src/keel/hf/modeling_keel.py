@@ -142,11 +142,12 @@ class KeelFeedForward(nn.Module):
 
 
 class KeelSublayer(nn.Module):
-    """out = [Norm_out](alpha * skip + branch([Norm_in](x))), fp32 around the branch."""
+    """out = [Norm_out](alpha * skip + branch_scale * branch([Norm_in](x))), fp32 around the branch."""
 
     def __init__(self, config: KeelConfig, spec: dict, branch: nn.Module) -> None:
         super().__init__()
         self.alpha = float(spec["alpha"])
+        self.branch_scale = float(spec.get("branch_scale", 1.0))  # absent from exports made before it existed
         self.skip_from_norm_in = spec["skip_from_norm_in"]
         self.branch = branch
         eps = config.rms_norm_eps
@@ -159,6 +160,8 @@ class KeelSublayer(nn.Module):
         skip = h if self.skip_from_norm_in else x
         f = self.branch(h, *branch_args, **branch_kwargs)
         f = (f[0] if isinstance(f, tuple) else f).float()  # attention returns its weights too (output_attentions)
+        if self.branch_scale != 1:
+            f = f * self.branch_scale
         if self.norm_out is not None:
             return self.norm_out(f, skip, self.alpha)
         return torch.add(f, skip, alpha=self.alpha)

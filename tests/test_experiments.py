@@ -439,6 +439,8 @@ def test_a_sweep_over_some_seeds_adds_its_runs_to_the_grids_listing(tmp_path, ca
     assert sweep("2") == ["lr0.01-s2", "lr0.02-s2"]
     assert sweep("1,2") == ["lr0.01-s2", "lr0.02-s2", "lr0.01-s1", "lr0.02-s1"]
     capsys.readouterr()
+    assert sweep("1") == ["lr0.01-s2", "lr0.02-s2", "lr0.01-s1", "lr0.02-s1"]
+    assert "also lists 2 run(s) of this grid beyond this command's (lr0.01-s2, lr0.02-s2)" in capsys.readouterr().out
     assert sweep("1", "model.depth=2") == ["lr0.01-s1", "lr0.02-s1"]
     assert "it now lists this one, without lr0.01-s2, lr0.02-s2" in capsys.readouterr().out
 

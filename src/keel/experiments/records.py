@@ -39,21 +39,28 @@ LAYER_PROFILE_PLOT = "layer_profile_{grid}.png"  # per trained grid: Section 8's
 def write_manifest(out: Path, protocol: dict[str, Any], runs: list[dict]) -> str | None:
     """Write the grid's MANIFEST: its protocol (what all its runs share) and its runs. A runner given part of a grid
     (a subset of its seeds) adds its runs to a listing of the same protocol, so partial runs into one directory list
-    them all; a listing of another protocol is replaced. Returns what the user is to be told when that drops runs."""
+    them all; a listing of another protocol is replaced. Returns what the user is to be told: the runs the listing
+    keeps beyond this command's, or those a replaced listing drops."""
     path = out / MANIFEST
     before = json.loads(path.read_text()) if path.is_file() else {}
     listed = before.pop("runs", [])
-    names = [run["name"] for run in runs]
+    names = {run["name"] for run in runs}
+    others = [run["name"] for run in listed if run["name"] not in names]
     if before == protocol:
         runs = [*listed, *(run for run in runs if run["name"] not in {r["name"] for r in listed})]
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**protocol, "runs": runs}, indent=1) + "\n")
-    if before != protocol and (dropped := [run["name"] for run in listed if run["name"] not in names]):
+    if not others:
+        return None
+    if before == protocol:
         return (
-            f"{path} listed a grid of another protocol; it now lists this one, without {', '.join(dropped)} "
-            "(their directories are left as they are)"
+            f"{path} also lists {len(others)} run(s) of this grid beyond this command's ({', '.join(others)}), "
+            "from an earlier command over other seeds or LRs; collect reports them too (delete it to list only these)"
         )
-    return None
+    return (
+        f"{path} listed a grid of another protocol; it now lists this one, without {', '.join(others)} "
+        "(their directories are left as they are)"
+    )
 
 
 REDUNDANCY_NUMBERS = {

@@ -139,9 +139,10 @@ def test_the_readmes_mup_row_quotes_the_width_transfer_verdict():
     ]
     header, _, *rows = block.splitlines()[1:-1]
     columns = [cell.strip() for cell in header.strip("|").split("|")]
-    (mup,) = [
-        dict(zip(columns, (c.strip() for c in row.strip("|").split("|")))) for row in rows if row.startswith("| mup")
-    ]
+    verdicts = {
+        row.split("|")[1].strip(): dict(zip(columns, (c.strip() for c in row.strip("|").split("|")))) for row in rows
+    }
+    mup, sp = verdicts["mup"], verdicts["sp"]
     (readme,) = [
         line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `model.parametrization`")
     ]
@@ -150,3 +151,7 @@ def test_the_readmes_mup_row_quotes_the_width_transfer_verdict():
     within, seeds = map(int, re.search(r"within it in (\d+) of (\d+) seeds", mup[GOALS]).groups())
     met = mup[GOALS].startswith("move met, loss met")
     assert f"{'met' if met else 'missed'} by the median, missed by {seeds - within} seed of {seeds}" in readme
+    assert (
+        f"under sp it moved {sp['move 64 -> 256']} and gave up a median {sp['median [range]'].replace(' [', ' nat [')}"
+        in readme
+    )

@@ -424,6 +424,10 @@ def test_sweep_emits_commands_and_slurm(tmp_path, capsys):
     assert cli_main(deeper) == 0
     widths = [c.split("model.width=")[-1].split()[0] for c in (tmp_path / "w" / "commands.sh").read_text().splitlines()]
     assert widths == ["88", "64", "48"]  # deeper = narrower, at ~ the depth-4 width-64 parameter count
+    # a key of the swept scheme alone, beside another configured scheme: checked against the swept one
+    rule = ["sweep", "--schemes", "preln", "--depths", "4,16", "--emit", "commands", "--out", str(tmp_path / "r")]
+    assert cli_main([*rule, "model.branch_base_depth=4"]) == 0
+    assert "model.branch_base_depth=4" in (tmp_path / "r" / "commands.sh").read_text()
 
 
 def test_a_sweep_over_some_seeds_adds_its_runs_to_the_grids_listing(tmp_path, capsys):

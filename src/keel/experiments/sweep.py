@@ -57,7 +57,10 @@ IDENTITY = ("scheme", "depth", "lr", "alpha_expr", "seed")  # what tells the cur
 
 
 def build_grid(args: argparse.Namespace) -> list[GridCell]:
-    base = load_config(args.config, args.overrides).model
+    # the runs' model as configured, of the first scheme swept: a key only some schemes take (branch_base_depth)
+    # is checked against a scheme the runs use
+    scheme = [f"model.scheme={args.schemes[0]}"] if args.schemes else []
+    base = load_config(args.config, [*args.overrides, *scheme]).model
     widths = {}
     if args.fixed_params:
         if not args.depths:

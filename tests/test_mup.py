@@ -16,6 +16,7 @@ from keel.lit import make_optimizer
 from keel.model import KeelLM, next_token_loss
 from keel.schedule import lr_factor
 from keel.training import train
+from keeltest.model import fixed_batch_steps, loglog_slope
 from keeltest.runs import CrashAtStep, scalars, tiny_config
 
 WIDTHS = (32, 64, 128, 256, 512)
@@ -37,13 +38,7 @@ def activation_rms(scheme: str, parametrization: str, width: int) -> dict[str, f
     torch.manual_seed(0)
     cfg = ModelConfig(scheme=scheme, width=width, parametrization=parametrization, mup_base_width=BASE_WIDTH, **SMALL)
     model = KeelLM(cfg)
-    optim = load_config(overrides=[f"optim.lr={LR}", "optim.weight_decay=0"]).optim
-    optimizer = make_optimizer(model, optim)
-    batch = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
-    for _ in range(STEPS):
-        next_token_loss(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    batch = fixed_batch_steps(model, STEPS, LR)
     rms: dict[str, float] = {}
     modules = {"embedding": model.embed}
     for i, block in enumerate(model.blocks):
@@ -65,13 +60,6 @@ def activation_rms(scheme: str, parametrization: str, width: int) -> dict[str, f
     return rms
 
 
-def slope(widths, values) -> float:
-    """Least-squares slope of log(values) against log(widths)."""
-    x, y = torch.tensor(widths, dtype=torch.float64).log(), torch.tensor(values, dtype=torch.float64).log()
-    x, y = x - x.mean(), y - y.mean()
-    return float((x * y).sum() / (x * x).sum())
-
-
 @pytest.mark.parametrize("scheme", ["keel", "preln"])
 def test_coordinate_check_activations_are_flat_in_width_under_mup_and_grow_under_sp(scheme):
     torch.set_num_threads(1)
@@ -82,7 +70,7 @@ def test_coordinate_check_activations_are_flat_in_width_under_mup_and_grow_under
         print(f"  {'layer':<18}" + "".join(f"{w:>9}" for w in WIDTHS) + "    slope")
         for name in table[0]:
             values = [row[name] for row in table]
-            slopes[parametrization, name] = slope(WIDTHS, values)
+            slopes[parametrization, name] = loglog_slope(WIDTHS, values)
             print(f"  {name:<18}" + "".join(f"{v:9.3g}" for v in values) + f"  {slopes[parametrization, name]:+7.3f}")
     moving = {name: s for (p, name), s in slopes.items() if p == "mup" and not VANISHES_NOT < s < GROWS_NOT}
     assert not moving, f"under mup these activations' rms still moves with width (log-log slope): {moving}"

@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from keel.config import ModelConfig, load_config
+from keel.config import ModelConfig
 from keel.config.model import SCHEMES, Scheme, SublayerSpec, formulas, needs_final_norm, sublayer_specs
 from keel.errors import ConfigError
-from keel.lit import make_optimizer
-from keel.model import SCHEME_INITS, KeelLM, next_token_loss
-from keeltest.model import capture, tiny
+from keel.model import SCHEME_INITS, KeelLM
+from keeltest.model import capture, fixed_batch_steps, loglog_slope, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,16 +187,9 @@ def stream_update_rms(depth: int, branch_base_depth: int | None) -> float:
     torch.manual_seed(0)
     shape = dict(width=32, n_heads=4, vocab_size=256, seq_len=32)
     model = KeelLM(ModelConfig(scheme="preln", depth=depth, branch_base_depth=branch_base_depth, **shape))
-    optimizer = make_optimizer(model, load_config(overrides=["optim.lr=1e-2", "optim.weight_decay=0"]).optim)
-    batch = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(1))
     streams = []
     model.final_norm.register_forward_pre_hook(lambda module, args: streams.append(args[0].detach()))
-    with torch.no_grad():
-        model(batch[:, :-1])
-    for _ in range(4):
-        next_token_loss(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    batch = fixed_batch_steps(model, 4, 1e-2)  # the first forward sees the initial model
     with torch.no_grad():
         model(batch[:, :-1])
     return (streams[-1] - streams[0]).pow(2).mean().sqrt().item()
@@ -207,14 +199,8 @@ def test_depth_scaled_branches_keep_an_lrs_step_the_same_size_at_every_depth():
     """A depth coordinate check: over depths 2-32 the same 4 AdamW steps move plain Pre-LN's last stream 0.09 -> 4.4
     (log-log slope 1.41: the LR that suits 2 blocks is far too large at 32), Pre-LN x 2/N's 0.09 -> 0.08 (-0.05)."""
     depths = (2, 4, 8, 16, 32)
-    x = torch.tensor(depths, dtype=torch.float64).log()
-
-    def slope(values: list[float]) -> float:
-        y = torch.tensor(values, dtype=torch.float64).log()
-        return float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-
-    plain = slope([stream_update_rms(depth, None) for depth in depths])
-    ruled = slope([stream_update_rms(depth, 2) for depth in depths])
+    plain = loglog_slope(depths, [stream_update_rms(depth, None) for depth in depths])
+    ruled = loglog_slope(depths, [stream_update_rms(depth, 2) for depth in depths])
     assert plain > 1.0 and abs(ruled) < 0.15, (plain, ruled)
 
 

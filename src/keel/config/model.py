@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.errors import require
 
@@ -255,11 +255,7 @@ def deepnorm_beta(cfg: ModelConfig) -> float:
 
 
 def _preln(cfg: ModelConfig) -> BlockSpecs:
-    pre = (
-        PRE
-        if cfg.branch_base_depth is None
-        else SublayerSpec(norm_in=True, norm_out=False, branch_scale=cfg.branch_scale)
-    )
+    pre = replace(PRE, branch_scale=cfg.branch_scale)
     return [(pre, pre)] * cfg.depth
 
 

@@ -199,8 +199,7 @@ TRANSFER = (
     "callbacks.stability.stop_on_failure=false",
 )
 TRANSFER_WIDTHS = (64, 256)
-# Pre-LN (the configured scheme too: the key is refused on any other) with the 1/L rule from tuned-depth-d16's depth
-DEPTH_RULE = ("model.scheme=preln", "model.branch_base_depth=16")
+DEPTH_RULE = ("model.branch_base_depth=16",)  # Pre-LN's 1/L branch rule from tuned-depth-d16's depth
 
 
 def transfer(width: int, parametrization: str) -> PaperGrid:

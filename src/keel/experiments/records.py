@@ -44,10 +44,10 @@ def write_manifest(out: Path, protocol: dict[str, Any], runs: list[dict]) -> str
     path = out / MANIFEST
     before = json.loads(path.read_text()) if path.is_file() else {}
     listed = before.pop("runs", [])
-    names = {run["name"] for run in runs}
+    names, listed_names = {run["name"] for run in runs}, {run["name"] for run in listed}
     others = [run["name"] for run in listed if run["name"] not in names]
     if before == protocol:
-        runs = [*listed, *(run for run in runs if run["name"] not in {r["name"] for r in listed})]
+        runs = [*listed, *(run for run in runs if run["name"] not in listed_names)]
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**protocol, "runs": runs}, indent=1) + "\n")
     if not others:

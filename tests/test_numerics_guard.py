@@ -39,10 +39,12 @@ def test_losses_match_the_committed_values(measured):
     record = json.loads(numerics.RECORD.read_text())
     committed, replayed = record["probes"], measured["probes"]
     moved = numerics.drift(committed, replayed)
-    if numerics.same_machine(record):
-        matches, how = replayed == committed, "bit for bit (the machine and torch that made them)"
+    differences = numerics.machine_differences(record)
+    if not differences:
+        matches, how = replayed == committed, "bit for bit (the machine, torch and tokenizers that made them)"
     else:
-        matches, how = moved <= numerics.TOLERANCE, f"within {numerics.TOLERANCE:g} nats (another machine or torch)"
+        here = ", ".join(f"{key} {made} there, {now} here" for key, (made, now) in differences.items())
+        matches, how = moved <= numerics.TOLERANCE, f"within {numerics.TOLERANCE:g} nats (another machine: {here})"
     assert matches, (
         f"the numerics moved: the first {numerics.STEPS} steps of {numerics.GRID}'s probes (seed {numerics.SEED}) "
         f"no longer give the committed training and held-out losses {how}: largest difference {moved:.3g} nats, "

@@ -14,6 +14,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 
 from keel.artifacts import read_scalars
@@ -128,18 +129,25 @@ def first_differences(a: dict[str, dict], b: dict[str, dict]) -> dict[str, int |
 
 
 def machine() -> dict:
-    """What the exact comparison needs to match: keel.provenance's record (the protocol's 1 thread) and the
-    instruction set torch's kernels use (the CPU's model name alone can be as vague as "AMD EPYC")."""
+    """What the exact comparison needs to match: keel.provenance's record (the protocol's 1 thread), the instruction
+    set torch's kernels use (the CPU's model name alone can be as vague as "AMD EPYC") and the tokenizers version
+    (it trains the corpus's tokenizer: another version can split the text otherwise)."""
     import torch
 
-    return {**made_by(1), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        **made_by(1),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "tokenizers": metadata.version("tokenizers"),
+    }
 
 
-def same_machine(record: dict) -> bool:
-    """Whether this machine matches what made the record (torch's version, the CPU and its kernels' instruction
-    set): then every loss must be equal, bit for bit."""
+EXACT_KEYS = ("torch", "tokenizers", "cpu", "cpu_capability")
+
+
+def machine_differences(record: dict) -> dict[str, tuple]:
+    """What of EXACT_KEYS differs between the machine that made the record and this one: (the record's, here)."""
     here, made = machine(), record["made_by"]
-    return all(made.get(key) == here[key] for key in ("torch", "cpu", "cpu_capability"))
+    return {key: (made.get(key), here[key]) for key in EXACT_KEYS if made.get(key) != here[key]}
 
 
 def measure(root: Path, write: bool) -> dict:

@@ -92,15 +92,15 @@ redundancy: install
 # The paper's grids (docs/experiments.md), defined in src/keel/experiments/grids.py and run by `keel paper-run GRID`
 # (`--dry-run` prints the command): `make paper-<grid>` one, `make paper` all of the max-LR report, then `keel
 # paper-report`; `make paper-linear` those on the paper's protocol; `make paper-trained` the trained models' (LR
-# sweeps, layer use; `paper-redundancy-<grid>` after its grid); `make paper-transfer` the width-transfer grids
-# and Pre-LN's depth rule (docs/lr-transfer.md). Every grid is resumable (rerun to continue; finished
-# runs are skipped); `make -j2 paper` runs two grids at once (each probe uses one thread). PAPER_SCALE=1 writes the two
-# Table 1 grids at paper scale as SLURM arrays instead (PAPER_SBATCH: #SBATCH options, space-separated); gather each
-# with `keel maxlr collect DIR`. ARGS (options or overrides) go to every training grid, e.g. data=fineweb_edu; the
-# grids' settings (SEEDS, TREND_SEEDS, ... in grids.py, given here) replace their defaults.
+# sweeps, layer use; `paper-redundancy-<grid>` after its grid); `make paper-transfer` the width-transfer grids,
+# Pre-LN's depth rule and 16 blocks at 256 blocks' steps (docs/lr-transfer.md). Every grid is resumable (rerun to
+# continue; finished runs are skipped); `make -j2 paper` runs two grids at once (each probe uses one thread).
+# PAPER_SCALE=1 writes the two Table 1 grids at paper scale as SLURM arrays instead (PAPER_SBATCH: #SBATCH options,
+# space-separated); gather each with `keel maxlr collect DIR`. ARGS (options or overrides) go to every training grid,
+# e.g. data=fineweb_edu; the grids' settings (SEEDS, TREND_SEEDS, ... in grids.py, given here) replace their defaults.
 PAPER_OUT ?= runs/paper
 PAPER_SETTINGS := SEEDS TREND_SEEDS WIDE_SEEDS TRAINED_SEEDS TRAINED_STEPS TRAINED_STEPS_D256 TRAINED_WARMUP LRS_D16 \
-	LRS_D64 TUNED_LRS DEPTH_RULE_LRS TRANSFER_SEEDS TRANSFER_STEPS TRANSFER_LRS TRANSFER_LRS_SP256
+	LRS_D64 TUNED_LRS TUNED_SHORT_LRS DEPTH_RULE_LRS TRANSFER_SEEDS TRANSFER_STEPS TRANSFER_LRS TRANSFER_LRS_SP256
 PAPER_RUN = $(strip $(KEEL) paper-run --out $(PAPER_OUT) $(foreach name,$(PAPER_SETTINGS),$(if $(filter-out \
 	undefined,$(origin $(name))),--set '$(name)=$($(name))')) $(if $(filter 1,$(PAPER_SCALE)),--paper-scale \
 	$(foreach option,$(PAPER_SBATCH),--sbatch=$(option))))

@@ -70,6 +70,7 @@ def test_make_runs_every_grid_and_the_report_reads_every_one():
         *(f"redundancy-{grid}" for grid in roles.LR_GRIDS),
         *roles.TRANSFER_GRIDS,
         *roles.DEPTH_RULE_GRIDS,
+        *roles.SHORT_DEPTH_GRIDS,
     }
     assert read == set(GRIDS)
     role_grids = [

@@ -27,6 +27,8 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
     # at 64 x 32 one step lower than that rule gives: the first seed's optima lay at its bottom (docs/trained-models.md)
     "LRS_D64": "0.00625,0.0125,0.025,0.05",
     "TUNED_LRS": "0.01,0.02,0.04",
+    # tuned-short-depth-d16: a quarter of the steps at 16 blocks puts the optimum higher than tuned-depth-d16's 0.018
+    "TUNED_SHORT_LRS": "0.01,0.02,0.04,0.08",
     # Pre-LN under the 1/L branch rule (depth-rule-*): its 16-block optimum (about 0.017) and two octaves below it,
     # where plain Pre-LN's 64-block optimum lies (at most 0.00625)
     "DEPTH_RULE_LRS": "0.005,0.01,0.02,0.04",
@@ -341,6 +343,14 @@ GRIDS = {
         "trainer.max_steps={TRAINED_STEPS_D256}",
         "optim.warmup_steps=50",
         schemes="preln",
+        sets=("paper-transfer",),
+    ),
+    # tuned-depth-d256's length at 16 blocks: the optimum against depth at equal steps (a shorter run's lies higher)
+    "tuned-short-depth-d16": trained(
+        (16, 32),
+        "{TUNED_SHORT_LRS}",
+        "trainer.max_steps={TRAINED_STEPS_D256}",
+        "optim.warmup_steps=50",
         sets=("paper-transfer",),
     ),
 }

@@ -29,6 +29,7 @@ class SweepRun:
     parametrization: str
     depth: int
     width: int
+    steps: int  # trainer.max_steps: the optimum moves with the run's length, so depths compare at equal steps
     lr: float
     seed: int
     loss: float  # the final held-out loss: the last in-loop evaluation's, at the last step
@@ -65,7 +66,15 @@ def read_sweep(grid_dir: Path) -> tuple[list[SweepRun], list[dict]]:
             loss = last["val_loss"]
             runs.append(
                 SweepRun(
-                    m.scheme, m.parametrization, m.depth, m.width, cfg.optim.lr, cfg.run.seed, loss, m.branch_base_depth
+                    m.scheme,
+                    m.parametrization,
+                    m.depth,
+                    m.width,
+                    cfg.trainer.max_steps,
+                    cfg.optim.lr,
+                    cfg.run.seed,
+                    loss,
+                    m.branch_base_depth,
                 )
             )
     return runs, [entry["axes"] for entry in listed]
@@ -237,32 +246,36 @@ def _ratio_range(over: list[float], under: list[float]) -> str:
 
 
 def depth_transfer(runs_by_grid: Sweeps) -> list[str]:
-    """The optimum against depth per scheme over the depth grids present (sweeps of Keel and Pre-LN, and of Pre-LN
-    under a depth rule: at its base depth it is plain Pre-LN, whose row stands for it there)."""
+    """The optimum against depth per scheme and run length over the depth grids present (sweeps of Keel and Pre-LN,
+    and of Pre-LN under a depth rule: at its base depth it is plain Pre-LN, whose row of the same length stands for it
+    there). Depths are set side by side only at equal steps: a shorter run's optimum lies higher."""
     from keel.experiments.tables import markdown_table
 
     rows, pooled = [], {}
     for grid, (runs, listed) in runs_by_grid.items():
         for rule in dict.fromkeys(r.rule for r in runs):
             mine = [r for r in runs if r.rule == rule]
-            of_scheme = sum(1 for axes in listed if axes.get("scheme", mine[0].scheme) == mine[0].scheme)
-            row, _, best = sweep_row(f"{rule}, {mine[0].depth} x {mine[0].width} ({grid})", mine, of_scheme)
+            first = mine[0]
+            of_scheme = sum(1 for axes in listed if axes.get("scheme", first.scheme) == first.scheme)
+            label = f"{rule}, {first.depth} x {first.width}, {first.steps} steps ({grid})"
+            row, _, best = sweep_row(label, mine, of_scheme)
             rows.append(row)
-            pooled.setdefault(rule, []).append((mine[0].depth, best))
+            pooled.setdefault((rule, first.steps), []).append((first.depth, best))
     of_rule = {r.rule: r for runs, _ in runs_by_grid.values() for r in runs}
-    for rule, points in pooled.items():
-        base, plain = of_rule[rule].branch_base_depth, dict(pooled.get(of_rule[rule].scheme, []))
+    for (rule, steps), points in pooled.items():
+        base, plain = of_rule[rule].branch_base_depth, dict(pooled.get((of_rule[rule].scheme, steps), []))
         if base in plain and base not in dict(points):
             points.append((base, plain[base]))
         points.sort(key=lambda point: point[0])
     moves = [
         {
             "scheme": rule,
+            "steps": steps,
             "optimum by depth (mean curve)": ", ".join(f"{depth}: {o.cell() if o else '-'}" for depth, o in points),
             "shallowest / deepest": fmt(points[0][1].lr / points[-1][1].lr)
             + ("x (an edge: a bound)" if any(o.edge for _, o in (points[0], points[-1])) else "x"),
         }
-        for rule, points in pooled.items()
+        for (rule, steps), points in sorted(pooled.items(), key=lambda item: (item[0][0], -item[0][1]))
         if len(points) >= 2 and points[0][1] is not None and points[-1][1] is not None
     ]
     return [markdown_table(rows), "", *([markdown_table(moves), ""] if moves else [])]
@@ -271,7 +284,7 @@ def depth_transfer(runs_by_grid: Sweeps) -> list[str]:
 def sections(out: Path) -> list[str]:
     """The report's sections for the transfer grids and the depth grids present under out."""
     from keel.experiments.grids import GRIDS, TRANSFER_WIDTHS
-    from keel.experiments.roles import DEPTH_GRIDS, DEPTH_RULE_GRIDS, TRANSFER_GRIDS
+    from keel.experiments.roles import DEPTH_GRIDS, DEPTH_RULE_GRIDS, SHORT_DEPTH_GRIDS, TRANSFER_GRIDS
 
     text = []
     sweeps = {}
@@ -293,7 +306,7 @@ def sections(out: Path) -> list[str]:
             "",
             *width_transfer(sweeps, base, target),
         ]
-    depth = {grid: read_sweep(out / grid) for grid in (*DEPTH_GRIDS, *DEPTH_RULE_GRIDS)}
+    depth = {grid: read_sweep(out / grid) for grid in (*DEPTH_GRIDS, *SHORT_DEPTH_GRIDS, *DEPTH_RULE_GRIDS)}
     depth = {grid: found for grid, found in depth.items() if found[0]}
     if depth:
         text += ["## The LR optimum against depth, complete runs", "", *depth_transfer(depth)]

@@ -56,6 +56,8 @@ MAXLR_GRIDS = tuple(name for name, grid in GRIDS.items() if grid.command == "max
 LR_GRIDS = ("lr-d16", "lr-d64")  # Table 2, Sections 8 and 9
 TUNED_GRIDS = ("tuned-depth-d16", "tuned-depth-d256")
 DEPTH_GRIDS = ("tuned-depth-d16", "lr-d64", "tuned-depth-d256")  # Table 3's depths at width 32
+# tuned-depth-d256's 500 steps at 16 blocks: the shallow point of the same length, for the LR optimum against depth
+SHORT_DEPTH_GRIDS = ("tuned-short-depth-d16",)
 # Pre-LN with the 1/L branch rule from 16 blocks: at 16 its runs are tuned-depth-d16's Pre-LN ones
 DEPTH_RULE_GRIDS = ("depth-rule-d64", "depth-rule-d256")
 TRANSFER_GRIDS = tuple(name for name in GRIDS if name.startswith("transfer-"))  # width transfer, complete runs

@@ -93,20 +93,30 @@ class GracefulInterrupt(Callback):
         if trainer.global_step == self._step:  # mid-accumulation: the optimizer step is not done
             return
         self._step = trainer.global_step
+        # a collective and a host read: only at logging steps, where the host waits anyway (keel's rule); a signal
+        # waits for the next one, at most trainer.log_every_n_steps - 1 steps
+        if trainer.world_size == 1 or due(trainer.global_step - 1, trainer.log_every_n_steps):
+            self._stop_on(self._agreed_signal(trainer), trainer)
+
+    def _agreed_signal(self, trainer: Trainer) -> int:
+        """The latest of STOP_SIGNALS that any rank got (its index + 1), 0 for none."""
         code = STOP_SIGNALS.index(self.received) + 1 if self.received is not None else 0
         if trainer.world_size > 1:
-            # a collective and a host read: only at logging steps, where the host waits anyway (keel's rule); a
-            # signal waits for the next one, at most trainer.log_every_n_steps - 1 steps
-            if not due(trainer.global_step - 1, trainer.log_every_n_steps):
-                return
             agreed = trainer.strategy.reduce(torch.tensor(code, device=trainer.strategy.root_device), reduce_op="max")
             code = int(agreed.item())
+        return code
+
+    def _stop_on(self, code: int, trainer: Trainer) -> None:
         if code:
             trainer.should_stop = True
             self.stopped_at = trainer.global_step
             self.signal = STOP_SIGNALS[code - 1]
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.stopped_at is None:
+            # a signal after the last step's check (during the final validation or evaluation) finds the run done,
+            # but its process must stop all the same: `keel sweep` and `keel maxlr` would go on to their next run
+            self._stop_on(self._agreed_signal(trainer), trainer)
         if self.stopped_at is None:
             return
         if self.signal == signal.SIGUSR1 and trainer.is_global_zero:

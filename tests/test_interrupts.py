@@ -19,7 +19,7 @@ from keel.cli import main as cli_main
 from keel.schedule import lr_factor
 from keel.training import Interrupted, train
 from keeltest import QUIET_TRAINER, TINY_MODEL
-from keeltest.runs import EIGHT_STEP_RUN, scalars, tiny_config
+from keeltest.runs import EIGHT_STEP_RUN, NO_EXTRAS, scalars, tiny_config
 
 
 def test_resume_with_changed_optimizer_settings_is_reported_and_the_old_config_kept(tiny_data, tmp_path, capsys):
@@ -79,6 +79,33 @@ def test_sigint_saves_a_checkpoint_and_resume_matches_an_uninterrupted_run(tiny_
     argv = ["pretrain", *TINY_MODEL, *QUIET_TRAINER, "eval.enabled=false", *tiny_data, *EIGHT_STEP_RUN]
     assert cli_main([*argv, f"run.dir={tmp_path / 'cli'}"]) == 130
     assert "keel pretrain: interrupted: saved step 2 to " in capsys.readouterr().err
+
+
+class SignalDuringTheLastValidation(Callback):
+    """SIGTERM during the held-out evaluation after the last step: past the last step's check for a signal."""
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.global_step == trainer.max_steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_after_the_last_step_still_stops_the_sweep(tiny_data, tmp_path, monkeypatch, capsys):
+    """The run it reaches is done and saved, but the process stops: `keel sweep` does not go on to its next run (it
+    used to, the signal forgotten), and says how to continue."""
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted, match=f"SIGTERM: saved step 8 to {run / 'checkpoints' / LAST}"):
+        train(tiny_config(tiny_data, run, *EIGHT_STEP_RUN), [SignalDuringTheLastValidation()])
+    assert read_checkpoint(run / "checkpoints" / LAST, weights=False)["global_step"] == 8
+
+    configured = training.build_callbacks
+    monkeypatch.setattr(
+        training, "build_callbacks", lambda cfg, dataset: [*configured(cfg, dataset), SignalDuringTheLastValidation()]
+    )
+    sweep = tmp_path / "sweep"
+    argv = ["sweep", "--lrs", "0.001,0.002", "--out", str(sweep), *TINY_MODEL, *QUIET_TRAINER, *NO_EXTRAS, *tiny_data]
+    assert cli_main([*argv, *EIGHT_STEP_RUN]) == 128 + signal.SIGTERM
+    assert "keel sweep: SIGTERM: saved step 8 to " in capsys.readouterr().err
+    assert (sweep / "lr0.001" / "checkpoints" / LAST).is_file() and not (sweep / "lr0.002").exists()
 
 
 class CrashMidStep(Callback):

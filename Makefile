@@ -100,7 +100,8 @@ redundancy: install
 # e.g. data=fineweb_edu; the grids' settings (SEEDS, TREND_SEEDS, ... in grids.py, given here) replace their defaults.
 PAPER_OUT ?= runs/paper
 PAPER_SETTINGS := SEEDS TREND_SEEDS WIDE_SEEDS TRAINED_SEEDS TRAINED_STEPS TRAINED_STEPS_D256 TRAINED_WARMUP LRS_D16 \
-	LRS_D64 TUNED_LRS TUNED_SHORT_LRS DEPTH_RULE_LRS TRANSFER_SEEDS TRANSFER_STEPS TRANSFER_LRS TRANSFER_LRS_SP256
+	LRS_D64 TUNED_LRS TUNED_LRS_D256 TUNED_SHORT_LRS DEPTH_RULE_LRS TRANSFER_SEEDS TRANSFER_STEPS TRANSFER_LRS \
+	TRANSFER_LRS_SP256
 PAPER_RUN = $(strip $(KEEL) paper-run --out $(PAPER_OUT) $(foreach name,$(PAPER_SETTINGS),$(if $(filter-out \
 	undefined,$(origin $(name))),--set '$(name)=$($(name))')) $(if $(filter 1,$(PAPER_SCALE)),--paper-scale \
 	$(foreach option,$(PAPER_SBATCH),--sbatch=$(option))))

@@ -526,7 +526,9 @@ def test_the_lr_optimum_against_depth_is_each_seeds_parabola_vertex(paper):
                     lr, seed = name.split("-lr")[1].split("-s")
                     seeds.setdefault(int(seed), []).append((float(lr), evaluations[-1]["val_loss"]))
             cells = ", ".join(f"s{seed}: {optimum(points).cell()}" for seed, points in sorted(seeds.items()))
-            row = next(line for line in text.splitlines() if line.startswith(f"| {scheme}, {depth} x 32 ({grid})"))
+            steps = next(iter(paper.histories[grid].values()))[-1]["step"] + 1  # a finished run's last evaluation
+            label = f"| {scheme}, {depth} x 32, {steps} steps ({grid})"
+            row = next(line for line in text.splitlines() if line.startswith(label))
             assert f"| {cells} |" in row
 
 

@@ -95,8 +95,8 @@ def test_width_transfer_gives_the_move_and_the_loss_given_up_under_each_parametr
 
 def test_the_depth_table_follows_a_depth_rule_from_plain_pre_ln_at_its_base_depth_and_equal_steps():
     """Pre-LN's optimum halves per 4x depth; under the 1/L rule from 16 blocks it holds. Depths are compared at equal
-    steps only (a shorter run's optimum lies higher: here 1.25x at 500 steps), and the rule's row starts from plain
-    Pre-LN's 16-block optimum of the same length (the same model there); each row keeps its own label."""
+    steps only (the optimum moves with the run's length: here 1.25x higher at 500 steps), and the rule's row starts
+    from plain Pre-LN's 16-block optimum of the same length (the same model there); each row keeps its own label."""
     seeds = dict.fromkeys((1, 2, 3), 0.0)
 
     def grid(depth: int, best: float, steps: int = 2000, rule: int | None = None):

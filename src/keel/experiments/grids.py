@@ -27,9 +27,9 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
     # at 64 x 32 one step lower than that rule gives: the first seed's optima lay at its bottom (docs/trained-models.md)
     "LRS_D64": "0.00625,0.0125,0.025,0.05",
     "TUNED_LRS": "0.01,0.02,0.04",
-    # at 256 blocks (500 steps) Keel at 0.01 stays at the unigram loss (seed 1: 6.72 at the end) and learns at 0.005
-    # (5.84 by step 200), where Pre-LN learns slowly at either (6.43 at the end at 0.01): two octaves either side
-    "TUNED_LRS_D256": "0.0025,0.005,0.01,0.02",
+    # at 256 blocks (500 steps, seed 1) Keel at 0.01 stays at the unigram loss (6.72 at the end) and learns at 0.005
+    # (5.50 by step 400); Pre-LN ends lower at 0.005 than at 0.01 (6.31 against 6.43): from 0.01 three octaves down
+    "TUNED_LRS_D256": "0.00125,0.0025,0.005,0.01",
     # tuned-short-depth-d16: at 500 steps (a 50-step warm-up) 16 x 32 is no longer best near 0.02, as at 2,000: 0.02
     # gave a higher loss than 0.01 for each seed tried (docs/lr-transfer.md)
     "TUNED_SHORT_LRS": "0.0025,0.005,0.01,0.02",
@@ -349,7 +349,7 @@ GRIDS = {
         schemes="preln",
         sets=("paper-transfer",),
     ),
-    # tuned-depth-d256's length at 16 blocks: the optimum against depth at equal steps (a shorter run's lies higher)
+    # tuned-depth-d256's length at 16 blocks: the optimum against depth at equal steps (it moves with the run's length)
     "tuned-short-depth-d16": trained(
         (16, 32),
         "{TUNED_SHORT_LRS}",

@@ -248,7 +248,7 @@ def _ratio_range(over: list[float], under: list[float]) -> str:
 def depth_transfer(runs_by_grid: Sweeps) -> list[str]:
     """The optimum against depth per scheme and run length over the depth grids present (sweeps of Keel and Pre-LN,
     and of Pre-LN under a depth rule: at its base depth it is plain Pre-LN, whose row of the same length stands for it
-    there). Depths are set side by side only at equal steps: a shorter run's optimum lies higher."""
+    there). Depths are set side by side only at equal steps: the optimum moves with the run's length."""
     from keel.experiments.tables import markdown_table
 
     rows, pooled = [], {}

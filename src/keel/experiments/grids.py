@@ -206,6 +206,8 @@ TRANSFER = (
 )
 TRANSFER_WIDTHS = (64, 256)
 DEPTH_RULE = ("model.branch_base_depth=16",)  # Pre-LN's 1/L branch rule from tuned-depth-d16's depth
+# the 256-block sweeps' length (4x the blocks for a quarter of the trained models' steps), and 16 blocks' at it
+SHORT_RUN = ("trainer.max_steps={TRAINED_STEPS_D256}", "optim.warmup_steps=50")
 
 
 def transfer(width: int, parametrization: str) -> PaperGrid:
@@ -321,14 +323,12 @@ GRIDS = {
         )
         for width in MUP_WIDTHS
     },
-    # the trained models: LR sweeps at 16 x 64 and 64 x 32, 3-point sweeps at 16 and 256 blocks of width 32, the
+    # the trained models: LR sweeps at 16 x 64 and 64 x 32, shorter sweeps at 16 and 256 blocks of width 32, the
     # layer use of the LR sweeps' final checkpoints (after their grid)
     "lr-d16": trained((16, 64), "{LRS_D16}"),
     "lr-d64": trained((64, 32), "{LRS_D64}"),
     "tuned-depth-d16": trained((16, 32), "{TUNED_LRS}"),
-    "tuned-depth-d256": trained(
-        (256, 32), "{TUNED_LRS_D256}", "trainer.max_steps={TRAINED_STEPS_D256}", "optim.warmup_steps=50"
-    ),
+    "tuned-depth-d256": trained((256, 32), "{TUNED_LRS_D256}", *SHORT_RUN),
     "redundancy-lr-d16": redundancy("lr-d16"),
     "redundancy-lr-d64": redundancy("lr-d64"),
     # what carries across width on complete runs, sp against mup (base width 64, where the two compute alike)
@@ -344,8 +344,7 @@ GRIDS = {
         (256, 32),
         "{DEPTH_RULE_LRS}",
         *DEPTH_RULE,
-        "trainer.max_steps={TRAINED_STEPS_D256}",
-        "optim.warmup_steps=50",
+        *SHORT_RUN,
         schemes="preln",
         sets=("paper-transfer",),
     ),
@@ -353,8 +352,7 @@ GRIDS = {
     "tuned-short-depth-d16": trained(
         (16, 32),
         "{TUNED_SHORT_LRS}",
-        "trainer.max_steps={TRAINED_STEPS_D256}",
-        "optim.warmup_steps=50",
+        *SHORT_RUN,
         sets=("paper-transfer",),
     ),
 }

@@ -143,12 +143,12 @@ def test_the_transfer_tables_of_docs_lr_transfer_are_what_the_report_writes_over
 
 def test_the_readmes_mup_row_quotes_the_width_transfer_verdict():
     """README's `model.parametrization` row quotes the mup row of docs/lr-transfer.md's verdict table (held to the
-    records above): the move of the optimum and the median [range] of the loss given up."""
+    records above): the move of the optimum and the median [range] of the loss given up; and its words on depth and
+    run length to the depth tables."""
     from keel.experiments.doc_blocks import blocks
 
-    block = blocks((ROOT / "docs/lr-transfer.md").read_text())[
-        "LR transfer across width on complete runs: Keel, 8 blocks, sp and mup (base width 64), table 2"
-    ]
+    page = blocks((ROOT / "docs/lr-transfer.md").read_text())
+    block = page["LR transfer across width on complete runs: Keel, 8 blocks, sp and mup (base width 64), table 2"]
     header, _, *rows = block.splitlines()[1:-1]
     columns = [cell.strip() for cell in header.strip("|").split("|")]
     verdicts = {
@@ -167,3 +167,19 @@ def test_the_readmes_mup_row_quotes_the_width_transfer_verdict():
         f"under sp it moved {sp['move 64 -> 256']} and gave up a median {sp['median [range]'].replace(' [', ' nat [')}"
         in readme
     )
+    # and its depth and run-length words to the depth tables: Keel's shallowest / deepest at 2,000 steps, and its
+    # 16 x 32 optima (mean curve) over 2,000 and 500 steps
+    depth = page["The LR optimum against depth, complete runs"]
+    (moves,) = [
+        row
+        for row in page["The LR optimum against depth, complete runs, table 2"].splitlines()
+        if row.startswith("| keel | 2000 |")
+    ]
+    optima = {
+        steps: row.split("|")[-2].split(" (")[0].strip()
+        for steps in (2000, 500)
+        for row in depth.splitlines()
+        if row.startswith(f"| keel, 16 x 32, {steps} steps ")
+    }
+    assert f"Keel's falls {moves.split('|')[-2].strip()} from 16 to 64 blocks" in readme
+    assert f"at 16 x 32 it is {optima[2000]} over 2,000 steps, {optima[500]} over 500" in readme

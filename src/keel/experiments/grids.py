@@ -323,7 +323,7 @@ GRIDS = {
         )
         for width in MUP_WIDTHS
     },
-    # the trained models: LR sweeps at 16 x 64 and 64 x 32, shorter sweeps at 16 and 256 blocks of width 32, the
+    # the trained models: LR sweeps at 16 x 64 and 64 x 32, 3- and 4-LR sweeps at 16 and 256 blocks of width 32, the
     # layer use of the LR sweeps' final checkpoints (after their grid)
     "lr-d16": trained((16, 64), "{LRS_D16}"),
     "lr-d64": trained((64, 32), "{LRS_D64}"),

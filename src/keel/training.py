@@ -7,7 +7,7 @@ import getpass
 import json
 import os
 import tempfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from importlib import import_module
 from pathlib import Path
 
@@ -180,6 +180,26 @@ class Interrupted(KeyboardInterrupt):
         self.exit_code = 128 + signum
 
 
+@contextmanager
+def process_group_of_the_run():
+    """Destroys the default process group training made once every rank has ended alike: done, or stopped on an
+    agreed signal (Interrupted). Left to interpreter exit, gloo's worker threads abort some ranks ("terminate called
+    without an active exception", exit 134: a CPU or multi-node run fails after it saved), and Lightning destroys
+    only NCCL's at exit. After an error it is left: destroying it while other ranks wait in a collective can hang
+    (torchtitan's choice too). A group made before, by the caller, is the caller's to destroy."""
+    made_before = torch.distributed.is_initialized()
+    ended_alike = False
+    try:
+        yield
+        ended_alike = True
+    except Interrupted:
+        ended_alike = True
+        raise
+    finally:
+        if ended_alike and not made_before and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def launched_as_rank_zero() -> bool:
     """Whether the launcher made this process global rank 0 (before Lightning knows): torchrun, SLURM and
     Lightning's own launcher set a non-zero rank, local rank or node rank in every other process."""
@@ -240,7 +260,7 @@ def train(cfg: Config, extra_callbacks: list[Callback] = ()) -> Trainer | None:
     # CUDA, keel.trainer_checks.check_trainer refuses trainer.accelerator=gpu instead
     if accelerator == "gpu" and cfg.trainer.check_memory and torch.cuda.is_available():
         check_gpu_fits(cfg, gpu_budget_bytes(cfg.trainer))
-    with RunDirLock(cfg.run.dir) if owner else nullcontext() as lock:
+    with process_group_of_the_run(), RunDirLock(cfg.run.dir) if owner else nullcontext() as lock:
         return _train(cfg, extra_callbacks, lock)
 
 

@@ -115,7 +115,12 @@ extra += [Interrupt()] if "KEEL_TEST_INTERRUPT_AT" in os.environ else []
 if extra:
     configured = training.build_callbacks
     training.build_callbacks = lambda cfg, dataset: [*configured(cfg, dataset), *extra]
-sys.exit(cli.main(sys.argv[1:]))
+code = cli.main(sys.argv[1:])
+if "KEEL_TEST_RECORD" in os.environ:  # whether this process left training with its process group still up
+    import torch.distributed as dist
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    Path(os.environ["KEEL_TEST_RECORD"] + f"-exit-rank{rank}.txt").write_text(str(dist.is_initialized()))
+sys.exit(code)
 """
 
 
@@ -162,9 +167,16 @@ def pretrain(
     the others (it re-runs the command, so every rank gets the recording and crash callbacks); each rank's
     batches are saved under the name `attempt` (seen())."""
     cmd = _command(tiny_data, run_dir, strategy, overrides)
+    exits = run_dir.parent / "seen"
+    for stale in exits.glob(f"{attempt}-exit-rank*.txt"):
+        stale.unlink()
     done = subprocess.run(cmd, env=_env(run_dir, attempt, crash_at), capture_output=True, text=True, timeout=900)
     if crash_at is None:
         assert done.returncode == 0, done.stderr[-3000:]
+        # every process destroyed the process group training made (left to exit, gloo's aborts some: keel.training)
+        processes = next((int(o.split("=")[1]) for o in overrides if o.startswith("trainer.devices=")), WORLD)
+        left_up = {path.name: path.read_text() for path in exits.glob(f"{attempt}-exit-rank*.txt")}
+        assert sorted(left_up.values()) == ["False"] * processes, left_up
     else:
         assert done.returncode != 0 and "simulated crash" in done.stderr, done.stderr[-3000:]
 

@@ -26,10 +26,12 @@ from keel.experiments.lr_transfer import optimum
 from keel.experiments.lr_transfer import sections as lr_transfer_sections
 from keel.experiments.records import SWEEP_TIME
 from keel.experiments.stats import apart, direction, fmt, spread
+from keel.experiments.summary import table3_rows
 from keel.experiments.tables import write_table
 from keel.experiments.trained import (
     LOSS,
     PAIR,
+    TrainedGrid,
     layer_profile,
     layer_use,
     load_trained,
@@ -490,6 +492,25 @@ def test_a_depth_joins_the_gap_trend_once_every_cell_has_three_seeds(paper):
     (loss,) = [r for r in trend if r["metric"] == LOSS]
     assert loss["gap by depth"].startswith("16: ") and "64" not in loss["gap by depth"]
     assert loss["its size with depth"] == "-"
+
+
+def test_the_summary_says_how_many_runs_of_a_depth_grid_still_running_are_in(paper):
+    """A depth grid committed part-way (its finished runs' records, session by session, as 256 blocks' are): its
+    Summary row counts its finished runs of those listed, and a gap from fewer than 3 paired seeds says its n."""
+    whole = table3_rows(paper.grids)
+    grid = paper.grids[DEPTH_GRID[16]]
+    seed_one = [r for r in grid.runs if r.seed == 1]
+    part = table3_rows({**paper.grids, DEPTH_GRID[16]: TrainedGrid(seed_one, grid.listed)})
+    (row,) = [r for r in part if r["claim (section)"].startswith("Keel better") and r["blocks x width"] == "16 x 32"]
+    assert row["seeds"] == f"1 ({len(seed_one)} of {grid.listed} runs finished)" and len(seed_one) == 6
+    assert (row["verdict"], row["paired test"]) == ("n = 1, no verdict", "-")
+    (whole16,) = [
+        r for r in whole if r["claim (section)"].startswith("Keel better") and r["blocks x width"] == "16 x 32"
+    ]
+    assert whole16["seeds"] == "3"  # a complete grid: no count
+    trend, whole_trend = part[-1]["figure"], whole[-1]["figure"]
+    assert "16: " in trend and trend.split("16: ")[1].split(",")[0].endswith(" (n = 1)")
+    assert "(n = " not in whole_trend
 
 
 def test_paper_report_has_the_trained_sections_for_the_grids_present(paper):

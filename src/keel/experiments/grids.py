@@ -33,8 +33,8 @@ SETTINGS = {  # name -> default; the Makefile's variables of the same names over
     # tuned-short-depth-d16: at 500 steps (a 50-step warm-up) 16 x 32 is no longer best near 0.02, as at 2,000: 0.02
     # gave a higher loss than 0.01 for each seed tried (docs/lr-transfer.md)
     "TUNED_SHORT_LRS": "0.0025,0.005,0.01,0.02",
-    # Pre-LN under the 1/L branch rule (depth-rule-*): its 16-block optimum (about 0.017) and two octaves below it,
-    # where plain Pre-LN's 64-block optimum lies (at most 0.00625)
+    # Pre-LN under the 1/L branch rule at 64 blocks (depth-rule-d64): its 16-block optimum (about 0.017) and two
+    # octaves below it, where plain Pre-LN's 64-block optimum lies (at most 0.00625)
     "DEPTH_RULE_LRS": "0.005,0.01,0.02,0.04",
     # LR transfer across width on complete runs (docs/lr-transfer.md): Keel at 8 blocks, widths 64 and 256, sp and mup
     "TRANSFER_SEEDS": "1,2,3",
@@ -338,11 +338,12 @@ GRIDS = {
         for parametrization in ("sp", "mup")
     },
     # Pre-LN with CompleteP's 1/L branch rule from 16 blocks (docs/model.md, "Depth-scaled branches"): at 16 blocks
-    # it is tuned-depth-d16's Pre-LN, bit for bit; does its optimum then hold at 64 and 256 blocks?
+    # it is tuned-depth-d16's Pre-LN, bit for bit; does its optimum then hold at 64 and 256 blocks? At 256 blocks (500
+    # steps) the optimum to hold is 16 blocks' over 500 steps (tuned-short-depth-d16's Pre-LN, about 0.005): its LRs
     "depth-rule-d64": trained((64, 32), "{DEPTH_RULE_LRS}", *DEPTH_RULE, schemes="preln", sets=("paper-transfer",)),
     "depth-rule-d256": trained(
         (256, 32),
-        "{DEPTH_RULE_LRS}",
+        "{TUNED_SHORT_LRS}",
         *DEPTH_RULE,
         *SHORT_RUN,
         schemes="preln",

@@ -463,13 +463,15 @@ def section8_row(out: Path, grid: str, runs: list[TrainedRun]) -> list[dict]:
 
 def table3_rows(grids: dict[str, TrainedGrid]) -> list[dict]:
     """Table 3: per depth, each scheme at its own best LR: Keel - Pre-LN final held-out loss paired by seed, and in
-    how many task metrics the two schemes' seed ranges are apart; then the gaps against depth."""
+    how many task metrics the two schemes' seed ranges are apart; then the gaps against depth. A grid still running
+    (records of its finished runs committed session by session) says how many of its runs are in."""
     table, gaps, seeds = [], [], set()
     for grid in DEPTH_GRIDS:
         if grid not in grids:
             gaps.append(f"{GRIDS[grid].point[0]}: no record")
             continue
-        runs = grids[grid].runs
+        runs, listed = grids[grid].runs, grids[grid].listed
+        finished = f" ({len(runs)} of {listed} runs finished)" if len(runs) < listed else ""
         best = {s: best_lr(runs, s) for s in PAIR}
         cells = [[r for r in runs if r.scheme == s and r.lr == best[s]] for s in PAIR]
         p = paired(*(_by_seed(c, lambda r: math.exp(r.final[LOSS])) for c in cells))
@@ -478,13 +480,14 @@ def table3_rows(grids: dict[str, TrainedGrid]) -> list[dict]:
         scores = {m: [[r.final[m] for r in c if m in r.final] for c in cells] for m in tasks}
         higher = sum(bool(k and q) and min(k) > max(q) for k, q in scores.values())
         lower = sum(bool(k and q) and max(k) < min(q) for k, q in scores.values())
-        gaps.append(f"{runs[0].depth}: {statistics.median(nats(p)):+.3f}" if p.n else f"{runs[0].depth}: -")
+        few = f" (n = {p.n})" if p.n < MIN_SEEDS else ""
+        gaps.append(f"{runs[0].depth}: {statistics.median(nats(p)):+.3f}{few}" if p.n else f"{runs[0].depth}: -")
         table.append(
             _row(
                 "Keel better at tuned LRs (Table 3)",
                 "complete runs, best LR " + ", ".join(f"{NAMES[s]} {fmt(lr)}" for s, lr in best.items()),
                 _size(runs),
-                str(p.n),
+                f"{p.n}{finished}",
                 f"Keel - Pre-LN final loss {nats_figure(p)} nats; tasks with the seeds apart: Keel above in "
                 f"{higher}, below in {lower} of {len(tasks)}",
                 tests(p),

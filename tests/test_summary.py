@@ -8,7 +8,9 @@ import json
 import shutil
 from pathlib import Path
 
-from keel.experiments.stats import paired
+import pytest
+
+from keel.experiments.stats import paired, paired_over_conditions, seeds_over_conditions
 from keel.experiments.summary import deep_row, depth_gap_row, family_rows, max_lr_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +48,20 @@ def test_a_max_lr_row_gives_the_median_of_the_per_seed_ratios_and_its_paired_tes
     assert row["seeds"] == "3 of 3" and row["figure"] == "Keel / Pre-LN 2 [0.5-3]"
     assert row["verdict"] == "Keel higher in 2, lower in 1 of 3"
     assert row["paired test"].startswith("sign 1, signed-rank ")
+
+
+def test_a_comparison_over_a_sweeps_lrs_counts_each_seed_once():
+    """Over 4 LRs x 3 seeds, Keel higher at every (LR, seed) pair: 12 pairs would give a sign p of 0.0005, but one
+    seed's runs share its init and data, so each seed is the geometric mean of its ratios (n = 3, sign p = 0.25); a
+    seed missing an LR is averaged over the LRs it has."""
+    per_lr = [({1: 2.0 * lr, 2: 3.0 * lr, 3: 4.0 * lr}, {1: lr, 2: lr, 3: lr}) for lr in (1.0, 2.0, 4.0, 8.0)]
+    p = paired_over_conditions(per_lr)
+    assert p.ratios == pytest.approx((2.0, 3.0, 4.0)) and p.sign_p == 0.25
+    assert seeds_over_conditions(per_lr) == "3, each over 4 LRs"
+    per_lr[0] = ({1: 1.0, 2: 27.0}, {1: 1.0, 2: 1.0, 3: 1.0})  # seed 3 lacks LR 1; seed 2 gets 27 there, seed 1 1
+    p = paired_over_conditions(per_lr)
+    assert p.ratios == pytest.approx((8 ** (1 / 4), (27 * 27) ** (1 / 4), 4.0))
+    assert seeds_over_conditions(per_lr) == "3, each over 3-4 LRs"
 
 
 def test_fewer_than_three_paired_seeds_give_no_verdict_and_no_test():

@@ -152,6 +152,34 @@ def paired(a: dict[int, float | None], b: dict[int, float | None]) -> Paired:
     return Paired(tuple(a[seed] / b[seed] for seed in sorted(a.keys() & b.keys()) if a[seed] and b[seed]))
 
 
+def paired_over_conditions(conditions: list[tuple[dict[int, float | None], dict[int, float | None]]]) -> Paired:
+    """a against b over several conditions (the peak LRs of a sweep), each condition's values by seed: a seed's
+    ratio is the geometric mean of its a / b over the conditions where it has both. The runs of one seed share its
+    init and data order, so they are not independent pairs: a seed counts once, and the tests have the seeds' n (the
+    test of a fixed effect with the seed as a random block)."""
+    logs = log_ratios_by_seed(conditions)
+    return Paired(tuple(math.exp(statistics.mean(values)) for _, values in sorted(logs.items())))
+
+
+def log_ratios_by_seed(conditions: list[tuple[dict[int, float | None], dict[int, float | None]]]) -> dict[int, list]:
+    """Each seed's log(a / b) over the conditions where it has both."""
+    logs: dict[int, list[float]] = {}
+    for a, b in conditions:
+        for seed in sorted(a.keys() & b.keys()):
+            if a[seed] and b[seed]:
+                logs.setdefault(seed, []).append(math.log(a[seed] / b[seed]))
+    return logs
+
+
+def seeds_over_conditions(conditions: list[tuple[dict[int, float | None], dict[int, float | None]]]) -> str:
+    """The seeds paired_over_conditions pairs, and over how many conditions (LRs) each: "3, each over 4 LRs"."""
+    counts = sorted(len(values) for values in log_ratios_by_seed(conditions).values())
+    if not counts:
+        return "0"
+    each = f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}"
+    return f"{len(counts)}, each over {each} LRs"
+
+
 def max_over_min(values: list[float]) -> float | None:
     """max / min of positive values (how far an LR moves over a trend), None with fewer than two."""
     return max(values) / min(values) if len(values) >= 2 else None

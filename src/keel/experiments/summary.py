@@ -5,9 +5,10 @@
 A max-LR figure is the median of the per-seed ratios (Keel's max LR over the other scheme's, seed by seed) with
 their range, over the seeds where both runs learned and broke on the ramp (a run that never failed gives only a lower
 bound). A loss figure is the median of the per-seed differences in nats, tested as ratios of perplexities (their log
-is the difference). No verdict on fewer than stats.MIN_SEEDS paired seeds; no comparison across ramps or slopes: a
-row whose schemes never ran on one ramp says what each measured and that the matched comparison is not run; a row
-whose runs left no record says so.
+is the difference). A comparison over a sweep's peak LRs pairs by seed, each seed's mean over the LRs (its runs share
+its init and data: not independent pairs). No verdict on fewer than stats.MIN_SEEDS paired seeds; no comparison
+across ramps or slopes: a row whose schemes never ran on one ramp says what each measured and that the matched
+comparison is not run; a row whose runs left no record says so.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from keel.experiments.hold import fit, hold_points, hold_span, limits
 from keel.experiments.maxlr_report import max_lr_value, rows_at
 from keel.experiments.records import REDUNDANCY, load_run_config
 from keel.experiments.roles import DEEP_RUNS, DEPTH_GRIDS, HOLD_GRIDS, LINEAR_DEPTH_TREND, LR_GRIDS
-from keel.experiments.stats import MIN_SEEDS, Paired, direction, fmt, median, paired
+from keel.experiments.stats import (
+    MIN_SEEDS,
+    Paired,
+    direction,
+    fmt,
+    median,
+    paired,
+    paired_over_conditions,
+    seeds_over_conditions,
+)
 from keel.experiments.trained import (
     LOSS,
     PAIR,
@@ -32,6 +42,7 @@ from keel.experiments.trained import (
     matched_levels,
     means_by_lr,
     middle_comparisons,
+    middle_costs,
     read_redundancy,
     scores_at_level,
     section8_profile,
@@ -395,14 +406,14 @@ def table2_row(runs: list[TrainedRun]) -> list[dict]:
 
 
 def section9_rows(runs: list[TrainedRun]) -> list[dict]:
-    """Section 9: the final held-out loss at matched peak LR, paired by (LR, seed); the task scores at matched
-    held-out loss, each (metric, LR, level) cell's seeds apart or not."""
+    """Section 9: the final held-out loss at matched peak LR, paired by seed over the LRs (paired_over_conditions);
+    the task scores at matched held-out loss, each (metric, LR, level) cell's seeds apart or not."""
     lrs = sorted(matched_levels(runs))
-    ratios = []
+    perplexities = []
     for lr in lrs:
         cells = [[r for r in runs if r.scheme == s and r.lr == lr] for s in PAIR]
-        ratios += paired(*(_by_seed(c, lambda r: math.exp(r.final[LOSS])) for c in cells)).ratios
-    loss = Paired(tuple(ratios))
+        perplexities.append(tuple(_by_seed(c, lambda r: math.exp(r.final[LOSS])) for c in cells))
+    loss = paired_over_conditions(perplexities)
     cells = lower = higher = 0
     for lr, levels in matched_levels(runs).items():
         for metric in list(runs[0].final)[1:]:
@@ -418,8 +429,8 @@ def section9_rows(runs: list[TrainedRun]) -> list[dict]:
             "at matched LR, Pre-LN's loss lower (Section 9)",
             _trained_protocol(runs),
             _size(runs),
-            f"{loss.n} (LR, seed) pairs",
-            f"Keel - Pre-LN final loss {nats_figure(loss)} nats",
+            seeds_over_conditions(perplexities),
+            f"Keel - Pre-LN final loss, a seed's mean over the LRs: {nats_figure(loss)} nats",
             tests(loss),
             verdict("Keel", loss),
         ),
@@ -437,24 +448,26 @@ def section9_rows(runs: list[TrainedRun]) -> list[dict]:
 
 def section8_row(out: Path, grid: str, runs: list[TrainedRun]) -> list[dict]:
     """Section 8 from the committed redundancy rows: the loss increase when one middle block is removed (each seed's
-    mean over the middle blocks), Keel over Pre-LN, paired by (LR, seed). The shallow-versus-deep profile of the
+    mean over the middle blocks), Keel over Pre-LN, paired by seed over the LRs (paired_over_conditions), with the
+    median by LR beside it. The shallow-versus-deep profile of the
     claim as its sources state it belongs beside this row."""
     if not (out / grid / REDUNDANCY).is_file():
         return []
     increases, _ = read_redundancy(out / grid / REDUNDANCY, runs)
-    per_lr, ratios = [], []
+    costs = middle_costs(runs, increases)
+    per_lr = []
     for lr, p in middle_comparisons(runs, increases).items():
-        ratios += p.ratios
         few = f" (n = {p.n})" if p.n < MIN_SEEDS else ""
         per_lr.append(f"{fmt(lr)}: {fmt(p.median_ratio) if p.n else '-'}{few}")
-    pooled = Paired(tuple(ratios))
+    pooled = paired_over_conditions(list(costs.values()))
     return [
         _row(
             "Keel's layers less redundant than Pre-LN's (Section 8)",
             _trained_protocol(runs),
             _size(runs),
-            f"{pooled.n} (LR, seed) pairs",
-            "Keel / Pre-LN middle-block removal cost, median by LR: " + ", ".join(per_lr),
+            seeds_over_conditions(list(costs.values())),
+            f"Keel / Pre-LN middle-block removal cost, a seed's geometric mean over the LRs: {ratio_figure(pooled)}; "
+            "median by LR: " + ", ".join(per_lr),
             tests(pooled),
             verdict("Keel", pooled),
         )
@@ -512,7 +525,8 @@ def table3_rows(grids: dict[str, TrainedGrid]) -> list[dict]:
 SUMMARY_NOTE = (
     "Written by `keel paper-report` from the records; the sections below give the details. Max LR: the median of "
     "the per-seed ratios [range] over the seeds where both runs learned and broke on the ramp; a loss: the median "
-    "per-seed difference [range]. Paired tests, two-sided, over those seeds: the sign test, Wilcoxon's exact "
+    "per-seed difference [range]; over a sweep's LRs, each seed's mean over them (one seed's runs are not "
+    "independent pairs). Paired tests, two-sided, over those seeds: the sign test, Wilcoxon's exact "
     f"signed-rank test and the t-test on the log ratios; no verdict on fewer than {MIN_SEEDS} paired seeds, no "
     "comparison across ramps or slopes."
 )

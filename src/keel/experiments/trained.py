@@ -404,17 +404,22 @@ def layer_use(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list
     return table
 
 
+def middle_costs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> dict[float, tuple[dict, dict]]:
+    """Per peak LR both schemes ran and have rows for: each scheme's mean middle-block cost by seed."""
+    costs = {}
+    for lr in _matched_lrs(runs):
+        middle = tuple(
+            {k: _positive(v) for k, v in _by_seed(_cell_runs(runs, s, lr), increases, _middle).items()} for s in PAIR
+        )
+        if all(middle):
+            costs[lr] = middle
+    return costs
+
+
 def middle_comparisons(runs: list[TrainedRun], increases: dict[str, list[float]]) -> dict[float, Paired]:
     """Per peak LR both schemes ran and have rows for: Keel's mean middle-block cost over Pre-LN's, seed by seed
     (same seed, same LR)."""
-    comparisons = {}
-    for lr in _matched_lrs(runs):
-        middle = [
-            {k: _positive(v) for k, v in _by_seed(_cell_runs(runs, s, lr), increases, _middle).items()} for s in PAIR
-        ]
-        if all(middle):
-            comparisons[lr] = paired(*middle)
-    return comparisons
+    return {lr: paired(*costs) for lr, costs in middle_costs(runs, increases).items()}
 
 
 def middle_pairs(runs: list[TrainedRun], increases: dict[str, list[float]]) -> list[dict]:

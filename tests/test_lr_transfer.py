@@ -125,6 +125,11 @@ def test_the_depth_table_follows_a_depth_rule_from_plain_pre_ln_at_its_base_dept
     assert moves["preln", "500"].endswith("| 16: 0.025, 256: 0.00625 | 4x |")
     assert moves["preln, branches x 16/N", "2000"].endswith("| 16: 0.02, 64: 0.02 | 1x |")
     assert moves["preln, branches x 16/N", "500"].endswith("| 16: 0.025, 256: 0.021 | 1.19x |")
+    # a grid committed part-way (seed 1 alone at 256 blocks): its optimum says from how many seeds
+    seed_one = runs(32, "sp", {1: 0.00625}, "preln", 256, None, 500), [{"scheme": "preln"}] * 15
+    text = depth_transfer({"tuned-short-depth-d16": grid(16, 0.025, steps=500), "tuned-depth-d256": seed_one})
+    assert "| preln, 256 x 32, 500 steps (tuned-depth-d256) | 5 of 15 |" in text[0]
+    assert text[2].splitlines()[-1].endswith("| 16: 0.025, 256: 0.00625 (1 seed) | 4x |")
 
 
 def test_the_transfer_tables_of_docs_lr_transfer_are_what_the_report_writes_over_the_committed_records():

@@ -148,12 +148,17 @@ def mean_curve(points: list[tuple[float, float]], seeds: int) -> list[tuple[floa
     return sorted((lr, statistics.mean(losses)) for lr, losses in lrs.items() if len(losses) == seeds)
 
 
+def complete_seeds(runs: list[SweepRun]) -> list[int]:
+    """The seeds with a finished run at every LR of the sweep: those its mean curve averages."""
+    return [seed for seed, points in by_seed(runs).items() if len(points) == len({r.lr for r in runs})]
+
+
 def sweep_row(label: str, runs: list[SweepRun], listed: int) -> tuple[dict, dict[int, Optimum | None], Optimum | None]:
     """A sweep's row of the report: its mean loss per LR, each seed's optimum and the optimum of the seeds' mean
     curve (the seeds complete at every LR)."""
     seeds = by_seed(runs)
     optima = {seed: optimum(points) for seed, points in seeds.items()}
-    complete = [seed for seed, points in seeds.items() if len(points) == len({r.lr for r in runs})]
+    complete = complete_seeds(runs)
     finished = [(r.lr, r.loss) for r in runs if r.seed in complete]
     pooled = optimum(mean_curve(finished, len(complete))) if complete else None
     resolved = [o.lr for o in optima.values() if o is not None and not o.edge]
@@ -260,20 +265,26 @@ def depth_transfer(runs_by_grid: Sweeps) -> list[str]:
             label = f"{rule}, {first.depth} x {first.width}, {first.steps} steps ({grid})"
             row, _, best = sweep_row(label, mine, of_scheme)
             rows.append(row)
-            pooled.setdefault((rule, first.steps), []).append((first.depth, best))
+            pooled.setdefault((rule, first.steps), []).append((first.depth, best, len(complete_seeds(mine))))
     of_rule = {r.rule: r for runs, _ in runs_by_grid.values() for r in runs}
     for (rule, steps), points in pooled.items():
-        base, plain = of_rule[rule].branch_base_depth, dict(pooled.get((of_rule[rule].scheme, steps), []))
-        if base in plain and base not in dict(points):
-            points.append((base, plain[base]))
+        base = of_rule[rule].branch_base_depth
+        plain = {point[0]: point for point in pooled.get((of_rule[rule].scheme, steps), [])}
+        if base in plain and base not in {point[0] for point in points}:
+            points.append(plain[base])
         points.sort(key=lambda point: point[0])
+
+    def at(depth: int, o: Optimum | None, seeds: int) -> str:  # a depth's optimum, its seed count where below 3
+        few = f" ({seeds} seed{'s' * (seeds != 1)})" if o and seeds < MIN_SEEDS else ""
+        return f"{depth}: {o.cell() if o else '-'}{few}"
+
     moves = [
         {
             "scheme": rule,
             "steps": steps,
-            "optimum by depth (mean curve)": ", ".join(f"{depth}: {o.cell() if o else '-'}" for depth, o in points),
+            "optimum by depth (mean curve)": ", ".join(at(*point) for point in points),
             "shallowest / deepest": fmt(points[0][1].lr / points[-1][1].lr)
-            + ("x (an edge: a bound)" if any(o.edge for _, o in (points[0], points[-1])) else "x"),
+            + ("x (an edge: a bound)" if any(o.edge for _, o, _ in (points[0], points[-1])) else "x"),
         }
         for (rule, steps), points in sorted(pooled.items(), key=lambda item: (item[0][0], -item[0][1]))
         if len(points) >= 2 and points[0][1] is not None and points[-1][1] is not None

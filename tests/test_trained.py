@@ -503,6 +503,7 @@ def test_the_summary_says_how_many_runs_of_a_depth_grid_still_running_are_in(pap
     part = table3_rows({**paper.grids, DEPTH_GRID[16]: TrainedGrid(seed_one, grid.listed)})
     (row,) = [r for r in part if r["claim (section)"].startswith("Keel better") and r["blocks x width"] == "16 x 32"]
     assert row["seeds"] == f"1 ({len(seed_one)} of {grid.listed} runs finished)" and len(seed_one) == 6
+    assert row["figure"].endswith("Keel above in 0, below in 0 of 4")  # one seed a side has no range to be apart
     assert (row["verdict"], row["paired test"]) == ("n = 1, no verdict", "-")
     (whole16,) = [
         r for r in whole if r["claim (section)"].startswith("Keel better") and r["blocks x width"] == "16 x 32"

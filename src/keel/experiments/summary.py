@@ -26,6 +26,7 @@ from keel.experiments.roles import DEEP_RUNS, DEPTH_GRIDS, HOLD_GRIDS, LINEAR_DE
 from keel.experiments.stats import (
     MIN_SEEDS,
     Paired,
+    apart,
     direction,
     fmt,
     median,
@@ -491,8 +492,9 @@ def table3_rows(grids: dict[str, TrainedGrid]) -> list[dict]:
         seeds.add(p.n)
         tasks = [m for m in runs[0].final if m != LOSS]
         scores = {m: [[r.final[m] for r in c if m in r.final] for c in cells] for m in tasks}
-        higher = sum(bool(k and q) and min(k) > max(q) for k, q in scores.values())
-        lower = sum(bool(k and q) and max(k) < min(q) for k, q in scores.values())
+        # one seed a side has no range to be apart (stats.apart)
+        higher = sum(apart(k, q) == "yes" and min(k) > max(q) for k, q in scores.values())
+        lower = sum(apart(k, q) == "yes" and max(k) < min(q) for k, q in scores.values())
         few = f" (n = {p.n})" if p.n < MIN_SEEDS else ""
         gaps.append(f"{runs[0].depth}: {statistics.median(nats(p)):+.3f}{few}" if p.n else f"{runs[0].depth}: -")
         table.append(

@@ -42,7 +42,6 @@ from keel.experiments.trained import (
     best_lr,
     matched_levels,
     means_by_lr,
-    middle_comparisons,
     middle_costs,
     read_redundancy,
     scores_at_level,
@@ -422,8 +421,8 @@ def section9_rows(runs: list[TrainedRun]) -> list[dict]:
                 keel, preln = scores_at_level(runs, metric, lr, level)
                 if keel and preln:
                     cells += 1
-                    lower += max(keel) < min(preln)
-                    higher += min(keel) > max(preln)
+                    lower += apart(keel, preln) == "yes" and max(keel) < min(preln)
+                    higher += apart(keel, preln) == "yes" and min(keel) > max(preln)
     level_lrs = [lr for lr, levels in matched_levels(runs).items() if levels]
     return [
         _row(
@@ -457,7 +456,8 @@ def section8_row(out: Path, grid: str, runs: list[TrainedRun]) -> list[dict]:
     increases, _ = read_redundancy(out / grid / REDUNDANCY, runs)
     costs = middle_costs(runs, increases)
     per_lr = []
-    for lr, p in middle_comparisons(runs, increases).items():
+    for lr, pair in costs.items():
+        p = paired(*pair)
         few = f" (n = {p.n})" if p.n < MIN_SEEDS else ""
         per_lr.append(f"{fmt(lr)}: {fmt(p.median_ratio) if p.n else '-'}{few}")
     pooled = paired_over_conditions(list(costs.values()))
